@@ -1,0 +1,37 @@
+# Quick start: `make serve` and `make test` each create .venv and install what is missing.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.tandem-installed
+# CPU-only machines take the CPU build of torch; an unpinned `torch` would pull the CUDA build.
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH  ?= $(if $(HAS_GPU),torch,torch==2.13.0)
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-unit test-e2e test-gpu clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tandem serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider --junitxml=$(VENV)/junit.xml tests $(PYTEST_ARGS)
+	$(PY) tests/check_junit.py $(VENV)/junit.xml
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,53 @@
+"""The attention-backend contract.
+
+A backend is built once per worker over the KV pool and the page table, then per forward:
+``meta = backend.build(layout)`` (all index/mask work, once) and per layer
+``backend.forward(layer, q, k, v, fb)``. ``k``/``v`` None means a Q-only read of another
+layer's KV (Gemma 4 KV sharing, the frozen-KV draft).
+
+Mask rule, one for every caller: the query token t of row b sees key j iff
+``j < kv_lens[b]`` and ``j <= q_pos[t]`` and, on a sliding layer, ``j > q_pos[t] - window``.
+The frozen-KV draft passes ``q_pos = kv_len - 1`` so it sees exactly the committed prefix
+(its last ``window`` keys on sliding layers), whatever its RoPE position is.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.kv_pool import KVPool
+
+
+@dataclass
+class RowLayout:
+    slots: torch.Tensor  # [B] int64 on device
+    q_lens: np.ndarray  # [B] host: query tokens per row (tokens are row-contiguous)
+    kv_lens: torch.Tensor  # [B] int64 on device: keys visible to the row
+    kv_bound: np.ndarray  # [B] host: an upper bound of kv_lens (sizes the gather, no sync)
+    q_pos: torch.Tensor  # [T] int64 on device: mask position of each query token
+
+
+class AttentionBackend(ABC):
+    def __init__(self, pool: KVPool, page_table: torch.Tensor):
+        self.pool = pool
+        self.page_table = page_table  # [slots + 1, max_pages] int32, row 0 = padding
+
+    @abstractmethod
+    def build(self, layout: RowLayout, windows: tuple[int, ...]) -> object:
+        """Per-forward metadata; ``windows`` lists the sliding windows the model uses."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttnLayer,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        """q [T, Hq, D] -> [T, Hq, Dv]; writes k/v at fb.out_loc first when given."""

@@ -1,0 +1,240 @@
+"""ServerArgs: the frozen configuration every process receives, and its command-line parser.
+
+Flags follow SGLang's spelling. A bad value raises ``ArgError`` whose message names the flag;
+the CLI prints it as one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+BUNDLED_MODEL_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-shakespeare"
+)
+
+SPEC_ALGORITHMS = ("FROZEN-KV-MTP",)
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class ArgError(ValueError):
+    """A flag value that cannot work; the message starts with the flag's name."""
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    served_model_name: str | None = None
+    page_size: int = 16
+    max_running_requests: int | None = None
+    max_total_tokens: int | None = None
+    chunked_prefill_size: int | None = None
+    context_length: int | None = None
+    mem_fraction_static: float = 0.85
+    load_format: str = "auto"  # auto | dummy
+    attention_backend: str = "torch"
+    log_level: str = "info"
+    num_threads: int | None = None  # worker torch threads on CPU; default all cores but one
+    random_seed: int = 0
+    disable_overlap_schedule: bool = False
+    disable_prefix_cache: bool = False
+    max_queued_requests: int = 4096
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int | None = None
+    metrics_compat: str | None = None  # None | vllm
+    transport: str = "ipc"  # ipc | tcp
+    tcp_base_port: int | None = None
+    run_dir: str | None = None
+    warmup: bool = True
+    shutdown_timeout: float = 5.0
+    extra: dict = field(default_factory=dict)
+
+    # --------------------------------------------------------------- derived values
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer_path or self.model_path
+
+    @property
+    def spec_enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    @property
+    def tokens_per_step(self) -> int:
+        if not self.spec_enabled:
+            return 1
+        return self.speculative_num_draft_tokens or self.speculative_num_steps + 1
+
+    @property
+    def overlap(self) -> bool:
+        return not self.disable_overlap_schedule
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch  # noqa: PLC0415 - only the worker and CLI resolve devices
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            return "cpu"
+
+    def replace(self, **changes) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def _positive(flag: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise ArgError(f"{flag}: must be a positive integer, got {value}")
+
+
+def validate(args: ServerArgs) -> ServerArgs:
+    """Check what can be checked before any process starts. Raises ArgError."""
+    if not os.path.isdir(args.model_path):
+        raise ArgError(f"--model-path: {args.model_path!r} is not a directory")
+    if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+        raise ArgError(f"--model-path: no config.json in {args.model_path!r}")
+    tok = args.tokenizer_dir
+    if not (os.path.isfile(os.path.join(tok, "tokenizer.json"))):
+        raise ArgError(f"--tokenizer-path: no tokenizer.json in {tok!r}")
+    if not 0 < args.port < 65536:
+        raise ArgError(f"--port: must be in 1..65535, got {args.port}")
+    dev = args.device
+    if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
+        raise ArgError(f"--device: expected auto, cpu, cuda or cuda:N, got {dev!r}")
+    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ArgError(f"--dtype: expected auto, float32, bfloat16 or float16, got {args.dtype!r}")
+    for flag, val in (
+        ("--page-size", args.page_size),
+        ("--max-running-requests", args.max_running_requests),
+        ("--max-total-tokens", args.max_total_tokens),
+        ("--chunked-prefill-size", args.chunked_prefill_size),
+        ("--context-length", args.context_length),
+        ("--num-threads", args.num_threads),
+        ("--max-queued-requests", args.max_queued_requests),
+    ):
+        _positive(flag, val)
+    if not 0.0 < args.mem_fraction_static < 1.0:
+        raise ArgError(f"--mem-fraction-static: must be in (0, 1), got {args.mem_fraction_static}")
+    if args.load_format not in ("auto", "dummy"):
+        raise ArgError(f"--load-format: expected auto or dummy, got {args.load_format!r}")
+    if args.attention_backend not in ATTENTION_BACKENDS:
+        raise ArgError(
+            f"--attention-backend: expected one of {', '.join(ATTENTION_BACKENDS)}, "
+            f"got {args.attention_backend!r}"
+        )
+    if args.log_level not in LOG_LEVELS:
+        raise ArgError(f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
+    if args.metrics_compat not in (None, "vllm"):
+        raise ArgError(f"--metrics-compat: expected vllm, got {args.metrics_compat!r}")
+    if args.transport not in ("ipc", "tcp"):
+        raise ArgError(f"--transport: expected ipc or tcp, got {args.transport!r}")
+    _validate_spec(args)
+    return args
+
+
+def _validate_spec(args: ServerArgs) -> None:
+    if args.speculative_algorithm is None:
+        return
+    if args.speculative_algorithm not in SPEC_ALGORITHMS:
+        raise ArgError(
+            f"--speculative-algorithm: expected one of {', '.join(SPEC_ALGORITHMS)}, "
+            f"got {args.speculative_algorithm!r}"
+        )
+    draft = args.speculative_draft_model_path
+    if not draft:
+        raise ArgError("--speculative-draft-model-path: required with --speculative-algorithm")
+    if not os.path.isfile(os.path.join(draft, "config.json")):
+        raise ArgError(f"--speculative-draft-model-path: no config.json in {draft!r}")
+    if not 1 <= args.speculative_num_steps <= 16:
+        raise ArgError(f"--speculative-num-steps: must be in 1..16, got {args.speculative_num_steps}")
+    if args.speculative_eagle_topk != 1:
+        raise ArgError(
+            f"--speculative-eagle-topk: only 1 (a draft chain) is supported, got {args.speculative_eagle_topk}"
+        )
+    n = args.speculative_num_draft_tokens
+    if n is not None and n != args.speculative_num_steps + 1:
+        raise ArgError(
+            f"--speculative-num-draft-tokens: with topk 1 it must equal --speculative-num-steps + 1 "
+            f"({args.speculative_num_steps + 1}), got {n}"
+        )
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ArgError instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ArgError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tandem serve", description="Serve a model over an OpenAI-compatible API.")
+    a = p.add_argument
+    a("--model-path", "--model", default=None, help="HF checkpoint directory (default: the bundled pair)")
+    a("--tokenizer-path", default=None)
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000)
+    a("--device", default="auto")
+    a("--dtype", default="auto")
+    a("--served-model-name", default=None)
+    a("--page-size", type=int, default=16)
+    a("--max-running-requests", type=int, default=None)
+    a("--max-total-tokens", type=int, default=None)
+    a("--chunked-prefill-size", type=int, default=None)
+    a("--context-length", type=int, default=None)
+    a("--mem-fraction-static", type=float, default=0.85)
+    a("--load-format", default="auto")
+    a("--attention-backend", default="torch")
+    a("--log-level", default="info")
+    a("--num-threads", type=int, default=None, help="worker CPU threads (default: all cores but one)")
+    a("--random-seed", type=int, default=0)
+    a("--disable-overlap-schedule", action="store_true")
+    a("--disable-prefix-cache", "--disable-radix-cache", action="store_true")
+    a("--max-queued-requests", type=int, default=4096)
+    a("--speculative-algorithm", default=None)
+    a("--speculative-draft-model-path", default=None)
+    a("--speculative-num-steps", type=int, default=3)
+    a("--speculative-eagle-topk", type=int, default=1)
+    a("--speculative-num-draft-tokens", type=int, default=None)
+    a("--metrics-compat", default=None)
+    a("--transport", default="ipc")
+    a("--tcp-base-port", type=int, default=None)
+    a("--run-dir", default=None)
+    a("--skip-warmup", action="store_true")
+    a("--shutdown-timeout", type=float, default=5.0)
+    return p
+
+
+def parse_server_args(argv: list[str]) -> ServerArgs:
+    """Parse and validate; with no --model-path, serve the bundled tiny pair with MTP on."""
+    ns = build_parser().parse_args(argv)
+    kw = {k: v for k, v in vars(ns).items() if k != "skip_warmup"}
+    kw["warmup"] = not ns.skip_warmup
+    if kw["model_path"] is None:
+        kw.update(bundled_model_defaults(kw))
+    kw["speculative_algorithm"] = (kw["speculative_algorithm"] or None) and kw["speculative_algorithm"].upper()
+    return validate(ServerArgs(**kw))
+
+
+def bundled_model_defaults(kw: dict) -> dict:
+    target = os.path.join(BUNDLED_MODEL_DIR, "target")
+    assistant = os.path.join(BUNDLED_MODEL_DIR, "assistant")
+    out: dict = {"model_path": target, "served_model_name": kw.get("served_model_name") or "tiny-shakespeare"}
+    if kw.get("speculative_algorithm") is None and os.path.isdir(assistant):
+        out["speculative_algorithm"] = "FROZEN-KV-MTP"
+        out["speculative_draft_model_path"] = kw.get("speculative_draft_model_path") or assistant
+    return out

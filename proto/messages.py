@@ -1,0 +1,249 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Four PUSH/PULL channels (DESIGN §2), each with a tagged union and a typed decoder:
+
+    requests : tokenizer_proc -> scheduler_proc   GenerateReq | AbortReq | FlushCache | Shutdown
+    outputs  : scheduler_proc -> tokenizer_proc   StepOutputs | SchedulerStats | EngineInfo | EngineDead
+    plans    : scheduler_proc -> gpu_worker       StepPlan | Shutdown
+    results  : gpu_worker -> scheduler_proc       WorkerReady | StepResult | WorkerError
+
+Token ids, page ids and per-token floats travel as little-endian ``bytes`` (int32 / float32);
+use ``proto.arrays`` to pack and view them. Decode steps carry slot ids, never sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Per-request sampling and stopping rules the engine itself applies.
+
+    Stop *strings* are not here: the tokenizer process matches them on text (DESIGN §3).
+    """
+
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int = -1  # -1: none; k >= 0: chosen-token logprob plus top-k alternatives
+    prompt_logprobs: int = -1  # -1: none; k >= 0: logprobs of prompt tokens (echo)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+# ---------------------------------------------------------------- requests channel
+
+
+class GenerateReq(msgspec.Struct, tag="generate", frozen=True):
+    rid: str
+    prompt_ids: bytes  # int32
+    params: SamplingParams
+    arrival: float  # time.time() at the HTTP front
+
+
+class AbortReq(msgspec.Struct, tag="abort", frozen=True):
+    rid: str
+    reason: str = "client_disconnect"  # client_disconnect | stop_string | shutdown
+
+
+class FlushCache(msgspec.Struct, tag="flush_cache", frozen=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    reason: str = ""
+
+
+RequestMsg = Union[GenerateReq, AbortReq, FlushCache, Shutdown]
+
+
+# ---------------------------------------------------------------- outputs channel
+
+
+class Logprobs(msgspec.Struct, frozen=True):
+    """Logprobs for ``n`` consecutive tokens; ``top`` alternatives each (top may be 0)."""
+
+    token_logprobs: bytes  # float32 [n]
+    top_ids: bytes = b""  # int32 [n, top]
+    top_logprobs: bytes = b""  # float32 [n, top]
+    top: int = 0
+
+
+class ReqTimings(msgspec.Struct, frozen=True):
+    """Scheduler-side intervals in seconds, measured on the scheduler's own clock."""
+
+    queue_s: float = 0.0  # received -> first scheduled
+    prefill_s: float = 0.0  # first scheduled -> first token
+    decode_s: float = 0.0  # first token -> last token
+
+
+class ReqOutput(msgspec.Struct, frozen=True, omit_defaults=True):
+    """New tokens of one request from one step. Tokens past a finish are never included."""
+
+    rid: str
+    token_ids: bytes  # int32, possibly empty
+    finish_reason: str | None = None  # stop | length | abort | error
+    matched_stop: int | None = None  # the EOS / stop token id that finished the request
+    error: str | None = None  # set with finish_reason == "error"
+    error_code: int = 0  # HTTP status the front should use for an error before any token
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    spec_verify_ct: int = 0  # verify steps so far
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None  # for prompt tokens 1..P-1 (token 0 has none)
+    timings: ReqTimings | None = None  # on the finishing output only
+
+
+class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):
+    outputs: list[ReqOutput]
+
+
+class SchedulerStats(msgspec.Struct, tag="stats", frozen=True):
+    """Gauges and cumulative counters; the front turns counter deltas into increments."""
+
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    prefix_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
+    prefix_hits: int = 0  # tokens found (cumulative)
+    num_preemptions: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0  # accepted drafts, bonus excluded (vLLM semantics)
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    steps: int = 0
+    step_time_s: float = 0.0  # scheduler wall time spent planning + processing (cumulative)
+    worker_forward_s: float = 0.0  # worker time in target forward (cumulative)
+    worker_draft_s: float = 0.0  # worker time in the draft loop (cumulative)
+
+
+class EngineInfo(msgspec.Struct, tag="engine_info", frozen=True):
+    """Sent once when the engine is up, for /server_info and request validation."""
+
+    max_context: int
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    max_running_requests: int
+    device: str
+    dtype: str
+    architecture: str
+    speculative_num_steps: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class EngineDead(msgspec.Struct, tag="engine_dead", frozen=True):
+    reason: str
+
+
+OutputMsg = Union[StepOutputs, SchedulerStats, EngineInfo, EngineDead]
+
+
+# ---------------------------------------------------------------- plans channel
+
+
+class AdmitRow(msgspec.Struct, frozen=True, array_like=True):
+    """A new request takes ``slot``; its sampling state lives on the worker from now on."""
+
+    slot: int
+    params: SamplingParams
+    seed: int  # 63-bit; the request's own RNG stream (DESIGN §3)
+
+
+class PageAppend(msgspec.Struct, frozen=True, array_like=True):
+    """Pages appended to ``slot``'s page table starting at column ``first_col``."""
+
+    slot: int
+    first_col: int
+    pages: bytes  # int32
+
+
+class ExtendRow(msgspec.Struct, frozen=True, array_like=True):
+    """A prefill chunk: tokens at positions [start, start + len). ``sample`` on the last chunk."""
+
+    slot: int
+    start: int
+    token_ids: bytes  # int32
+    sample: bool
+
+
+class StepPlan(msgspec.Struct, tag="plan", frozen=True):
+    """One forward step. Row order of the result: sampled extend rows, then decode rows.
+
+    Invariants: a slot appears in at most one of ``extend``/``decode``; ``free`` names slots
+    whose last referencing step has already returned a result (DESIGN §4.3).
+    """
+
+    step_id: int
+    admit: list[AdmitRow] = []
+    pages: list[PageAppend] = []
+    extend: list[ExtendRow] = []
+    decode_slots: bytes = b""  # int32
+    free: list[int] = []
+
+
+PlanMsg = Union[StepPlan, Shutdown]
+
+
+# ---------------------------------------------------------------- results channel
+
+
+class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
+    page_size: int
+    num_pages: int  # usable pages (page 0 is reserved as padding)
+    max_slots: int  # usable slots 1..max_slots (slot 0 is the padding row)
+    vocab_size: int
+    max_context: int
+    dtype: str
+    device: str
+    architecture: str
+    tokens_per_step: int  # 1 plain, S+1 with MTP
+    speculative_num_steps: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    kv_bytes_per_token: int = 0
+
+
+class PromptLogprobRows(msgspec.Struct, frozen=True, array_like=True):
+    slot: int
+    start: int  # position of the first token these logprobs describe
+    logprobs: Logprobs
+
+
+class StepResult(msgspec.Struct, tag="result", frozen=True):
+    """Outputs of one step, rows in plan order (sampled extend rows, then decode rows).
+
+    ``tokens`` is [rows, tokens_per_step]; row r's new tokens are the first accept_lens[r].
+    """
+
+    step_id: int
+    slots: bytes  # int32 [rows]
+    tokens: bytes  # int32 [rows, tokens_per_step]
+    accept_lens: bytes  # int32 [rows]
+    logprobs: Logprobs | None = None  # per token of ``tokens`` (n = rows * tokens_per_step)
+    prompt_logprobs: list[PromptLogprobRows] = []
+    forward_s: float = 0.0
+    draft_s: float = 0.0
+
+
+class WorkerError(msgspec.Struct, tag="worker_error", frozen=True):
+    message: str
+    fatal: bool = True
+
+
+ResultMsg = Union[WorkerReady, StepResult, WorkerError]

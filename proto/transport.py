@@ -1,0 +1,138 @@
+"""ZeroMQ PUSH/PULL channels carrying one msgspec frame per message.
+
+Addresses are ``ipc://`` paths inside a private 0700 run directory by default, or ``tcp://``.
+Decoding is typed: a malformed or unknown frame raises ``msgspec.DecodeError`` /
+``msgspec.ValidationError`` in the receiver, which logs and drops it, never crashes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from proto.messages import OutputMsg, PlanMsg, RequestMsg, ResultMsg
+
+T = TypeVar("T")
+
+CHANNEL_TYPES: dict[str, Any] = {
+    "requests": RequestMsg,
+    "outputs": OutputMsg,
+    "plans": PlanMsg,
+    "results": ResultMsg,
+}
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where each channel's PULL side binds."""
+
+    requests: str
+    outputs: str
+    plans: str
+    results: str
+
+    def address(self, channel: str) -> str:
+        return getattr(self, channel)
+
+
+def make_run_dir(parent: str | None = None) -> str:
+    """A private directory for ipc sockets: mode 0700, so other users cannot connect."""
+    path = tempfile.mkdtemp(prefix="tandem-", dir=parent)
+    os.chmod(path, 0o700)
+    return path
+
+
+def ipc_endpoints(run_dir: str) -> Endpoints:
+    return Endpoints(**{name: f"ipc://{run_dir}/{name}.sock" for name in CHANNEL_TYPES})
+
+
+def tcp_endpoints(host: str, base_port: int) -> Endpoints:
+    names = list(CHANNEL_TYPES)
+    return Endpoints(**{n: f"tcp://{host}:{base_port + i}" for i, n in enumerate(names)})
+
+
+class _Codec(Generic[T]):
+    def __init__(self, channel: str):
+        self.channel = channel
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(CHANNEL_TYPES[channel])
+
+
+def _socket_opts(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+class PushChannel(_Codec[T]):
+    """Sending side. Connects (the PULL side binds), so peers may start in any order."""
+
+    def __init__(self, ctx: zmq.Context, channel: str, address: str):
+        super().__init__(channel)
+        self.sock = ctx.socket(zmq.PUSH)
+        _socket_opts(self.sock)
+        self.sock.connect(address)
+
+    def send(self, msg: T) -> None:
+        self.sock.send(self.encoder.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class PullChannel(_Codec[T]):
+    """Receiving side; binds its address."""
+
+    def __init__(self, ctx: zmq.Context, channel: str, address: str):
+        super().__init__(channel)
+        self.sock = ctx.socket(zmq.PULL)
+        _socket_opts(self.sock)
+        self.sock.bind(address)
+
+    def recv(self, timeout_ms: int | None = None) -> T | None:
+        """Next message, or None on timeout (None = wait forever, 0 = poll)."""
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
+        return self.decoder.decode(self.sock.recv(copy=False).buffer)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class AsyncPushChannel(_Codec[T]):
+    def __init__(self, ctx: zmq.asyncio.Context, channel: str, address: str):
+        super().__init__(channel)
+        self.sock = ctx.socket(zmq.PUSH)
+        _socket_opts(self.sock)
+        self.sock.connect(address)
+
+    async def send(self, msg: T) -> None:
+        await self.sock.send(self.encoder.encode(msg), copy=False)
+
+    def send_nowait(self, msg: T) -> None:
+        """PUSH with an unbounded HWM never blocks, so a synchronous send is safe in a handler."""
+        self.sock.send(self.encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class AsyncPullChannel(_Codec[T]):
+    def __init__(self, ctx: zmq.asyncio.Context, channel: str, address: str):
+        super().__init__(channel)
+        self.sock = ctx.socket(zmq.PULL)
+        _socket_opts(self.sock)
+        self.sock.bind(address)
+
+    async def recv(self) -> T:
+        frame = await self.sock.recv(copy=False)
+        return self.decoder.decode(frame.buffer)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
