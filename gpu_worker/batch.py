@@ -1,0 +1,117 @@
+"""Turn a StepPlan into device tensors for one target forward (no host sync).
+
+Token layout, row-contiguous: every extend row's chunk, then every decode row's T tokens
+(T = 1 plain; with MTP the bonus followed by S drafts). Decode rows take their tokens and
+positions from per-slot device state, so the scheduler never sends them (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_worker.attention.base import RowLayout
+from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.slots import SlotState, h2d
+from proto.arrays import view_i32
+from proto.messages import StepPlan
+
+
+@dataclass
+class PlanRows:
+    """Host-side description of a plan's rows."""
+
+    ext_slots: np.ndarray  # [E]
+    ext_start: np.ndarray  # [E]
+    ext_len: np.ndarray  # [E]
+    ext_sample: np.ndarray  # [E] bool
+    ext_tokens: np.ndarray  # concatenated chunks
+    dec_slots: np.ndarray  # [D]
+
+    @staticmethod
+    def from_plan(plan: StepPlan) -> "PlanRows":
+        ext = plan.extend
+        toks = [view_i32(r.token_ids) for r in ext]
+        return PlanRows(
+            ext_slots=np.array([r.slot for r in ext], dtype=np.int64),
+            ext_start=np.array([r.start for r in ext], dtype=np.int64),
+            ext_len=np.array([len(t) for t in toks], dtype=np.int64),
+            ext_sample=np.array([r.sample for r in ext], dtype=bool),
+            ext_tokens=np.concatenate(toks).astype(np.int64) if toks else np.zeros(0, np.int64),
+            dec_slots=view_i32(plan.decode_slots).astype(np.int64),
+        )
+
+    @property
+    def num_ext_tokens(self) -> int:
+        return int(self.ext_len.sum())
+
+    def sampled_ext_rows(self) -> np.ndarray:
+        return np.nonzero(self.ext_sample)[0]
+
+    def result_slots(self) -> np.ndarray:
+        """Row order of the StepResult: sampled extend rows, then decode rows."""
+        return np.concatenate([self.ext_slots[self.ext_sample], self.dec_slots])
+
+
+def build_target_batch(
+    rows: PlanRows,
+    state: SlotState,
+    backend,
+    windows: tuple[int, ...],
+    t: int,
+    dec_tokens: torch.Tensor | None,
+) -> ForwardBatch:
+    """``dec_tokens`` [D, t]: bonus (+ drafts) per decode row, already on the device."""
+    dev, ps = state.device, backend.pool.page_size
+    d = len(rows.dec_slots)
+    offsets = np.cumsum(rows.ext_len) - rows.ext_len
+    ext_pos = np.arange(rows.num_ext_tokens) + np.repeat(rows.ext_start - offsets, rows.ext_len)
+    host = np.concatenate([rows.ext_tokens, ext_pos, rows.ext_start + rows.ext_len, rows.ext_slots, rows.dec_slots])
+    dev_host = h2d(host, dev)  # one transfer for everything the host knows
+    n_tok = rows.num_ext_tokens
+    e = len(rows.ext_slots)
+    ext_ids, ext_pos_t = dev_host[:n_tok], dev_host[n_tok : 2 * n_tok]
+    ext_kv = dev_host[2 * n_tok : 2 * n_tok + e]
+    slots_t = dev_host[2 * n_tok + e :]  # ext slots then dec slots
+    dec_slots_t = slots_t[e:]
+    dec_start = state.seq_len[dec_slots_t]
+    dec_pos = (dec_start[:, None] + torch.arange(t, device=dev)[None, :]).reshape(-1)
+    input_ids = torch.cat([ext_ids, dec_tokens.reshape(-1)]) if d else ext_ids
+    positions = torch.cat([ext_pos_t, dec_pos])
+    q_lens = np.concatenate([rows.ext_len, np.full(d, t, dtype=np.int64)])
+    tok_slot = torch.repeat_interleave(slots_t, h2d(q_lens, dev), output_size=int(q_lens.sum()))
+    out_loc = state.page_table[tok_slot, positions // ps].long() * ps + positions % ps
+    kv_bound = np.concatenate([rows.ext_start + rows.ext_len, state.num_pages[rows.dec_slots] * ps])
+    layout = RowLayout(
+        slots=slots_t,
+        q_lens=q_lens,
+        kv_lens=torch.cat([ext_kv, dec_start + t]),
+        kv_bound=kv_bound,
+        q_pos=positions,
+    )
+    return ForwardBatch(input_ids, positions, out_loc, backend.build(layout, windows), int(q_lens.sum()))
+
+
+def build_draft_batch(dec_slots_t: torch.Tensor, dec_slots: np.ndarray, state: SlotState, backend,
+                      windows: tuple[int, ...], rope_offset: int) -> ForwardBatch:
+    """Q-only forward over exactly the committed keys [0, seq_len) of each decode row."""
+    ps = backend.pool.page_size
+    kv_lens = state.seq_len[dec_slots_t]
+    layout = RowLayout(
+        slots=dec_slots_t,
+        q_lens=np.ones(len(dec_slots), dtype=np.int64),
+        kv_lens=kv_lens,
+        kv_bound=state.num_pages[dec_slots] * ps,
+        q_pos=kv_lens - 1,
+    )
+    positions = kv_lens + rope_offset
+    return ForwardBatch(None, positions, None, backend.build(layout, windows), len(dec_slots))
+
+
+def logits_rows(rows: PlanRows, t: int) -> np.ndarray:
+    """Token indices whose logits are needed: last token of sampled chunks, all decode tokens."""
+    ends = np.cumsum(rows.ext_len) - 1
+    dec0 = rows.num_ext_tokens
+    return np.concatenate([ends[rows.ext_sample], dec0 + np.arange(len(rows.dec_slots) * t)]).astype(np.int64)

@@ -1,0 +1,134 @@
+"""The GPU-worker process: load models, size the KV pool, report capacity, run steps.
+
+Step loop (overlap depth 2): launch plan N+1 as soon as it arrives, before waiting on step N's
+copy event; then send result N. On CPU launches are synchronous, yet the scheduler still plans
+N+1 while this process computes N.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import deque
+
+import msgspec
+import torch
+import zmq
+
+from gpu_worker.attention import create_backend
+from gpu_worker.kv_pool import KVPool
+from gpu_worker.models.config import read_eos_token_ids
+from gpu_worker.models.loader import load_model
+from gpu_worker.runner import ModelRunner
+from gpu_worker.slots import SlotState
+from gpu_worker.sizing import plan_capacity
+from proto.args import ServerArgs
+from proto.messages import Shutdown, StepPlan, WorkerError, WorkerReady
+from proto.transport import Endpoints, PullChannel, PushChannel
+
+log = logging.getLogger("tandem.worker")
+
+
+def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, args.dtype)
+
+
+def max_positions(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg.get("max_position_embeddings") or 4096)
+
+
+class Worker:
+    def __init__(self, args: ServerArgs, ep: Endpoints):
+        self.args = args
+        self.ctx = zmq.Context()
+        self.plans = PullChannel(self.ctx, "plans", ep.plans)
+        self.results = PushChannel(self.ctx, "results", ep.results)
+
+    def setup(self) -> WorkerReady:
+        args = self.args
+        device = torch.device(args.resolved_device())
+        if device.type == "cpu":
+            torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
+        else:
+            torch.cuda.set_device(device)
+        dtype = resolve_dtype(args, device)
+        torch.manual_seed(args.random_seed)
+        target = load_model(args.model_path, dtype, device, args.load_format)
+        assistant = None
+        if args.spec_enabled:
+            assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target)
+        t = args.tokens_per_step
+        cap = plan_capacity(args, target, device, dtype, t, max_positions(args.model_path))
+        pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
+        state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
+        backend = create_backend(args.attention_backend, pool=pool, page_table=state.page_table)
+        self.runner = ModelRunner(target, assistant, backend, state, t, device)
+        return WorkerReady(
+            page_size=args.page_size,
+            num_pages=cap.num_pages,
+            max_slots=cap.max_slots,
+            vocab_size=target.vocab_size,
+            max_context=cap.max_context,
+            dtype=str(dtype).removeprefix("torch."),
+            device=str(device),
+            architecture=type(target).__name__,
+            tokens_per_step=t,
+            speculative_num_steps=t - 1 if args.spec_enabled else 0,
+            eos_token_ids=read_eos_token_ids(args.model_path),
+            kv_bytes_per_token=KVPool.bytes_per_token(target.kv_shapes, dtype),
+        )
+
+    def run(self) -> None:
+        inflight: deque = deque()
+        while True:
+            plan = self._recv(block=not inflight)
+            if isinstance(plan, Shutdown):
+                break
+            if plan is not None:
+                inflight.append(self.runner.launch(plan))
+                if len(inflight) < 2:
+                    continue
+            if inflight:
+                self.results.send(inflight.popleft().result())
+        while inflight:
+            self.results.send(inflight.popleft().result())
+
+    def _recv(self, block: bool) -> StepPlan | Shutdown | None:
+        while True:
+            try:
+                return self.plans.recv(timeout_ms=None if block else 0)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.error("dropping malformed plan frame: %s", exc)
+
+    def close(self) -> None:
+        self.plans.close()
+        self.results.close()
+        self.ctx.term()
+
+
+def run(args: ServerArgs, endpoints: Endpoints, status_conn=None) -> None:
+    """Process entry point (spawned by the supervisor)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    worker = Worker(args, endpoints)
+    try:
+        try:
+            ready = worker.setup()
+        except Exception as exc:  # report a start-up failure as one line, then exit non-zero
+            log.exception("worker start-up failed")
+            worker.results.send(WorkerError(f"{type(exc).__name__}: {exc}"))
+            if status_conn is not None:
+                status_conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            raise SystemExit(1) from None
+        worker.results.send(ready)
+        log.info("worker ready: %s on %s, %d KV pages of %d tokens, %d slots, context %d",
+                 ready.architecture, ready.device, ready.num_pages, ready.page_size, ready.max_slots,
+                 ready.max_context)
+        worker.run()
+    finally:
+        worker.close()

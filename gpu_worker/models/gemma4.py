@@ -1,0 +1,212 @@
+"""Gemma 4 text model (dense), as HF ``Gemma4ForCausalLM``.
+
+What sets it apart from Llama, each mirrored from HF:
+- two layer types with their own head_dim / kv heads / RoPE (full layers: "proportional" partial
+  rotary) and a sliding window on the sliding ones; attention scaling 1.0;
+- q_norm / k_norm / v_norm (v_norm has no weight); ``attention_k_eq_v`` full layers have no
+  v_proj: the value is the raw k_proj output, normed by v_norm and never rotated;
+- four norms per layer, a stored ``layer_scalar`` multiplying the layer output, embeddings scaled
+  by sqrt(hidden) rounded to the weight dtype, final logit softcapping, tied lm_head;
+- KV sharing: the last ``num_kv_shared_layers`` layers read the KV of the last earlier
+  non-shared layer of their type and own no pool tensor;
+- Per-Layer Embeddings (PLE) when ``hidden_size_per_layer_input`` > 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.kv_pool import KVLayerShape
+from gpu_worker.models.base import CausalLM
+from gpu_worker.models.config import Gemma4Spec, LayerSpec
+from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, Rotary, activation, apply_rope, paged_attention, softcap
+
+_SCALE_CACHE: dict[tuple[float, torch.dtype], float] = {}
+
+
+def dtype_rounded(value: float, dtype: torch.dtype) -> float:
+    """HF keeps scale constants as float32 tensors cast to the weight dtype at use (so sqrt(3072)
+    becomes 55.5 in bf16). Multiplying by this exactly representable Python float rounds alike."""
+    key = (value, dtype)
+    if key not in _SCALE_CACHE:
+        _SCALE_CACHE[key] = float(torch.tensor(value, dtype=torch.float32).to(dtype))
+    return _SCALE_CACHE[key]
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(self, spec: Gemma4Spec, layer: LayerSpec):
+        super().__init__()
+        h, d, eps = spec.hidden_size, layer.head_dim, spec.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, layer.num_kv_heads, d
+        self.owns_kv = layer.owns_kv
+        self.attn: AttnLayer | None = None  # set by the model: it knows the physical KV layout
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.attention_bias)
+        self.q_norm = GemmaRMSNorm(d, eps)
+        if self.owns_kv:  # shared layers have no k/v weights at all (HF drops them on load)
+            self.k_proj = nn.Linear(h, layer.num_kv_heads * d, bias=spec.attention_bias)
+            self.v_proj = None if layer.k_eq_v else nn.Linear(h, layer.num_kv_heads * d, bias=spec.attention_bias)
+            self.k_norm = GemmaRMSNorm(d, eps)
+            self.v_norm = GemmaRMSNorm(d, eps, with_scale=False)
+        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch, backend):
+        t = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
+        if not self.owns_kv:
+            return self.o_proj(paged_attention(backend, self.attn, q, None, None, fb))
+        k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+        k = apply_rope(self.k_norm(k_raw), cos, sin)
+        v = self.v_norm(v)  # k_eq_v: value = un-normed, un-rotated k_proj output, then v_norm
+        return self.o_proj(paged_attention(backend, self.attn, q, k, v, fb))
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, spec: Gemma4Spec, layer: LayerSpec):
+        super().__init__()
+        h, eps = spec.hidden_size, spec.rms_norm_eps
+        self.layer_type = layer.layer_type
+        self.self_attn = Gemma4Attention(spec, layer)
+        self.mlp = GatedMLP(h, layer.intermediate_size, spec.hidden_act)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))  # persistent: stored in checkpoints
+        self.ple_dim = spec.hidden_size_per_layer_input
+        if self.ple_dim:
+            self.act = activation(spec.hidden_act)
+            self.per_layer_input_gate = nn.Linear(h, self.ple_dim, bias=False)
+            self.per_layer_projection = nn.Linear(self.ple_dim, h, bias=False)
+            self.post_per_layer_input_norm = GemmaRMSNorm(h, eps)
+
+    def forward(self, x, per_layer_input, cos, sin, fb: ForwardBatch, backend) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), cos, sin, fb, backend)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        x = x + self.post_feedforward_layernorm(h)
+        if self.ple_dim:
+            h = self.act(self.per_layer_input_gate(x)) * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
+        return x * self.layer_scalar
+
+
+class Gemma4Backbone(nn.Module):
+    """HF's ``Gemma4TextModel`` (``model.*``): embeddings, PLE, layers, final norm."""
+
+    def __init__(self, spec: Gemma4Spec):
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(spec, layer) for layer in spec.layers)
+        self.norm = GemmaRMSNorm(h, spec.rms_norm_eps)
+        # One RoPE per layer type: each type has its own head_dim and frequencies.
+        first = {}
+        for layer in spec.layers:
+            first.setdefault(layer.layer_type, layer)
+        self.rotary = nn.ModuleDict({t: Rotary(layer.head_dim, layer.rope) for t, layer in first.items()})
+        self.ple_dim = spec.hidden_size_per_layer_input
+        if self.ple_dim:
+            n = len(spec.layers)
+            self.embed_tokens_per_layer = nn.Embedding(spec.vocab_size_per_layer_input, n * self.ple_dim)
+            self.per_layer_model_projection = nn.Linear(h, n * self.ple_dim, bias=False)
+            self.per_layer_projection_norm = GemmaRMSNorm(self.ple_dim, spec.rms_norm_eps)
+
+    def optional_weights(self) -> dict[str, float]:
+        # HF initialises layer_scalar to 1 when a checkpoint lacks it; real ones store it.
+        return {f"model.layers.{i}.layer_scalar": 1.0 for i in range(len(self.layers))}
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight
+        return F.embedding(ids, w) * dtype_rounded(self.spec.hidden_size**0.5, w.dtype)
+
+    def per_layer_inputs(self, ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """PLE: (norm(proj(embeds) / sqrt(H)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2) -> [T, L, P]."""
+        t, n, p = ids.shape[0], len(self.layers), self.ple_dim
+        w = self.embed_tokens_per_layer.weight
+        tok = (F.embedding(ids, w) * dtype_rounded(p**0.5, w.dtype)).view(t, n, p)
+        proj = self.per_layer_model_projection(embeds) * (self.spec.hidden_size**-0.5)
+        proj = self.per_layer_projection_norm(proj.view(t, n, p))
+        return (proj + tok) * (2.0**-0.5)
+
+    def run(self, x: torch.Tensor, ple: torch.Tensor | None, fb: ForwardBatch, backend) -> torch.Tensor:
+        """Decoder layers + final norm over input embeddings x [T, H]."""
+        ropes = {t: rot(fb.positions, x.dtype) for t, rot in self.rotary.items()}
+        for i, layer in enumerate(self.layers):
+            cos, sin = ropes[layer.layer_type]
+            x = layer(x, ple[:, i] if ple is not None else None, cos, sin, fb, backend)
+        return self.norm(x)
+
+
+class Gemma4ForCausalLM(CausalLM):
+    def __init__(self, spec: Gemma4Spec):
+        super().__init__()
+        if any(layer.kv_source == -1 for layer in spec.layers):
+            raise ValueError("a Gemma 4 target cannot read another model's KV (that is the assistant)")
+        self.spec = spec
+        self.hidden_size = spec.hidden_size
+        self.vocab_size = spec.vocab_size
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        self.model = Gemma4Backbone(spec)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.kv_shapes: list[KVLayerShape] = []
+        self._physical: dict[int, int] = {}  # decoder layer owning KV -> pool layer
+        for i, layer in enumerate(spec.layers):
+            if layer.owns_kv:
+                self._physical[i] = len(self.kv_shapes)
+                self.kv_shapes.append(KVLayerShape(layer.num_kv_heads, layer.head_dim))
+        for i, (layer, mod) in enumerate(zip(spec.layers, self.model.layers)):
+            mod.self_attn.attn = AttnLayer(
+                kv_layer=self.physical_kv_layer(i),
+                sliding_window=layer.sliding_window,
+                scaling=1.0,  # q/k are RMS-normed; HF uses no 1/sqrt(d)
+                writes_kv=layer.owns_kv,
+            )
+        self.sliding_windows = tuple(sorted({w for layer in spec.layers if (w := layer.sliding_window)}))
+
+    def physical_kv_layer(self, layer_idx: int) -> int:
+        """Pool layer holding the KV that decoder layer ``layer_idx`` attends over."""
+        src = self.spec.layers[layer_idx].kv_source
+        return self._physical[layer_idx if src is None else src]
+
+    def kv_owner_for_type(self, layer_type: str) -> int:
+        """Pool layer of the last layer of ``layer_type`` (what HF hands the assistant)."""
+        idx = [i for i, layer in enumerate(self.spec.layers) if layer.layer_type == layer_type]
+        if not idx:
+            raise ValueError(f"target has no {layer_type} layer")
+        return self.physical_kv_layer(idx[-1])
+
+    def layer_kv_shape(self, layer_type: str) -> KVLayerShape:
+        return self.kv_shapes[self.kv_owner_for_type(layer_type)]
+
+    def ignored_checkpoint_key(self, name: str) -> bool:
+        if super().ignored_checkpoint_key(name):
+            return True
+        # HF checkpoints may still carry k/v weights for KV-shared layers; HF ignores them too.
+        parts = name.split(".")
+        if len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[3] == "self_attn":
+            layer = self.spec.layers[int(parts[2])]
+            return not layer.owns_kv and parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm")
+        return False
+
+    def optional_weights(self) -> dict[str, float]:
+        return self.model.optional_weights()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(ids)
+
+    def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
+        x = self.model.embed(fb.input_ids)
+        ple = self.model.per_layer_inputs(fb.input_ids, x) if self.model.ple_dim else None
+        return self.model.run(x, ple, fb, backend)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Softcap in float32 (HF does it in the model dtype; identical in float32, finer in bf16).
+        return softcap(F.linear(hidden, self.lm_head_weight()).float(), self.spec.final_logit_softcapping)

@@ -1,0 +1,106 @@
+"""Llama 2/3, Mistral, Qwen2 and Qwen3: one pre-norm decoder, parameterised by ``LlamaSpec``.
+
+Differences between the families are flags on the spec: q/k/v(/o) biases (Qwen2, Llama with
+attention_bias), per-head q/k RMSNorm before RoPE (Qwen3), sliding windows (Mistral, Qwen with
+use_sliding_window), llama3 RoPE scaling, tied embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.kv_pool import KVLayerShape
+from gpu_worker.models.base import CausalLM
+from gpu_worker.models.config import LayerSpec, LlamaSpec
+from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, apply_rope, paged_attention
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer: LayerSpec, attn: AttnLayer):
+        super().__init__()
+        h, d = spec.hidden_size, layer.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, layer.num_kv_heads, d
+        self.attn = attn
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, layer.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, layer.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch, backend):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head norm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(paged_attention(backend, self.attn, q, k, v, fb))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer: LayerSpec, attn: AttnLayer):
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, layer, attn)
+        self.mlp = GatedMLP(spec.hidden_size, layer.intermediate_size, spec.hidden_act, bias=spec.mlp_bias)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    """HF's ``model.*`` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                spec,
+                layer,
+                AttnLayer(kv_layer=i, sliding_window=layer.sliding_window, scaling=layer.head_dim**-0.5),
+            )
+            for i, layer in enumerate(spec.layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # Every layer shares one head_dim and RoPE, so cos/sin are computed once per forward.
+        self.rotary = Rotary(spec.layers[0].head_dim, spec.layers[0].rope)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.spec = spec
+        self.hidden_size = spec.hidden_size
+        self.vocab_size = spec.vocab_size
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        self.kv_shapes = [KVLayerShape(layer.num_kv_heads, layer.head_dim) for layer in spec.layers]
+        self.sliding_windows = tuple(sorted({w for layer in spec.layers if (w := layer.sliding_window)}))
+        self.model = LlamaBackbone(spec)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
+        x = self.embed(fb.input_ids)
+        cos, sin = self.model.rotary(fb.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, fb, backend)
+        return self.model.norm(x)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight()).float()

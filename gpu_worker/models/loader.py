@@ -1,0 +1,107 @@
+"""Build a model from a HF checkpoint directory.
+
+The module tree mirrors HF's names, so a checkpoint key ``model.layers.3.mlp.up_proj.weight`` is
+our parameter of the same name. The model is built on the meta device (no allocation, no
+random init), materialised empty on ``device`` in ``dtype``, then each tensor is read from the
+safetensors files in its checkpoint dtype and cast into place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from gpu_worker.models import DRAFT_ARCHITECTURES, model_class
+from gpu_worker.models.config import architecture_of, load_config, parse_config
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files: from the shard index when there is one, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def _materialize(cls, spec, dtype: torch.dtype, device: torch.device | str):
+    with torch.device("meta"):
+        model = cls(spec)
+    # Cast on meta (free), then allocate once on the device: no float32 copy of a bf16 model.
+    model.to(dtype)
+    model.to_empty(device=device)
+    return model
+
+
+def load_weights(model, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into the matching parameter/buffer; fail on missing ones."""
+    targets = model.state_dict(keep_vars=True)  # params + persistent buffers, by HF name
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in targets:
+                    if not model.ignored_checkpoint_key(name):
+                        unexpected.append(name)
+                    continue
+                dst = targets[name]
+                src = f.get_tensor(name)
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+                with torch.no_grad():
+                    dst.copy_(src.to(dtype=dst.dtype) if dst.is_floating_point() else src)
+                seen.add(name)
+    missing = [n for n in targets if n not in seen]
+    optional = model.optional_weights()
+    for name in [n for n in missing if n in optional]:
+        log.warning("%s not in checkpoint; using %s", name, optional[name])
+        with torch.no_grad():
+            targets[name].fill_(optional[name])
+    missing = [n for n in missing if n not in optional]
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensors, e.g. {missing[:8]}")
+    if unexpected:
+        log.warning("ignoring %d unexpected checkpoint tensors, e.g. %s", len(unexpected), unexpected[:8])
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
+    target=None,
+):
+    """Load a target model, or a draft (``Gemma4AssistantForCausalLM``) bound to ``target``.
+
+    ``load_format="dummy"`` gives random weights of the checkpoint's shapes (config.json only).
+    """
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    arch = architecture_of(cfg)
+    cls = model_class(arch)
+    spec = parse_config(cfg)
+    if arch in DRAFT_ARCHITECTURES and target is None:
+        raise ValueError(f"{arch} is a draft model: pass the loaded target as target=")
+    model = _materialize(cls, spec, dtype, device)
+    if load_format == "dummy":
+        model.init_dummy_()
+    elif load_format == "auto":
+        load_weights(model, model_dir)
+    else:
+        raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
+    if arch in DRAFT_ARCHITECTURES:
+        model.bind(target)
+    model.eval()
+    model.requires_grad_(False)
+    return model

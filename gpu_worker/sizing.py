@@ -1,0 +1,65 @@
+"""How big the KV pool, the slot table and the context can be on this device.
+
+GPU: like SGLang's --mem-fraction-static, weights + KV pool take that fraction of the card's
+memory; what the loaded weights left of it, minus an activation reserve, becomes KV pages.
+CPU: a bounded share of RAM, at most what the context needs several times over, so tests on a
+small machine do not allocate gigabytes of zeros.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.kv_pool import KVPool
+
+log = logging.getLogger("tandem.worker")
+
+CPU_DEFAULT_TOKENS = 65536
+CPU_RAM_SHARE = 0.2
+
+
+@dataclass(frozen=True)
+class Capacity:
+    num_pages: int  # including page 0 (padding)
+    max_slots: int
+    max_pages_per_slot: int
+    max_context: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _budget_tokens(args, device: torch.device, bpt: int, want: int, vocab: int) -> int:
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        chunk = args.chunked_prefill_size or 8192
+        reserve = (1 << 30) + chunk * vocab * 4 * 3  # activations + fp32 logits copies
+        budget = total * args.mem_fraction_static - (total - free) - reserve
+        return max(int(budget // bpt), 0)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return min(int(ram * CPU_RAM_SHARE // bpt), max(CPU_DEFAULT_TOKENS, want))
+
+
+def plan_capacity(args, target, device: torch.device, dtype, t: int, model_max_pos: int) -> Capacity:
+    ps = args.page_size
+    max_context = args.context_length or model_max_pos
+    bpt = KVPool.bytes_per_token(target.kv_shapes, dtype)
+    slack = 2 * t + ps  # the in-flight worst case on top of a full context
+    tokens = _budget_tokens(args, device, bpt, max_context + slack, target.vocab_size)
+    num_pages = tokens // ps + 1
+    if (num_pages - 1) * ps < max_context + slack:
+        capped = (num_pages - 1) * ps - slack
+        if capped < 2 * ps:
+            raise RuntimeError(f"--max-total-tokens / memory: room for only {tokens} KV tokens, too few to serve")
+        log.warning("context length capped from %d to %d by the KV pool size", max_context, capped)
+        max_context = capped
+    default_slots = 256 if device.type == "cuda" else 64
+    max_slots = min(args.max_running_requests or default_slots, num_pages - 1)
+    return Capacity(num_pages, max_slots, _cdiv(max_context + slack, ps) + 1, max_context)

@@ -1,0 +1,187 @@
+"""Build the next StepPlan from the scheduler's (possibly one-step-lagged) view.
+
+Order within a step: decode rows of running requests first (they hold memory; starving them
+wastes it), then continuing prefill chunks, then new admissions, all under one token budget
+(``chunk_budget``; a decode row costs T tokens). Prefill and decode share one forward.
+
+Page reservation (DESIGN §4.1): a decode row is planned only if the request's pages cover
+``worst_len + T``, where ``worst_len`` already assumes every in-flight step accepts all T
+tokens. With one step in flight that is ``committed + 2T``, the bound DESIGN gives. When pages
+run out, the newest running request is preempted (recompute); its pages come back only after
+its in-flight steps return, so the planner skips rows it cannot back this step rather than
+over-commit.
+"""
+
+from __future__ import annotations
+
+import time
+
+from proto.arrays import pack_i32
+from proto.messages import AdmitRow, ExtendRow, PageAppend, StepPlan
+from scheduler_proc.core import SchedulerCore, StepRecord
+from scheduler_proc.pages import page_hashes
+from scheduler_proc.request import Phase, Req
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Planner:
+    def __init__(self, core: SchedulerCore):
+        self.core = core
+        self.cfg = core.cfg
+        self.next_step = 1
+
+    def plan(self) -> StepPlan | None:
+        """The next step, or None when nothing can make progress right now."""
+        self._pages: list[PageAppend] = []
+        self._admit: list[AdmitRow] = []
+        self._extend: list[ExtendRow] = []
+        self._decode: list[Req] = []
+        self._rec = StepRecord(self.next_step, [])
+        budget = self._plan_decode(self.cfg.chunk_budget)
+        budget = self._plan_prefill_chunks(budget)
+        self._plan_admissions(budget)
+        if not (self._extend or self._decode):
+            return None
+        free, self.core.slots_to_free = self.core.slots_to_free, []
+        self.core.free_slots.extend(free)  # reusable from the next plan on (this one frees them first)
+        plan = StepPlan(
+            step_id=self.next_step,
+            admit=self._admit,
+            pages=self._pages,
+            extend=self._extend,
+            decode_slots=pack_i32([r.slot for r in self._decode]),
+            free=free,
+        )
+        self.next_step += 1
+        self.core.inflight.append(self._rec)
+        return plan
+
+    # ------------------------------------------------------------ decode
+    def _plan_decode(self, budget: int) -> int:
+        t = self.cfg.tokens_per_step
+        for req in list(self.core.running):
+            if req.phase is not Phase.DECODE or req.surely_done():
+                continue
+            if not self._grow(req, req.worst_len + t):
+                continue
+            req.worst_len += t
+            req.decode_inflight += 1
+            self._decode.append(req)
+            self._touch(req)
+            self._rec.decode.add(id(req))
+            budget -= t
+        return budget
+
+    # ------------------------------------------------------------ prefill
+    def _plan_prefill_chunks(self, budget: int) -> int:
+        for req in self.core.running:
+            if budget <= 0:
+                break
+            if req.phase is Phase.PREFILL and not req.prefill_done:
+                budget -= self._chunk(req, budget)
+        return budget
+
+    def _chunk(self, req: Req, budget: int) -> int:
+        """Plan the next prefill chunk of ``req``; returns the tokens used (0 if no pages)."""
+        start = req.prefilled
+        # Prompt logprobs need every prompt token's logits in one forward: never split.
+        n = len(req.fill) - start if req.params.prompt_logprobs >= 0 else min(budget, len(req.fill) - start)
+        if n <= 0 or not self._grow(req, start + n, preempt=False):
+            return 0
+        end = start + n
+        sample = end == len(req.fill)
+        self._extend.append(ExtendRow(req.slot, start, req.fill[start:end].tobytes(), sample))
+        req.prefilled = req.worst_len = end
+        if sample:
+            req.phase = Phase.DECODE
+        self._touch(req)
+        self._rec.prefill_upto[id(req)] = end
+        return n
+
+    def _plan_admissions(self, budget: int) -> None:
+        core = self.core
+        while budget > 0 and core.waiting and core.free_slots and self._num_active() < self.cfg.max_running:
+            req = core.waiting[0]
+            if req.finished:
+                core.waiting.popleft()
+                continue
+            used = self._admit_one(req, budget)
+            if used == 0:
+                return
+            core.waiting.popleft()
+            budget -= used
+
+    def _admit_one(self, req: Req, budget: int) -> int:
+        """Admit ``req`` with its first chunk; returns the tokens used (0: not admitted)."""
+        core, ps = self.core, self.cfg.page_size
+        fill = req.fill
+        hashes = page_hashes(fill, ps, len(fill) // ps)
+        # Leave at least one token to compute: its logits give the first sample. Prompt
+        # logprobs need the whole prompt computed, so they take no cache hit.
+        usable = 0 if req.params.prompt_logprobs >= 0 else (len(fill) - 1) // ps
+        matched = core.alloc.match_prefix(hashes[:usable])
+        first = len(fill) if req.params.prompt_logprobs >= 0 else min(budget, len(fill) - len(matched) * ps)
+        need = _cdiv(len(matched) * ps + first, ps) - len(matched)
+        if need + self._decode_reserve() > core.alloc.available:
+            core.alloc.release(matched)
+            return 0
+        req.slot = core.free_slots.pop()
+        req.pages, req.page_hashes, req.registered_pages = matched, hashes, len(matched)
+        req.cached_tokens = req.prefilled = req.prefill_returned = len(matched) * ps
+        req.phase = Phase.PREFILL
+        req.first_scheduled = req.first_scheduled or time.monotonic()
+        core.counters.prefix_queries += len(fill)
+        core.counters.prefix_hits += req.cached_tokens
+        core.running.append(req)
+        core.by_slot[req.slot] = req
+        self._admit.append(AdmitRow(req.slot, req.params, req.seed))
+        if matched:
+            self._pages.append(PageAppend(req.slot, 0, pack_i32(matched)))
+        return self._chunk(req, budget)
+
+    def _decode_reserve(self) -> int:
+        """Pages running decoders need for their next step: admission must leave them."""
+        t2 = 2 * self.cfg.tokens_per_step
+        return sum(
+            max(0, _cdiv(r.worst_len + t2, self.cfg.page_size) - len(r.pages))
+            for r in self.core.running
+            if r.phase is Phase.DECODE
+        )
+
+    # ------------------------------------------------------------ pages
+    def _grow(self, req: Req, length: int, preempt: bool = True) -> bool:
+        """Make ``req``'s pages cover ``length`` tokens, preempting newer requests if needed."""
+        need = _cdiv(length, self.cfg.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        alloc = self.core.alloc
+        while need > alloc.available:
+            if not preempt or not self._preempt_newest(protect=req, need=need):
+                return False
+        pages = alloc.allocate(need)
+        self._pages.append(PageAppend(req.slot, len(req.pages), pack_i32(pages)))
+        req.pages.extend(pages)
+        return True
+
+    def _preempt_newest(self, protect: Req, need: int) -> bool:
+        """Preempt one request; True if pages became available *now*."""
+        draining = sum(len(r.pages) for r in self.core.running if r.phase is Phase.DRAINING)
+        if self.core.alloc.available + draining >= need:
+            return False  # pages are coming back with the in-flight results; wait for them
+        for victim in reversed(self.core.running):
+            if victim is protect or victim.phase is Phase.DRAINING or victim in self._rec.reqs:
+                continue
+            self.core.preempt(victim)
+            return victim.phase is not Phase.DRAINING
+        return False
+
+    def _touch(self, req: Req) -> None:
+        if req not in self._rec.reqs:
+            self._rec.reqs.append(req)
+            req.inflight += 1
+
+    def _num_active(self) -> int:
+        return sum(1 for r in self.core.running if r.phase is not Phase.DRAINING)

@@ -1,0 +1,35 @@
+"""Entry point of every child process: detach from terminal signals, die with the parent."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process if the supervisor dies, so no orphan survives it."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def child_main(role: str, args, endpoints, status_conn) -> None:
+    os.setpgrp()  # Ctrl-C reaches the supervisor only; it stops children in order
+    _die_with_parent()
+    if os.getppid() == 1:  # the supervisor died before we armed the death signal
+        os._exit(1)
+    if role == "worker":
+        from gpu_worker.main import run
+    elif role == "scheduler":
+        from scheduler_proc.main import run
+    elif role == "tokenizer":
+        from tokenizer_proc.main import run
+    else:
+        raise ValueError(role)
+    run(args, endpoints, status_conn)

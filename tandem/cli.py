@@ -1,0 +1,47 @@
+"""The ``tandem`` command."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from proto.args import ArgError, parse_server_args
+
+USAGE = "usage: tandem serve [--model-path DIR] [options]   (tandem serve --help for all flags)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] != "serve":
+        print(f"tandem: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    if "-h" in argv[1:] or "--help" in argv[1:]:
+        from proto.args import build_parser
+
+        build_parser().print_help()
+        return 0
+    try:
+        args = parse_server_args(argv[1:])
+    except ArgError as exc:
+        print(f"tandem serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _announce(args)
+    from tandem.supervisor import serve
+
+    return serve(args)
+
+
+def _announce(args) -> None:
+    log = logging.getLogger("tandem")
+    log.info("model: %s (served as %r)", args.model_path, args.model_name)
+    if args.spec_enabled:
+        log.info("speculative decoding: %s, draft %s, %d steps", args.speculative_algorithm,
+                 args.speculative_draft_model_path, args.speculative_num_steps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Chat templates rendered the way HF ``apply_chat_template`` renders them.
+
+Where the template comes from (first found wins, as in recent ``transformers``):
+``chat_template.jinja``, then ``chat_template.json`` (``{"chat_template": ...}``), then
+``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: "default").
+
+The environment mirrors HF's: an immutable sandbox, ``trim_blocks``/``lstrip_blocks``, loop
+controls, a non-HTML-escaping ``tojson``, ``raise_exception``, ``strftime_now`` and a no-op
+``{% generation %}`` block. Messages with ``None`` values lose those keys (HF does the same: many
+templates print a literal "None" otherwise).
+
+Without any template we use ``FALLBACK_TEMPLATE``: one ``role: content`` line per message and,
+with ``add_generation_prompt``, a trailing ``assistant:`` — plain text any base model can continue.
+Rendered text is encoded with ``add_special_tokens=False`` (as HF does), so a template that
+writes ``{{ bos_token }}`` gets exactly one BOS; the fallback writes BOS itself when the
+tokenizer would normally add one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tokenizer_proc.tokenizer import TextTokenizer, read_json
+
+FALLBACK_TEMPLATE = (
+    "{% if add_bos %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """Rendering failed (``raise_exception`` in the template, or a bad message); HTTP 400."""
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant spans for training masks in HF;
+    for serving it only renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """A namespace that refuses dunder/underscore names (HF's sandbox hardening)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as jinja's Namespace
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes; templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    env.globals["dict"] = lambda *a, **k: dict(*a, **k)
+    return env
+
+
+def _pick_template(value: Any) -> str | None:
+    """tokenizer_config's ``chat_template`` may be a list of ``{name, template}`` dicts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        chosen = named.get("default") or next((t for t in named.values() if isinstance(t, str)), None)
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+def load_chat_template(tokenizer_dir: str, tokenizer_config: dict) -> str | None:
+    jinja_path = os.path.join(tokenizer_dir, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
+    from_json = _pick_template(read_json(os.path.join(tokenizer_dir, "chat_template.json")).get("chat_template"))
+    if from_json is not None:
+        return from_json
+    return _pick_template(tokenizer_config.get("chat_template"))
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Drop None-valued keys; flatten all-text part lists into one string.
+
+    Flattening (parts joined by newlines, as vLLM does for "string"-format templates) lets any
+    template render list content; non-text parts are rejected because we serve text models.
+    """
+    out = []
+    for i, message in enumerate(messages):
+        msg = {k: v for k, v in message.items() if v is not None}
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ChatTemplateError(f"messages[{i}].content: only parts of type 'text' are supported")
+                texts.append(part["text"])
+            msg["content"] = "\n".join(texts)
+        out.append(msg)
+    return out
+
+
+class ChatTemplate:
+    """A compiled template plus the variables HF passes besides the messages."""
+
+    def __init__(self, source: str | None, tokenizer: TextTokenizer):
+        self.is_fallback = source is None
+        self.source = FALLBACK_TEMPLATE if source is None else source
+        try:
+            self.template = make_environment().from_string(self.source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template does not compile: {exc}") from exc
+        # HF passes special_tokens_map (strings) as template variables.
+        self.base_vars: dict[str, Any] = dict(tokenizer.special_tokens)
+        self.base_vars["add_bos"] = self.is_fallback and self._tokenizer_adds_bos(tokenizer)
+
+    @staticmethod
+    def _tokenizer_adds_bos(tokenizer: TextTokenizer) -> bool:
+        if tokenizer.bos_id is None:
+            return False
+        return tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_id]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: TextTokenizer) -> "ChatTemplate":
+        return cls(load_chat_template(tokenizer.dir, tokenizer.config), tokenizer)
+
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        documents: list | None = None,
+        extra_vars: dict | None = None,
+    ) -> str:
+        if not messages:
+            raise ChatTemplateError("messages: at least one message is required")
+        variables = {**self.base_vars, **(extra_vars or {})}
+        variables.update(
+            messages=normalize_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+        )
+        try:
+            return self.template.render(**variables)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template error: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            # A template that trips over an odd message shape is the request's fault, not ours.
+            raise ChatTemplateError(f"chat template error: {type(exc).__name__}: {exc}") from exc
