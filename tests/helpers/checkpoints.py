@@ -1,0 +1,124 @@
+"""Tiny random HF checkpoints built inside the tests (HF transformers is the oracle).
+
+Each directory holds what a real checkpoint holds: config.json, model.safetensors,
+tokenizer.json + tokenizer_config.json (with a chat template) and generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 384
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun.",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.",
+    "Once upon a time there was a little engine that served tokens all day long.",
+    "café naïve résumé Zürich — 日本語のテキスト 😀🚀 numbers 0123456789 !?",
+    "def serve(model):\n    return model.generate(prompt, max_tokens=16)\n",
+] * 4
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ '<|user|>' + m['content'] + '<|end|>' }}"
+    "{% elif m['role'] == 'assistant' %}{{ '<|assistant|>' + m['content'] + '<|end|>' }}"
+    "{% else %}{{ m['content'] + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tokenizer(out_dir: str) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": False,
+           "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
+           "model_max_length": 4096}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": BOS, "eos_token_id": [EOS, 5], "pad_token_id": PAD}, f)
+    return tok
+
+
+def _save(model, out_dir: str) -> str:
+    torch.manual_seed(0)
+    model.save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
+def _common(**kw) -> dict:
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    base.update(kw)
+    return base
+
+
+def build_llama(out_dir: str, seed: int = 0) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**_common(tie_word_embeddings=False))
+    return _save(LlamaForCausalLM(cfg).eval(), out_dir)
+
+
+def build_qwen3(out_dir: str, seed: int = 0) -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**_common(head_dim=16, tie_word_embeddings=True))
+    return _save(Qwen3ForCausalLM(cfg).eval(), out_dir)
+
+
+def gemma4_config(**kw):
+    from transformers import Gemma4TextConfig
+
+    args = _common(num_hidden_layers=4, head_dim=16, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                   hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0,
+                   global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True)
+    args.update(kw)
+    return Gemma4TextConfig(**args)
+
+
+def build_gemma4(out_dir: str, seed: int = 0, **kw) -> str:
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(gemma4_config(**kw)).eval()
+    _scale_up_gemma(model)
+    return _save(model, out_dir)
+
+
+def _scale_up_gemma(model) -> None:
+    """HF initialises Gemma norms so that a random model's logits are nearly flat; widen them so
+    greedy argmax is far from ties (token parity must not hinge on 1e-6 differences)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.08)
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """HF transformers' greedy continuation (the oracle), new tokens only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD)
+    if ignore_eos:
+        kw["eos_token_id"] = None
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    return out[0, len(prompt_ids):].tolist()

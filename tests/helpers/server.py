@@ -1,0 +1,76 @@
+"""Start a real ``tandem serve`` (three processes) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_path: str | None, *extra: str, timeout: float = 180.0, env: dict | None = None):
+        self.port = free_port()
+        args = [sys.executable, "-m", "tandem", "serve", "--device", "cpu", "--port", str(self.port),
+                "--num-threads", "1", "--log-level", "warning"]
+        if model_path:
+            args += ["--model-path", model_path]
+        args += list(extra)
+        self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tandem-server-{self.port}.log")
+        self.log = open(self.log_path, "w")
+        full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-6000:]
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
