@@ -43,6 +43,42 @@ def max_positions(model_dir: str) -> int:
     return int(cfg.get("max_position_embeddings") or 4096)
 
 
+def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
+    """Load the models, size the pool and build the step runner (no sockets)."""
+    device = torch.device(args.resolved_device())
+    if device.type == "cpu":
+        torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
+    else:
+        torch.cuda.set_device(device)
+    dtype = resolve_dtype(args, device)
+    torch.manual_seed(args.random_seed)
+    target = load_model(args.model_path, dtype, device, args.load_format)
+    assistant = None
+    if args.spec_enabled:
+        assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target)
+    t = args.tokens_per_step
+    cap = plan_capacity(args, target, device, dtype, t, max_positions(args.model_path))
+    pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
+    state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
+    backend = create_backend(args.attention_backend, pool=pool, page_table=state.page_table)
+    runner = ModelRunner(target, assistant, backend, state, t, device)
+    ready = WorkerReady(
+        page_size=args.page_size,
+        num_pages=cap.num_pages,
+        max_slots=cap.max_slots,
+        vocab_size=target.vocab_size,
+        max_context=cap.max_context,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        architecture=type(target).__name__,
+        tokens_per_step=t,
+        speculative_num_steps=t - 1 if args.spec_enabled else 0,
+        eos_token_ids=read_eos_token_ids(args.model_path),
+        kv_bytes_per_token=KVPool.bytes_per_token(target.kv_shapes, dtype),
+    )
+    return runner, ready
+
+
 class Worker:
     def __init__(self, args: ServerArgs, ep: Endpoints):
         self.args = args
@@ -51,38 +87,8 @@ class Worker:
         self.results = PushChannel(self.ctx, "results", ep.results)
 
     def setup(self) -> WorkerReady:
-        args = self.args
-        device = torch.device(args.resolved_device())
-        if device.type == "cpu":
-            torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
-        else:
-            torch.cuda.set_device(device)
-        dtype = resolve_dtype(args, device)
-        torch.manual_seed(args.random_seed)
-        target = load_model(args.model_path, dtype, device, args.load_format)
-        assistant = None
-        if args.spec_enabled:
-            assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target)
-        t = args.tokens_per_step
-        cap = plan_capacity(args, target, device, dtype, t, max_positions(args.model_path))
-        pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
-        state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
-        backend = create_backend(args.attention_backend, pool=pool, page_table=state.page_table)
-        self.runner = ModelRunner(target, assistant, backend, state, t, device)
-        return WorkerReady(
-            page_size=args.page_size,
-            num_pages=cap.num_pages,
-            max_slots=cap.max_slots,
-            vocab_size=target.vocab_size,
-            max_context=cap.max_context,
-            dtype=str(dtype).removeprefix("torch."),
-            device=str(device),
-            architecture=type(target).__name__,
-            tokens_per_step=t,
-            speculative_num_steps=t - 1 if args.spec_enabled else 0,
-            eos_token_ids=read_eos_token_ids(args.model_path),
-            kv_bytes_per_token=KVPool.bytes_per_token(target.kv_shapes, dtype),
-        )
+        self.runner, ready = build_runner(self.args)
+        return ready
 
     def run(self) -> None:
         inflight: deque = deque()

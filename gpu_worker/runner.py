@@ -144,6 +144,9 @@ class ModelRunner:
             parts_out.append(out)
             parts_acc.append(acc)
             seeds.append(e + torch.arange(len(rows.dec_slots), device=self.device) * t + acc - 1)
+        if not parts_out:  # only non-final prefill chunks: nothing sampled this step
+            z = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return z.view(0, t), z, z
         return torch.cat(parts_out), torch.cat(parts_acc), torch.cat(seeds)
 
     def _update_state(self, rows: PlanRows, out, accept, seed_hidden) -> None:

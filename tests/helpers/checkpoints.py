@@ -122,3 +122,41 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, ignore
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     return out[0, len(prompt_ids):].tolist()
+
+
+def patch_assistant_kv_sharing() -> None:
+    """transformers >= 5.23: Gemma4TextConfig.kv_sharing_modes raises when every layer is
+    shared (an assistant); make it report "reuse" for all layers. 5.17 has no such property."""
+    from transformers import Gemma4TextConfig
+
+    prop = getattr(Gemma4TextConfig, "kv_sharing_modes", None)
+    if not isinstance(prop, property) or getattr(prop.fget, "_tandem_patched", False):
+        return
+
+    def modes(self):
+        if self.num_kv_shared_layers == self.num_hidden_layers:
+            return ["reuse"] * self.num_hidden_layers
+        return prop.fget(self)
+
+    modes._tandem_patched = True
+    Gemma4TextConfig.kv_sharing_modes = property(modes)
+
+
+def build_assistant(out_dir: str, target_dir: str, seed: int = 1, ordered: bool = False, **kw) -> str:
+    """A random Gemma4AssistantForCausalLM that fits the target in ``target_dir``."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    patch_assistant_kv_sharing()
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target = json.load(f)
+    text = gemma4_config(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         layer_types=["sliding_attention", "full_attention"],
+                         num_kv_shared_layers=2, **kw)
+    cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target["hidden_size"],
+                                use_ordered_embeddings=ordered, num_centroids=8, centroid_intermediate_top_k=2)
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(cfg).eval()
+    _scale_up_gemma(model)
+    if ordered:
+        model.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB))
+    return _save(model, out_dir)
