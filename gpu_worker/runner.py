@@ -16,7 +16,8 @@ import torch
 from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, logits_rows
 from gpu_worker.prompt_logprobs import prompt_logprob_rows
 from gpu_worker.sampling import RowSampling, sample, token_logprobs
-from gpu_worker.slots import SlotState, h2d
+from gpu_worker.device import h2d
+from gpu_worker.slots import SlotState
 from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain, verify
 from proto.messages import Logprobs, StepPlan, StepResult
 

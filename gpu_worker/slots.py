@@ -18,19 +18,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu_worker.device import h2d
 from proto.arrays import view_i32
 from proto.messages import AdmitRow, PageAppend, SamplingParams
-
-
-def h2d(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host -> device without a host sync: through pinned memory on CUDA.
-
-    The caching host allocator keeps the pinned block alive until the copy has run.
-    """
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 class SlotState:

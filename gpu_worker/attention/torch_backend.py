@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from gpu_worker.attention import register
 from gpu_worker.attention.base import AttentionBackend, RowLayout
+from gpu_worker.device import h2d
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 
 SHORT_Q = 16  # rows with at most this many queries form the "short" group
@@ -58,8 +59,8 @@ class TorchAttentionBackend(AttentionBackend):
         valid = qi < ql[:, None]
         gather = np.where(valid, starts[rows][:, None] + qi, total)
         sel = np.nonzero(valid.reshape(-1))[0]
-        gather_t = torch.from_numpy(gather).to(dev)
-        rows_t = torch.from_numpy(rows).to(dev)
+        gather_t = h2d(gather, dev)
+        rows_t = h2d(rows, dev)
         cols = torch.arange(kmax, device=dev)
         ps = self.pool.page_size
         pages = self.page_table[layout.slots[rows_t]][:, cols // ps].long()
@@ -67,11 +68,11 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos = torch.cat([layout.q_pos, layout.q_pos.new_zeros(1)])[gather_t]  # [B, Q]
         j = cols.view(1, 1, kmax)
         base = (j <= q_pos[..., None]) & (j < layout.kv_lens[rows_t].view(-1, 1, 1))
-        pad = torch.from_numpy(~valid).to(dev)[..., None] & (j == 0)  # keep SDPA NaN-free
+        pad = h2d(~valid, dev)[..., None] & (j == 0)  # keep SDPA NaN-free
         masks = {0: (base | pad).unsqueeze(1)}
         for w in windows:
             masks[w] = ((base & (j > q_pos[..., None] - w)) | pad).unsqueeze(1)
-        sel_t = torch.from_numpy(sel).to(dev)
+        sel_t = h2d(sel, dev)
         return _Group(gather_t, sel_t, gather_t.reshape(-1)[sel_t], kv_loc, masks)
 
     def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch) -> torch.Tensor:

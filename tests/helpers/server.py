@@ -21,9 +21,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_path: str | None, *extra: str, timeout: float = 180.0, env: dict | None = None):
+    def __init__(self, model_path: str | None, *extra: str, timeout: float = 180.0, env: dict | None = None,
+                 device: str = "cpu"):
         self.port = free_port()
-        args = [sys.executable, "-m", "tandem", "serve", "--device", "cpu", "--port", str(self.port),
+        args = [sys.executable, "-m", "tandem", "serve", "--device", device, "--port", str(self.port),
                 "--num-threads", "1", "--log-level", "warning"]
         if model_path:
             args += ["--model-path", model_path]
