@@ -5,7 +5,7 @@ Load models with ``gpu_worker.models.loader.load_model``; this module only names
 
 from __future__ import annotations
 
-from gpu_worker.models.gemma4 import Gemma4ForCausalLM
+from gpu_worker.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from gpu_worker.models.gemma4_assistant import Gemma4AssistantForCausalLM
 from gpu_worker.models.llama import LlamaForCausalLM
 
@@ -15,6 +15,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # served text-only
     "Gemma4AssistantForCausalLM": Gemma4AssistantForCausalLM,
 }
 

@@ -37,6 +37,10 @@ class CausalLM(nn.Module):
 
     # ---- loader hooks -------------------------------------------------------------------
 
+    def checkpoint_key(self, name: str) -> str | None:
+        """Our name for a checkpoint tensor, or None to skip it silently (e.g. a vision tower)."""
+        return name
+
     def ignored_checkpoint_key(self, name: str) -> bool:
         """Checkpoint tensors we knowingly drop (HF-only buffers, the tied head)."""
         if name.endswith("rotary_emb.inv_freq") or "rotary_emb." in name:

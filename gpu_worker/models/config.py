@@ -14,7 +14,7 @@ serialisations of Gemma 4 exist:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -284,7 +284,7 @@ def parse_gemma4(cfg: dict, arch: str, all_shared: bool = False) -> Gemma4Spec:
                 k_eq_v=k_eq_v and t == FULL,
             )
         )
-    ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+    ple = int(_get(cfg, "hidden_size_per_layer_input", 256))  # HF default: PLE on
     return Gemma4Spec(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -301,11 +301,21 @@ def parse_gemma4(cfg: dict, arch: str, all_shared: bool = False) -> Gemma4Spec:
     )
 
 
+def parse_gemma4_multimodal(cfg: dict, arch: str) -> Gemma4Spec:
+    """Gemma4ForConditionalGeneration served as text only: its text_config is the model."""
+    text_cfg = cfg.get("text_config")
+    if not isinstance(text_cfg, dict):
+        raise ValueError(f"{arch} config has no text_config")
+    spec = parse_gemma4(text_cfg, arch)
+    # HF ties the head to the language model's embeddings by the top-level flag.
+    return replace(spec, tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", True)))
+
+
 def parse_gemma4_assistant(cfg: dict, arch: str) -> Gemma4AssistantSpec:
     text_cfg = cfg.get("text_config")
     if not isinstance(text_cfg, dict):
         raise ValueError("Gemma4AssistantForCausalLM config has no text_config")
-    if int(text_cfg.get("hidden_size_per_layer_input") or 0):
+    if int(_get(text_cfg, "hidden_size_per_layer_input", 256)):
         raise ValueError("Gemma 4 assistant text_config must have hidden_size_per_layer_input = 0")
     text = parse_gemma4(text_cfg, "Gemma4TextModel", all_shared=True)
     return Gemma4AssistantSpec(
@@ -327,6 +337,7 @@ _PARSERS = {
     "Qwen2ForCausalLM": parse_llama,
     "Qwen3ForCausalLM": parse_llama,
     "Gemma4ForCausalLM": parse_gemma4,
+    "Gemma4ForConditionalGeneration": parse_gemma4_multimodal,
     "Gemma4AssistantForCausalLM": parse_gemma4_assistant,
 }
 
@@ -340,11 +351,6 @@ def architecture_of(cfg: dict) -> str:
 
 def parse_config(cfg: dict) -> ModelSpec:
     arch = architecture_of(cfg)
-    if arch == "Gemma4ForConditionalGeneration":
-        raise ValueError(
-            "Gemma4ForConditionalGeneration (the multimodal wrapper) is not supported; "
-            "use a text-only Gemma4ForCausalLM checkpoint"
-        )
     parser = _PARSERS.get(arch)
     if parser is None:
         raise ValueError(f"architecture {arch!r} is not supported (supported: {', '.join(sorted(_PARSERS))})")

@@ -210,3 +210,20 @@ class Gemma4ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Softcap in float32 (HF does it in the model dtype; identical in float32, finer in bf16).
         return softcap(F.linear(hidden, self.lm_head_weight()).float(), self.spec.final_logit_softcapping)
+
+
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    """The multimodal Gemma 4 checkpoint served as a text-only model.
+
+    Its language model lives under ``model.language_model.*``; the vision/audio towers and
+    their embedders are skipped. Text-only inputs give the same logits as HF's wrapper.
+    """
+
+    _TEXT_PREFIX = "model.language_model."
+
+    def checkpoint_key(self, name: str) -> str | None:
+        if name.startswith(self._TEXT_PREFIX):
+            return "model." + name[len(self._TEXT_PREFIX) :]
+        if name.startswith("model."):
+            return None  # vision_tower, audio_tower, embed_vision, embed_audio, ...
+        return name  # lm_head

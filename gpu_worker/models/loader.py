@@ -50,13 +50,16 @@ def load_weights(model, model_dir: Path) -> None:
     unexpected: list[str] = []
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for key in f.keys():
+                name = model.checkpoint_key(key)
+                if name is None:
+                    continue
                 if name not in targets:
                     if not model.ignored_checkpoint_key(name):
-                        unexpected.append(name)
+                        unexpected.append(key)
                     continue
                 dst = targets[name]
-                src = f.get_tensor(name)
+                src = f.get_tensor(key)
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
                 with torch.no_grad():
@@ -89,8 +92,8 @@ def load_model(
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     arch = architecture_of(cfg)
+    spec = parse_config(cfg)  # first: its errors name unsupported variants precisely
     cls = model_class(arch)
-    spec = parse_config(cfg)
     if arch in DRAFT_ARCHITECTURES and target is None:
         raise ValueError(f"{arch} is a draft model: pass the loaded target as target=")
     model = _materialize(cls, spec, dtype, device)
