@@ -9,6 +9,7 @@ tokens after it are dropped as if never generated.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -78,6 +79,7 @@ class RequestState:
         self.params = params
         self.cfg = stop_cfg
         self.internal = internal  # warm-up / health probes: no metrics
+        self.sink: asyncio.Queue | None = None  # set by EngineClient.submit
         self.detok = IncrementalDetokenizer(decoder, prompt_ids, stop_cfg.skip_special_tokens)
         self.matcher = StopMatcher(stop_cfg.stop, stop_cfg.include_stop_str_in_output)
         self.arrival_wall = time.time()
@@ -99,8 +101,9 @@ class RequestState:
             self.prompt_tokens = out.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         self.spec_verify_ct = max(self.spec_verify_ct, out.spec_verify_ct)
-        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = unpack_logprobs(out.prompt_logprobs)
+        if out.prompt_logprobs is not None:
+            # Chunked prefill sends them in several outputs, in prompt order.
+            self.prompt_logprobs = (self.prompt_logprobs or []) + unpack_logprobs(out.prompt_logprobs)
         if out.timings is not None:
             self.timings = out.timings
 

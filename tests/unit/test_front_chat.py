@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from front_tok import CHATML_TEMPLATE, shared_tokenizer_dir, write_tokenizer_dir  # noqa: E402
-
-from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
-from tokenizer_proc.tokenizer import TextTokenizer  # noqa: E402
+from tests.unit.front_tok import CHATML_TEMPLATE, shared_tokenizer_dir, write_tokenizer_dir
+from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_proc.tokenizer import TextTokenizer
 
 transformers = pytest.importorskip("transformers")
 

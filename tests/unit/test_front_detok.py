@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-sys.path.insert(0, os.path.dirname(__file__))
-from front_tok import CORPUS, shared_tokenizer_dir  # noqa: E402
-
-from tokenizer_proc.detokenize import MAX_PENDING, IncrementalDetokenizer  # noqa: E402
-from tokenizer_proc.tokenizer import TextTokenizer  # noqa: E402
+from tests.unit.front_tok import CORPUS, shared_tokenizer_dir
+from tokenizer_proc.detokenize import MAX_PENDING, IncrementalDetokenizer
+from tokenizer_proc.tokenizer import TextTokenizer
 
 TOK = TextTokenizer(shared_tokenizer_dir("chatml"))
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

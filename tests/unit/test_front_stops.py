@@ -6,21 +6,16 @@ the code under test gets the same tokens in random multi-token chunks (speculati
 
 from __future__ import annotations
 
-import os
-import sys
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(__file__))
-from front_tok import shared_tokenizer_dir  # noqa: E402
-
-from proto.arrays import pack_i32  # noqa: E402
-from proto.messages import ReqOutput, SamplingParams  # noqa: E402
-from tokenizer_proc.detokenize import IncrementalDetokenizer  # noqa: E402
-from tokenizer_proc.request_state import RequestState, StopConfig  # noqa: E402
-from tokenizer_proc.stops import StopMatch, StopMatcher  # noqa: E402
-from tokenizer_proc.tokenizer import TextTokenizer  # noqa: E402
+from tests.unit.front_tok import shared_tokenizer_dir
+from proto.arrays import pack_i32
+from proto.messages import ReqOutput, SamplingParams
+from tokenizer_proc.detokenize import IncrementalDetokenizer
+from tokenizer_proc.request_state import RequestState, StopConfig
+from tokenizer_proc.stops import StopMatch, StopMatcher
+from tokenizer_proc.tokenizer import TextTokenizer
 
 TOK = TextTokenizer(shared_tokenizer_dir("chatml"))
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,62 @@
+"""What every HTTP handler needs, bundled once per process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from proto.args import ServerArgs
+from tokenizer_proc.chat_template import ChatTemplate
+from tokenizer_proc.engine_client import EngineClient
+from tokenizer_proc.errors import APIError, check_content_type
+from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.params import GenPlan, Limits
+from tokenizer_proc.request_state import RequestState
+from tokenizer_proc.tokenizer import TextTokenizer
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class Front:
+    args: ServerArgs
+    tok: TextTokenizer
+    template: ChatTemplate
+    engine: EngineClient
+    metrics: Metrics
+    gen_defaults: dict = field(default_factory=dict)
+
+    def limits(self) -> Limits:
+        info = self.engine.info
+        if info is None:
+            raise APIError(503, "server is starting up")
+        return Limits(max_context=info.max_context, vocab_size=info.vocab_size)
+
+    def make_states(self, plan: GenPlan, request_id: str, arrival_mono: float) -> list[RequestState]:
+        """One engine request per (prompt, choice); choice index = prompt * n + j (OpenAI's order)."""
+        states = []
+        for p, prompt_ids in enumerate(plan.prompts):
+            for j in range(plan.n):
+                index = p * plan.n + j
+                states.append(
+                    RequestState(
+                        f"{request_id}-{index}", index, prompt_ids, plan.choice_params(j), plan.stop_cfg, self.tok,
+                        arrival_mono=arrival_mono,
+                    )
+                )
+        return states
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw JSON body, after the Content-Type check."""
+    check_content_type(request.headers.get("content-type"))
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    return await request.body()
+
+
+def arrival() -> float:
+    return time.monotonic()

@@ -1,0 +1,223 @@
+"""The front's side of the engine: ZMQ sockets, in-flight requests, and the output loop.
+
+One task reads the ``outputs`` channel and, for each ReqOutput, runs the request's detokenizer
+and stop matcher right there (``RequestState.apply``) and queues the resulting Delta for the
+HTTP handler. Doing it in one place means a stop string aborts the engine request within the
+same step, and metrics see every token exactly once.
+
+Life cycle (``phase``): starting -> ready -> draining, or -> dead on EngineDead. Only ``ready``
+accepts requests; the others answer 503. Admission reserves capacity synchronously (no await
+between the check and the registration), so a burst cannot overshoot ``max_queued_requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Iterable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from proto.args import ServerArgs
+from proto.arrays import pack_i32
+from proto.messages import (
+    AbortReq,
+    EngineDead,
+    EngineInfo,
+    FlushCache,
+    GenerateReq,
+    ReqOutput,
+    SchedulerStats,
+    Shutdown,
+    StepOutputs,
+)
+from proto.transport import AsyncPullChannel, AsyncPushChannel, Endpoints
+from tokenizer_proc.errors import APIError
+from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.request_state import Delta, RequestState
+
+log = logging.getLogger("tandem.front")
+
+STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
+
+
+class EngineClient:
+    def __init__(self, args: ServerArgs, endpoints: Endpoints, metrics: Metrics):
+        self.args = args
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.ctx = zmq.asyncio.Context()
+        self.outputs: AsyncPullChannel | None = None
+        self.requests: AsyncPushChannel | None = None
+        self.states: dict[str, RequestState] = {}
+        self.info: EngineInfo | None = None
+        self.info_event = asyncio.Event()
+        self.last_stats: SchedulerStats | None = None
+        self.phase = STARTING
+        self.dead_reason: str | None = None
+        self.started_at = time.time()
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ sockets
+    def open(self) -> None:
+        """Bind outputs (we own that address) and connect to the scheduler's requests PULL."""
+        self.outputs = AsyncPullChannel(self.ctx, "outputs", self.endpoints.outputs)
+        self.requests = AsyncPushChannel(self.ctx, "requests", self.endpoints.requests)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name="engine-outputs")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing anyway
+                pass
+        for chan in (self.outputs, self.requests):
+            if chan is not None:
+                chan.close()
+        self.ctx.term()
+
+    def send(self, msg) -> None:
+        assert self.requests is not None
+        self.requests.send_nowait(msg)
+
+    # ------------------------------------------------------------------ admission
+    @property
+    def num_inflight(self) -> int:
+        return len(self.states)
+
+    def check_accepting(self) -> None:
+        if self.phase == READY:
+            return
+        if self.phase == DEAD:
+            raise APIError(503, f"engine is dead: {self.dead_reason}")
+        if self.phase == DRAINING:
+            raise APIError(503, "server is shutting down")
+        raise APIError(503, "server is starting up")
+
+    def submit(self, states: list[RequestState], internal: bool = False) -> asyncio.Queue:
+        """Register and send; returns the queue that receives every Delta of these states."""
+        if not internal:
+            self.check_accepting()
+            if self.num_inflight + len(states) > self.args.max_queued_requests:
+                raise APIError(503, f"server overloaded: {self.num_inflight} requests in flight "
+                                    f"(limit {self.args.max_queued_requests})")
+        elif self.phase == DEAD:
+            raise APIError(503, f"engine is dead: {self.dead_reason}")
+        for s in states:
+            if s.rid in self.states:
+                raise APIError(400, f"request id {s.rid!r} is already in use", "rid")
+        sink: asyncio.Queue = asyncio.Queue()
+        for s in states:
+            s.sink = sink
+            self.states[s.rid] = s
+            self.send(GenerateReq(s.rid, pack_i32(s.prompt_ids), s.params, s.arrival_wall))
+        return sink
+
+    def abort(self, state: RequestState, reason: str = "client_disconnect") -> None:
+        """Client went away (or shutdown): tell the scheduler at once so it frees the KV."""
+        if self.states.pop(state.rid, None) is None:
+            return
+        self.send(AbortReq(state.rid, reason))
+        if not state.finished:
+            self._finish_metrics(state.abort(), time.monotonic())
+
+    def flush_cache(self) -> None:
+        self.send(FlushCache())
+
+    def fail_all(self, message: str, status: int = 503, abort_reason: str | None = None) -> None:
+        """Engine dead or shutting down: every in-flight request ends now with an error."""
+        now = time.monotonic()
+        for rid, state in list(self.states.items()):
+            del self.states[rid]
+            if abort_reason is not None:
+                self.send(AbortReq(rid, abort_reason))
+            delta = state.fail(message, status)
+            self._finish_metrics(delta, now)
+            state.sink.put_nowait(delta)
+
+    def shutdown_engine(self, reason: str) -> None:
+        self.send(Shutdown(reason))
+
+    # ------------------------------------------------------------------ output loop
+    async def _recv_loop(self) -> None:
+        assert self.outputs is not None
+        while True:
+            try:
+                msg = await self.outputs.recv()
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.error("dropping malformed outputs frame: %s", exc)
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # noqa: BLE001 - one bad output must not kill the loop
+                log.exception("error while processing %s", type(msg).__name__)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, StepOutputs):
+            now = time.monotonic()
+            for out in msg.outputs:
+                self._on_output(out, now)
+        elif isinstance(msg, SchedulerStats):
+            self.last_stats = msg
+            self.metrics.on_stats(msg)
+        elif isinstance(msg, EngineInfo):
+            self.info = msg
+            self.metrics.set_max_model_len(msg.max_context)
+            self.info_event.set()
+        elif isinstance(msg, EngineDead):
+            self.on_engine_dead(msg.reason)
+
+    def on_engine_dead(self, reason: str) -> None:
+        log.error("engine dead: %s", reason)
+        self.phase = DEAD
+        self.dead_reason = reason
+        self.info_event.set()  # wake a start-up that is still waiting for EngineInfo
+        self.fail_all(f"engine is dead: {reason}", 503)
+
+    def _on_output(self, out: ReqOutput, now: float) -> None:
+        state = self.states.get(out.rid)
+        if state is None:
+            return  # finished here already (stop string, disconnect): the engine's echo of it
+        delta = state.apply(out)
+        if delta is None:
+            return
+        self._token_metrics(state, len(delta.token_ids), now)
+        if delta.finished:
+            del self.states[out.rid]
+            if state.stopped_by_string and out.finish_reason is None:
+                self.send(AbortReq(out.rid, "stop_string"))
+            self._finish_metrics(delta, now)
+        state.sink.put_nowait(delta)
+
+    # ------------------------------------------------------------------ metrics
+    def _token_metrics(self, state: RequestState, k: int, now: float) -> None:
+        if k == 0:
+            return
+        first = state.first_token_mono is None
+        if not state.internal:
+            dt = None if first else now - (state.last_token_mono or now)
+            self.metrics.on_tokens(k, dt, now - state.arrival_mono if first else None)
+        if first:
+            state.first_token_mono = now
+        state.last_token_mono = now
+
+    def _finish_metrics(self, delta: Delta, now: float) -> None:
+        state = delta.state
+        if state.internal:
+            return
+        ttft = None if state.first_token_mono is None else state.first_token_mono - state.arrival_mono
+        end = state.last_token_mono or now
+        self.metrics.on_finish(
+            delta.finish_reason or "abort", state.prompt_tokens, state.n_tokens, end - state.arrival_mono, ttft,
+            state.timings,
+        )
+
+    # ------------------------------------------------------------------ helpers for handlers
+    def pending(self, states: Iterable[RequestState]) -> list[RequestState]:
+        return [s for s in states if s.rid in self.states]

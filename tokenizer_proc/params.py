@@ -1,0 +1,280 @@
+"""From a validated request body to what the engine runs: prompts, SamplingParams, stop config.
+
+These are the rules that span fields or need the tokenizer / engine limits (msgspec already
+checked types and ranges). Every violation is an APIError(400), except an unknown model (404).
+
+Choices:
+- Unset sampling fields take ``generation_config.json``'s values (as vLLM does), then OpenAI's
+  defaults (temperature 1, top_p 1, top_k off, min_p 0).
+- ``echo`` with ``max_tokens=0`` (lm-eval's loglikelihood) asks the engine for one token and
+  discards it: the scheduler always generates at least one.
+- ``n > 1`` with a ``seed``: choice j gets ``seed + j`` so the samples differ but stay reproducible.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import msgspec
+
+from proto.messages import SamplingParams
+from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_proc.errors import APIError, bad_request
+from tokenizer_proc.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    NativeSamplingParams,
+    SamplingFields,
+)
+from tokenizer_proc.request_state import StopConfig
+from tokenizer_proc.tokenizer import TextTokenizer, read_json
+
+DEFAULT_COMPLETION_TOKENS = 16
+GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_context: int
+    vocab_size: int
+
+
+def load_generation_defaults(model_path: str) -> dict:
+    cfg = read_json(os.path.join(model_path, "generation_config.json"))
+    return {k: cfg[k] for k in GEN_CONFIG_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)}
+
+
+@dataclass
+class GenPlan:
+    """Everything a serving handler needs to submit and format one HTTP request."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    stop_cfg: StopConfig
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    echo: bool = False
+    top_logprobs: int | None = None  # None: no logprobs in the response
+    prompt_texts: list[str] = field(default_factory=list)
+
+    def choice_params(self, j: int) -> SamplingParams:
+        if j == 0 or self.params.seed is None:
+            return self.params
+        return msgspec.structs.replace(self.params, seed=self.params.seed + j)
+
+
+# ---------------------------------------------------------------------- small checks
+
+
+def check_model(model: str | None, served_name: str) -> None:
+    if model is not None and model != served_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def check_token_ids(ids: list[int], limits: Limits, param: str) -> None:
+    for t in ids:
+        if not 0 <= t < limits.vocab_size:
+            raise bad_request(f"token id {t} is out of range [0, {limits.vocab_size})", param)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must not be empty", "stop")
+    return stops
+
+
+def check_context(prompt_len: int, max_tokens: int, limits: Limits) -> None:
+    if prompt_len + max_tokens > limits.max_context:
+        raise bad_request(
+            f"This model's maximum context length is {limits.max_context} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the length of the prompt or completion.",
+            "max_tokens",
+        )
+
+
+def _unsupported(req: SamplingFields) -> None:
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request("response_format other than 'text' is not supported", "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be set when stream is true", "stream_options")
+
+
+def sampling_params(
+    req: SamplingFields | NativeSamplingParams,
+    max_new_tokens: int,
+    defaults: dict,
+    logprobs: int = -1,
+    prompt_logprobs: int = -1,
+    min_tokens: int | None = None,
+    seed: int | None = None,
+) -> SamplingParams:
+    def pick(name: str, fallback):
+        value = getattr(req, name, None)
+        return value if value is not None else defaults.get(name, fallback)
+
+    top_k = int(pick("top_k", -1))
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_tokens or 0,
+        temperature=float(pick("temperature", 1.0)),
+        top_p=float(pick("top_p", 1.0)),
+        top_k=-1 if top_k <= 0 else top_k,
+        min_p=float(pick("min_p", 0.0)),
+        seed=seed,
+        ignore_eos=bool(req.ignore_eos),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=float(pick("repetition_penalty", 1.0)),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _stop_cfg(req: SamplingFields, discard: bool = False) -> StopConfig:
+    return StopConfig(
+        stop=stop_strings(req.stop),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False,
+        discard_generation=discard,
+    )
+
+
+# ---------------------------------------------------------------------- /v1/completions
+
+
+def completion_prompts(prompt, tok: TextTokenizer, limits: Limits) -> list[tuple[list[int], str | None]]:
+    """str | [str] | [int] | [[int]] -> (token ids, original text or None), one per prompt."""
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        items = list(prompt)
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of lists "
+                          "of token ids", "prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if item == "":
+                raise bad_request("prompt must not be empty", "prompt")
+            out.append((tok.encode(item, add_special_tokens=True), item))
+        else:
+            if not item:
+                raise bad_request("prompt must not be empty", "prompt")
+            check_token_ids(item, limits, "prompt")
+            out.append((list(item), None))
+    return out
+
+
+def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, defaults: dict) -> GenPlan:
+    _unsupported(req)
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    echo = bool(req.echo)
+    max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not echo:
+        raise bad_request("max_tokens must be at least 1 (0 is only allowed with echo)", "max_tokens")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
+    pairs = completion_prompts(req.prompt, tok, limits)
+    prompts = [ids for ids, _ in pairs]
+    for ids in prompts:
+        check_context(len(ids), max_tokens, limits)
+    if req.stop_token_ids:
+        check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
+    logprobs = -1 if req.logprobs is None else req.logprobs
+    prompt_lp = req.prompt_logprobs if req.prompt_logprobs is not None else (logprobs if echo else -1)
+    params = sampling_params(req, max(1, max_tokens), defaults, logprobs, prompt_lp, req.min_tokens, req.seed)
+    return GenPlan(
+        prompts=prompts,
+        params=params,
+        stop_cfg=_stop_cfg(req, discard=max_tokens == 0),
+        n=req.n or 1,
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        echo=echo,
+        top_logprobs=req.logprobs,
+        # Echo returns the prompt as sent; token prompts are decoded like the completion.
+        prompt_texts=[text if text is not None else tok.decode(ids, req.skip_special_tokens is not False)
+                      for ids, text in pairs] if echo else [],
+    )
+
+
+# ---------------------------------------------------------------------- /v1/chat/completions
+
+
+def validate_messages(messages: list[dict]) -> None:
+    if not messages:
+        raise bad_request("messages must contain at least one message", "messages")
+    for i, message in enumerate(messages):
+        try:
+            msgspec.convert(message, ChatMessage)
+        except msgspec.ValidationError as exc:
+            raise bad_request(f"invalid message: {exc}", f"messages[{i}]") from None
+
+
+def chat_text(req, template: ChatTemplate) -> str:
+    validate_messages(req.messages)
+    try:
+        return template.render(
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            tools=getattr(req, "tools", None),
+            documents=getattr(req, "documents", None),
+            extra_vars=getattr(req, "chat_template_kwargs", None),
+        )
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+
+
+def chat_prompt(req, tok: TextTokenizer, template: ChatTemplate) -> list[int]:
+    # HF tokenizes rendered chats without special tokens: the template wrote any BOS itself.
+    return tok.encode(chat_text(req, template), add_special_tokens=False)
+
+
+def plan_chat(
+    req: ChatCompletionRequest, tok: TextTokenizer, template: ChatTemplate, limits: Limits, defaults: dict
+) -> GenPlan:
+    _unsupported(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    ids = chat_prompt(req, tok, template)
+    if not ids:
+        raise bad_request("the rendered chat prompt is empty", "messages")
+    if len(ids) >= limits.max_context:
+        raise bad_request(
+            f"This model's maximum context length is {limits.max_context} tokens. However, your messages "
+            f"resulted in {len(ids)} tokens. Please reduce the length of the messages.",
+            "messages",
+        )
+    requested = req.max_completion_tokens or req.max_tokens
+    max_tokens = requested if requested is not None else limits.max_context - len(ids)
+    check_context(len(ids), max_tokens, limits)
+    if req.stop_token_ids:
+        check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, defaults, -1 if top is None else top, -1, req.min_tokens, req.seed)
+    return GenPlan(
+        prompts=[ids],
+        params=params,
+        stop_cfg=_stop_cfg(req),
+        n=req.n or 1,
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        top_logprobs=top,
+    )

@@ -1,0 +1,172 @@
+"""Request bodies as msgspec Structs: the single source of both validation and the OpenAPI schema.
+
+Unknown fields are ignored (msgspec's default), as vLLM and SGLang do: benchmark clients send
+extras such as ``best_of``. Type and range errors come from the ``Meta`` constraints below; rules
+that span fields live in ``params.py``. Every failure becomes HTTP 400 (``errors.py``).
+
+msgspec allows only one array type per union, so ``prompt`` and ``input_ids`` are declared wider
+than what is accepted; ``params.py`` checks the exact shapes and ``openapi.py`` publishes them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+from msgspec import Meta
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=1000.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepPenalty = Annotated[float, Meta(gt=0.0, le=100.0)]
+Seed = Annotated[int, Meta(ge=I64_MIN, le=I64_MAX)]
+NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+StopStrings = Union[str, list[str]]
+# Wider than accepted: str | [str] | [int] | [[int]] (see module docstring).
+PromptType = Union[str, list[Union[str, int, list[int]]]]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extensions)."""
+
+    model: str | None = None
+    n: NumChoices | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: Seed | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepPenalty | None = None
+    min_tokens: NonNegInt | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # accepted only when empty: not implemented
+    response_format: dict[str, Any] | None = None  # accepted only as {"type": "text"}
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: PromptType
+    max_tokens: NonNegInt | None = None  # default 16; 0 only with echo
+    echo: bool | None = None
+    logprobs: TopLogprobs | None = None
+    prompt_logprobs: TopLogprobs | None = None
+    suffix: str | None = None  # accepted only when empty: not implemented
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    """Only for validation and the schema: the template receives the original dict (extra keys
+    such as ``tool_calls`` or ``reasoning_content`` included)."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: PosInt | None = None
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    documents: list[dict[str, Any]] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: true for prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class NativeSamplingParams(msgspec.Struct, kw_only=True):
+    """SGLang's ``sampling_params`` for /generate."""
+
+    max_new_tokens: NonNegInt | None = None  # SGLang's default is 128
+    min_new_tokens: NonNegInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepPenalty | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    sampling_seed: Seed | None = None
+    seed: Seed | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    text: str | None = None
+    input_ids: list[TokenId] | None = None
+    sampling_params: NativeSamplingParams | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: TopLogprobs | None = None
+    logprob_start_len: int | None = None
+    rid: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+REQUEST_TYPES = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    ErrorResponse,
+    ChatMessage,
+)
