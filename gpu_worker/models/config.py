@@ -4,11 +4,13 @@ We read the raw JSON dict instead of importing ``transformers`` (the worker does
 it), so every default HF derives in its config ``__post_init__`` is reproduced here. Two
 serialisations of Gemma 4 exist:
 
-- transformers 5.23+: ``per_layer_config`` = {"<layer idx>": {"head_dim": .., "num_key_value_heads": ..}}
-  holding only the values that differ from the global ones;
-- transformers <= 5.22 (e.g. 5.17): ``global_head_dim`` (default 512) and
-  ``num_global_key_value_heads`` for the full-attention layers, the latter only when
-  ``attention_k_eq_v`` (otherwise full layers keep ``num_key_value_heads``).
+- new (written by the transformers 5.17 and 5.24 wheels we test with): ``per_layer_config`` =
+  {"<layer idx>": {"head_dim": .., "num_key_value_heads": ..}} holding only the values that
+  differ from the global ones;
+- old (earlier releases; e.g. the Hub's Gemma 4 assistant configs): ``global_head_dim``
+  (default 512) and ``num_global_key_value_heads`` for the full-attention layers, the latter
+  only when ``attention_k_eq_v`` (otherwise full layers keep ``num_key_value_heads``).
+HF converts the old form to the new one when ``per_layer_config`` is absent; so do we.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class LayerSpec:
     sliding_window: int | None  # None on full layers
     rope: RopeSpec
     intermediate_size: int
-    kv_source: int | None = None  # Gemma 4 KV sharing: decoder layer whose KV this one reads
+    # Gemma 4 KV sharing: the decoder layer whose KV this one reads; -1 = another model's KV
+    # (the assistant reads the target's, mapped when it is bound to the target).
+    kv_source: int | None = None
     k_eq_v: bool = False  # Gemma 4 attention_k_eq_v on this layer: no v_proj, value = k_proj output
 
     @property

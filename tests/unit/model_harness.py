@@ -13,6 +13,8 @@ worker. Typical use::
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -20,6 +22,9 @@ from gpu_worker.attention import create_backend
 from gpu_worker.attention.base import RowLayout
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape, KVPool
+
+# The model tests run on CPU in CI; TANDEM_TEST_DEVICE=cuda runs the same checks on a GPU.
+TEST_DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
 
 
 class PagedHarness:
@@ -33,7 +38,7 @@ class PagedHarness:
         max_slots: int = 8,
         max_pages_per_slot: int = 32,
         dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
+        device: str | torch.device = TEST_DEVICE,
         backend: str = "torch",
         seed: int = 0,
     ):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gpu_worker.models.loader import load_model
-from tests.unit.model_harness import PagedHarness, randomize_hf_
+from tests.unit.model_harness import TEST_DEVICE, PagedHarness, randomize_hf_
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma4_assistant import (  # noqa: E402
@@ -103,8 +103,8 @@ def _build_pair(tmp_path, ordered: bool):
         hf_draft.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=g))
     hf_target.save_pretrained(tmp_path / "target")
     hf_draft.save_pretrained(tmp_path / "draft")
-    target = load_model(tmp_path / "target", dtype=torch.float32)
-    draft = load_model(tmp_path / "draft", dtype=torch.float32, target=target)
+    target = load_model(tmp_path / "target", dtype=torch.float32, device=TEST_DEVICE)
+    draft = load_model(tmp_path / "draft", dtype=torch.float32, device=TEST_DEVICE, target=target)
     return hf_target, hf_draft, target, draft
 
 
@@ -142,17 +142,17 @@ def test_draft_steps_match_hf(tmp_path, ordered):
     rows = [(h.new_slot(), p) for p in prompts]
     with torch.inference_mode():
         hidden = h.extend(target, rows)[PagedHarness.last_rows(rows)]
-        tokens = torch.tensor(bonus)
+        tokens = torch.tensor(bonus, device=TEST_DEVICE)
         fb = h.draft_batch([slot for slot, _ in rows])  # constant for every step: frozen KV
         for step in range(STEPS):
             logits, hidden = draft(draft.embed(tokens), hidden, fb, h.backend)
             assert logits.dtype == torch.float32 and logits.shape == (3, VOCAB)
             ref_logits = torch.stack([refs[r][step][0] for r in range(3)])
             ref_hidden = torch.stack([refs[r][step][1] for r in range(3)])
-            torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden.cpu(), ref_hidden, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logits.cpu(), ref_logits, atol=1e-4, rtol=1e-4)
             if step < STEPS - 1:
-                tokens = torch.tensor(feed[step])
+                tokens = torch.tensor(feed[step], device=TEST_DEVICE)
 
 
 def test_draft_maps_layers_to_target_kv_owners(tmp_path):
@@ -167,11 +167,11 @@ def test_centroid_head_argmax_is_a_selected_token(tmp_path):
     """Masked filler sits below every selected logit, per row, without a host sync."""
     _, _, _, draft = _build_pair(tmp_path, ordered=True)
     torch.manual_seed(5)
-    h = torch.randn(4, draft.draft_hidden_size)
+    h = torch.randn(4, draft.draft_hidden_size).to(TEST_DEVICE)
     with torch.inference_mode():
-        logits = draft.compute_logits(h)
-        top = torch.topk(draft.masked_embedding.centroids(h), k=4, dim=-1).indices
-    clusters = draft.masked_embedding.token_ordering.view(16, VOCAB // 16)
+        logits = draft.compute_logits(h).cpu()
+        top = torch.topk(draft.masked_embedding.centroids(h), k=4, dim=-1).indices.cpu()
+    clusters = draft.masked_embedding.token_ordering.view(16, VOCAB // 16).cpu()
     for r in range(4):
         selected = clusters[top[r]].reshape(-1)
         others = torch.ones(VOCAB, dtype=torch.bool)
@@ -184,7 +184,7 @@ def test_bind_rejects_mismatched_pair(tmp_path):
     torch.manual_seed(0)
     hf_target = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**_TARGET))
     hf_target.save_pretrained(tmp_path / "target")
-    target = load_model(tmp_path / "target", dtype=torch.float32)
+    target = load_model(tmp_path / "target", dtype=torch.float32, device=TEST_DEVICE)
     bad = [
         (dict(backbone_hidden_size=48), {}, "draft backbone_hidden_size 48 does not match target hidden_size 64"),
         ({}, dict(vocab_size=128), "draft vocab_size 128 does not match target vocab_size 256"),
@@ -195,6 +195,6 @@ def test_bind_rejects_mismatched_pair(tmp_path):
         path = tmp_path / f"draft{i}"
         Gemma4AssistantForCausalLM(cfg).save_pretrained(path)
         with pytest.raises(ValueError, match=message):
-            load_model(path, dtype=torch.float32, target=target)
+            load_model(path, dtype=torch.float32, device=TEST_DEVICE, target=target)
     with pytest.raises(ValueError, match="draft model"):
-        load_model(tmp_path / "draft0", dtype=torch.float32)
+        load_model(tmp_path / "draft0", dtype=torch.float32, device=TEST_DEVICE)

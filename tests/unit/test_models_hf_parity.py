@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu_worker.models.loader import load_model
-from tests.unit.model_harness import PagedHarness, hf_logits, randomize_hf_
+from tests.unit.model_harness import TEST_DEVICE, PagedHarness, hf_logits, randomize_hf_
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,7 +124,7 @@ def pairs(tmp_path_factory):
             randomize_hf_(hf, seed=len(cache))
             path = tmp_path_factory.mktemp(name)
             hf.save_pretrained(path)
-            cache[name] = (hf, load_model(path, dtype=torch.float32, device="cpu"))
+            cache[name] = (hf, load_model(path, dtype=torch.float32, device=TEST_DEVICE))
         return cache[name]
 
     return get
@@ -142,7 +142,7 @@ def test_prefill_flat_batch_matches_hf(name, pairs):
     h = PagedHarness(ours.kv_shapes, ours.sliding_windows)
     rows = [(h.new_slot(), s) for s in seqs]
     with torch.inference_mode():
-        logits = ours.compute_logits(h.extend(ours, rows))
+        logits = ours.compute_logits(h.extend(ours, rows)).cpu()
     ref = torch.cat([hf_logits(hf, s) for s in seqs])
     assert logits.dtype == torch.float32 and logits.shape == ref.shape
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=RTOL)
@@ -164,7 +164,7 @@ def test_chunked_prefill_then_decode_matches_hf(name, pairs):
         plan.append(([(a, [a_full[20 + k]]), (b, [b_full[15 + k]])], [ref_a[20 + k : 21 + k], ref_b[15 + k : 16 + k]]))
     with torch.inference_mode():
         for i, (rows, refs) in enumerate(plan):
-            logits = ours.compute_logits(h.extend(ours, rows))
+            logits = ours.compute_logits(h.extend(ours, rows)).cpu()
             torch.testing.assert_close(logits, torch.cat(refs), atol=ATOL, rtol=RTOL, msg=lambda m: f"step {i}: {m}")
 
 
@@ -185,4 +185,5 @@ def test_embed_matches_hf(pairs):
     hf, ours = pairs("gemma4")
     ids = torch.tensor([3, 7, 200])
     with torch.inference_mode():
-        torch.testing.assert_close(ours.embed(ids), hf.model.embed_tokens(ids), atol=0, rtol=0)
+        ref = hf.model.embed_tokens(ids)
+        torch.testing.assert_close(ours.embed(ids.to(TEST_DEVICE)).cpu(), ref, atol=0, rtol=0)
