@@ -24,7 +24,7 @@ from starlette.responses import Response
 from tokenizer_proc import serving_native, serving_openai
 from tokenizer_proc.context import Front
 from tokenizer_proc.errors import APIError, error_body, error_response
-from tokenizer_proc.protocol import REQUEST_TYPES
+from tokenizer_proc.protocol import REQUEST_TYPES, TOKEN_ID_MAX
 
 log = logging.getLogger("tandem.front")
 
@@ -59,17 +59,64 @@ def _body(name: str) -> dict:
 _PROMPT_SCHEMA = {"anyOf": [
     {"type": "string", "minLength": 1},
     {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": TOKEN_ID_MAX}},
     {"type": "array", "minItems": 1,
-     "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+     "items": {"type": "array", "minItems": 1,
+               "items": {"type": "integer", "minimum": 0, "maximum": TOKEN_ID_MAX}}},
 ]}
 
 
-def openapi_schema(app: FastAPI) -> dict:
+def _exactly_one(a: dict, b: dict) -> dict:
+    """One of two properties ({name: schema} each) must be set, the other absent or null."""
+    (na, sa), (nb, sb) = next(iter(a.items())), next(iter(b.items()))
+    null = {"type": "null"}
+    return {"oneOf": [{"required": [na], "properties": {na: sa, nb: null}},
+                      {"required": [nb], "properties": {nb: sb, na: null}}]}
+
+
+def _limit_token_ids(node: Any, vocab: int) -> None:
+    """Token ids must be below the engine's vocabulary; known only once the engine is up."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("maximum") == TOKEN_ID_MAX:
+            node["maximum"] = vocab - 1
+        for value in node.values():
+            _limit_token_ids(value, vocab)
+    elif isinstance(node, list):
+        for value in node:
+            _limit_token_ids(value, vocab)
+
+
+def _limit_lengths(components: dict, max_context: int) -> None:
+    """No completion can be longer than the context (the prompt's share is checked per request)."""
+    for struct in components.values():
+        for name in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
+            prop = struct.get("properties", {}).get(name)
+            for option in (prop or {}).get("anyOf", []):
+                if option.get("type") == "integer":
+                    option["maximum"] = max_context
+
+
+def openapi_schema(app: FastAPI, vocab_size: int | None = None, max_context: int | None = None) -> dict:
     schema = get_openapi(title="Tandem", version=version(), routes=app.routes,
                          description="OpenAI-compatible and SGLang-native LLM serving API")
     _, components = msgspec.json.schema_components(REQUEST_TYPES, ref_template="#/components/schemas/{name}")
     components["CompletionRequest"]["properties"]["prompt"] = _PROMPT_SCHEMA
+    nonempty_str = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": TOKEN_ID_MAX}}
+    components["GenerateRequest"].update(_exactly_one({"text": nonempty_str}, {"input_ids": ids}))
+    components["TokenizeRequest"].update(_exactly_one({"prompt": {"type": "string"}},
+                                                      {"messages": {"type": "array"}}))
+    # Messages are validated as ChatMessage but passed on as dicts (extra keys reach the template).
+    messages = {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/ChatMessage"}}
+    components["ChatCompletionRequest"]["properties"]["messages"] = messages
+    components["TokenizeRequest"]["properties"]["messages"] = {"anyOf": [messages, {"type": "null"}],
+                                                               "default": None}
+    if vocab_size:
+        for name in ("CompletionRequest", "ChatCompletionRequest", "GenerateRequest", "DetokenizeRequest",
+                     "NativeSamplingParams"):
+            _limit_token_ids(components[name], vocab_size)
+    if max_context:
+        _limit_lengths(components, max_context)
     schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
     return schema
 
@@ -154,17 +201,20 @@ def build_app(front: Front) -> FastAPI:
     for path in ("/detokenize", "/v1/detokenize"):
         post(path, serving_native.detokenize, "DetokenizeRequest")
 
-    @app.get("/health", responses={503: ERRORS[503]})
+    @app.get("/health", response_class=Response, responses={200: {"description": "Ready (empty body)"},
+                                                             503: ERRORS[503]})
     async def health() -> Response:
         if front.engine.phase == "ready":
             return Response(status_code=200)
         return JSONResponse(error_body(503, f"server is {front.engine.phase}"), status_code=503)
 
-    @app.get("/health_generate", responses={503: ERRORS[503]})
+    @app.get("/health_generate", response_class=Response,
+             responses={200: {"description": "A 1-token request went round the engine"}, 503: ERRORS[503]})
     async def health_generate(request: Request) -> Response:
         return await serving_native.health_generate(front, request)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics() -> Response:
         return Response(front.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -193,7 +243,7 @@ def build_app(front: Front) -> FastAPI:
     async def load() -> dict:
         return {"server_load": front.engine.num_inflight}
 
-    @app.post("/flush_cache", responses={503: ERRORS[503]})
+    @app.post("/flush_cache", response_class=PlainTextResponse, responses={503: ERRORS[503]})
     async def flush_cache() -> Response:
         if front.engine.phase == "dead":
             raise APIError(503, f"engine is dead: {front.engine.dead_reason}")
@@ -202,10 +252,15 @@ def build_app(front: Front) -> FastAPI:
 
     app.add_api_route("/flush_cache", flush_cache, methods=["GET"], include_in_schema=False)
 
-    app.openapi = lambda: app.openapi_schema or _cache_openapi(app)  # type: ignore[method-assign]
+    def openapi() -> dict:
+        # Cached only once the engine is known: its vocabulary bounds token ids in the schema.
+        if app.openapi_schema is None:
+            info = front.engine.info
+            schema = openapi_schema(app, info.vocab_size if info else None, info.max_context if info else None)
+            if info is None:
+                return schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
-
-
-def _cache_openapi(app: FastAPI) -> dict:
-    app.openapi_schema = openapi_schema(app)
-    return app.openapi_schema

@@ -129,11 +129,13 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
 
     Flattening (parts joined by newlines, as vLLM does for "string"-format templates) lets any
     template render list content; non-text parts are rejected because we serve text models.
+    A missing or null ``content`` (an assistant turn with tool calls) becomes "" so templates
+    that print ``message['content']`` do not fail on it (vLLM does the same).
     """
     out = []
     for i, message in enumerate(messages):
         msg = {k: v for k, v in message.items() if v is not None}
-        content = msg.get("content")
+        content = msg.setdefault("content", "")
         if isinstance(content, list):
             texts = []
             for part in content:

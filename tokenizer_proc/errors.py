@@ -75,7 +75,9 @@ def decode_body(body: bytes, typ: type[T]) -> T:
     if not body.strip():
         raise bad_request("request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=typ)
+        # Lax coercion, like pydantic's default in vLLM: "16" and 16.0 are fine for an int field
+        # (JSON Schema calls 16.0 an integer too); "sixteen" and 16.5 are not.
+        return msgspec.json.decode(body, type=typ, strict=False)
     except msgspec.ValidationError as exc:
         message, param = _param_from_validation(str(exc))
         where = f" (field '{param}')" if param else ""

@@ -99,11 +99,7 @@ def check_context(prompt_len: int, max_tokens: int, limits: Limits) -> None:
 
 
 def _unsupported(req: SamplingFields) -> None:
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request("response_format other than 'text' is not supported", "response_format")
+    # logit_bias, suffix and response_format are limited to their no-op values by protocol.py.
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
 
@@ -181,8 +177,6 @@ def completion_prompts(prompt, tok: TextTokenizer, limits: Limits) -> list[tuple
 
 def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, defaults: dict) -> GenPlan:
     _unsupported(req)
-    if req.suffix:
-        raise bad_request("suffix is not supported", "suffix")
     echo = bool(req.echo)
     max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
     if max_tokens == 0 and not echo:

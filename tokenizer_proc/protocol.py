@@ -10,7 +10,7 @@ than what is accepted; ``params.py`` checks the exact shapes and ``openapi.py`` 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -30,7 +30,8 @@ RepPenalty = Annotated[float, Meta(gt=0.0, le=100.0)]
 Seed = Annotated[int, Meta(ge=I64_MIN, le=I64_MAX)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
-TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+TOKEN_ID_MAX = 2**31 - 1  # replaced by the engine's vocabulary in /openapi.json
+TokenId = Annotated[int, Meta(ge=0, le=TOKEN_ID_MAX)]
 StopStrings = Union[str, list[str]]
 # Wider than accepted: str | [str] | [int] | [[int]] (see module docstring).
 PromptType = Union[str, list[Union[str, int, list[int]]]]
@@ -39,6 +40,12 @@ PromptType = Union[str, list[Union[str, int, list[int]]]]
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    """Structured output is not implemented: plain text only."""
+
+    type: Literal["text"] = "text"
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -62,8 +69,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: NonNegInt | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # accepted only when empty: not implemented
-    response_format: dict[str, Any] | None = None  # accepted only as {"type": "text"}
+    logit_bias: Annotated[dict[str, float], Meta(max_length=0, description="not supported: only {}")] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
 
@@ -73,12 +80,14 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = None
     logprobs: TopLogprobs | None = None
     prompt_logprobs: TopLogprobs | None = None
-    suffix: str | None = None  # accepted only when empty: not implemented
+    suffix: Annotated[str, Meta(max_length=0, description="not supported: only ''")] | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
-    text: str | None = None
+    """Text models only: other part types (images, audio) are rejected."""
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
