@@ -8,20 +8,25 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process if the supervisor dies, so no orphan survives it."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
+def _linux_prctl(role: str) -> None:
+    """Linux: SIGKILL this process if the supervisor dies (no orphan survives it), and name it
+    ``tandem-<role>`` in ps / top / /proc/PID/comm."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(f"tandem-{role}"[:15].encode()))
+    except OSError:
+        pass
 
 
 def child_main(role: str, args, endpoints, status_conn) -> None:
     os.setpgrp()  # Ctrl-C reaches the supervisor only; it stops children in order
-    _die_with_parent()
+    _linux_prctl(role)
     if os.getppid() == 1:  # the supervisor died before we armed the death signal
         os._exit(1)
     if role == "worker":

@@ -6,6 +6,7 @@ tokenizer.json + tokenizer_config.json (with a chat template) and generation_con
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -110,11 +111,16 @@ def _scale_up_gemma(model) -> None:
                 p.normal_(0.0, 0.08)
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-    """HF transformers' greedy continuation (the oracle), new tokens only."""
+@functools.lru_cache(maxsize=4)
+def hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """HF transformers' greedy continuation (the oracle), new tokens only."""
+    model = hf_model(model_dir)
     ids = torch.tensor([prompt_ids])
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD)
     if ignore_eos:
