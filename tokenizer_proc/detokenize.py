@@ -11,6 +11,9 @@ A delta that ends in U+FFFD is held back (offsets stay put) until a later token 
 character; ``flush()`` at the end of the request releases whatever is still held, so the
 concatenation of all deltas equals the text of the whole sequence.
 
+The last few prompt tokens serve as left context, unless the prompt ends inside a character
+(possible with token-id prompts): then the completion is decoded on its own.
+
 ``MAX_PENDING`` bounds the work when a model emits bytes that never form a valid character: after
 that many held tokens we emit the replacement characters anyway (the only case where the deltas
 could differ from a one-shot decode).
@@ -38,6 +41,10 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self._prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        if self._prefix_text.endswith(REPLACEMENT):
+            # The prompt (token ids from a client) ends inside a character: gluing generated
+            # bytes onto it would change what they decode to. Decode the completion on its own.
+            self.ids, self.read_offset, self._prefix_text = [], 0, ""
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.decoder.decode(self.ids[start:end], skip_special_tokens=self.skip_special_tokens)

@@ -81,6 +81,7 @@ class FrontServer:
                                 timeout_graceful_shutdown=5, lifespan="off")
         self.server = uvicorn.Server(config)
         self._stopping = False
+        self._drain_deadline = 0.0
 
     @property
     def engine(self) -> EngineClient:
@@ -142,17 +143,20 @@ class FrontServer:
             loop.add_signal_handler(sig, self.request_stop)
 
     def request_stop(self) -> None:
+        """First signal: drain. A second one (an impatient Ctrl-C) cuts the drain short."""
         if self._stopping:
+            self._drain_deadline = 0.0
             return
         self._stopping = True
-        asyncio.get_running_loop().create_task(self._drain(), name="drain")
+        loop = asyncio.get_running_loop()
+        self._drain_deadline = loop.time() + max(0.0, self.args.shutdown_timeout)
+        loop.create_task(self._drain(), name="drain")
 
     async def _drain(self) -> None:
         engine = self.engine
         if engine.phase != DEAD:
             engine.phase = DRAINING
-        deadline = asyncio.get_running_loop().time() + max(0.0, self.args.shutdown_timeout)
-        while engine.num_inflight and asyncio.get_running_loop().time() < deadline:
+        while engine.num_inflight and asyncio.get_running_loop().time() < self._drain_deadline:
             await asyncio.sleep(0.05)
         if engine.num_inflight:
             log.warning("shutdown: failing %d unfinished requests", engine.num_inflight)

@@ -60,6 +60,15 @@ def test_prompt_context_gives_exact_continuation(prompt, completion):
     assert "".join(deltas) == TOK.decode(gen_ids)
 
 
+@SETTINGS
+@given(st.lists(st.integers(0, TOK.vocab_size - 1), min_size=1, max_size=8),
+       st.lists(st.integers(0, TOK.vocab_size - 1), max_size=MAX_PENDING - 1))
+def test_any_prompt_ids_then_any_completion(prompt_ids, gen_ids):
+    """Token-id prompts may end inside a character; the completion must still decode alone."""
+    deltas = stream(IncrementalDetokenizer(TOK, prompt_ids), gen_ids)
+    assert "".join(deltas) == TOK.decode(gen_ids)
+
+
 def test_special_tokens_skipped_or_kept():
     ids = TOK.encode("Hello", add_special_tokens=False) + [TOK.eos_id]
     assert "".join(stream(IncrementalDetokenizer(TOK), ids)) == "Hello"
