@@ -1,0 +1,41 @@
+"""A test-only draft model that proposes from a bigram table of known target continuations.
+
+Random tiny checkpoints give a random assistant almost no acceptance, which would leave the
+multi-token paths (partial acceptance, finishing mid-chunk, page growth by several tokens)
+untested. This stand-in has the assistant's interface and accepts often; losslessness must
+not depend on it being right.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BigramDraft(nn.Module):
+    sliding_windows: tuple[int, ...] = ()
+
+    def __init__(self, target, table: dict[int, int]):
+        super().__init__()
+        self.target = target
+        self.hidden_size = target.hidden_size
+        v = target.vocab_size
+        nxt = torch.arange(v)
+        for a, b in table.items():
+            nxt[a] = b
+        self.register_buffer("next_tok", nxt)
+
+    def forward(self, token_embeds, prev_hidden, fb, backend):
+        # Recover the token id from the target's scaled embedding (exact rows).
+        table = self.target.embed(torch.arange(self.target.vocab_size, device=token_embeds.device))
+        ids = torch.cdist(token_embeds.float(), table.float()).argmin(-1)
+        logits = torch.nn.functional.one_hot(self.next_tok[ids], self.target.vocab_size).float()
+        return logits, prev_hidden
+
+
+def bigram_table(sequences: list[list[int]]) -> dict[int, int]:
+    table: dict[int, int] = {}
+    for seq in sequences:
+        for a, b in zip(seq, seq[1:]):
+            table.setdefault(a, b)
+    return table
