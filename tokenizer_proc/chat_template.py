@@ -81,7 +81,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # jinja's own tojson HTML-escapes; templates expect plain JSON.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -168,7 +170,7 @@ class ChatTemplate:
         return tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_id]
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: TextTokenizer) -> "ChatTemplate":
+    def from_tokenizer(cls, tokenizer: TextTokenizer) -> ChatTemplate:
         return cls(load_chat_template(tokenizer.dir, tokenizer.config), tokenizer)
 
     def render(

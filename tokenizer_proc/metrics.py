@@ -48,7 +48,7 @@ class _Fan:
     def __init__(self, children: list[Any]):
         self.children = children
 
-    def labels(self, **labels: str) -> "_Fan":
+    def labels(self, **labels: str) -> _Fan:
         return _Fan([c.labels(**labels) for c in self.children])
 
     def inc(self, amount: float = 1.0) -> None:

@@ -43,7 +43,10 @@ class Limits:
 
 def load_generation_defaults(model_path: str) -> dict:
     cfg = read_json(os.path.join(model_path, "generation_config.json"))
-    return {k: cfg[k] for k in GEN_CONFIG_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)}
+    def numeric(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    return {k: cfg[k] for k in GEN_CONFIG_KEYS if numeric(cfg.get(k))}
 
 
 @dataclass

@@ -31,14 +31,14 @@ def unpack_logprobs(lp: Logprobs | None) -> list[TokenLogprob]:
         return [(float(x), []) for x in chosen]
     ids = view_i32(lp.top_ids).reshape(-1, lp.top)
     lps = view_f32(lp.top_logprobs).reshape(-1, lp.top)
-    return [(float(c), list(zip(ids[i].tolist(), lps[i].tolist()))) for i, c in enumerate(chosen)]
+    return [(float(c), list(zip(ids[i].tolist(), lps[i].tolist(), strict=True))) for i, c in enumerate(chosen)]
 
 
 @dataclass
 class Delta:
     """What one engine step added to one choice, already cut at any stop."""
 
-    state: "RequestState"
+    state: RequestState
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

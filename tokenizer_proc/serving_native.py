@@ -101,7 +101,7 @@ def _meta(state: RequestState, reason: str | None, stop, ids: list[int], entries
         if state.prompt_logprobs is not None:
             prompt = [None, *[e for e in state.prompt_logprobs]]
             meta["input_token_logprobs"] = [[None if e is None else e[0], t, None]
-                                            for e, t in zip(prompt, state.prompt_ids)]
+                                            for e, t in zip(prompt, state.prompt_ids, strict=False)]
     return meta
 
 

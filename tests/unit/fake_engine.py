@@ -76,7 +76,7 @@ class FakeEngine:
         self.thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
 
     # ------------------------------------------------------------------ control
-    def start(self, send_info: bool = True) -> "FakeEngine":
+    def start(self, send_info: bool = True) -> FakeEngine:
         if send_info:
             self.send_info()
         self.thread.start()
@@ -136,7 +136,8 @@ class FakeEngine:
             elif isinstance(msg, AbortReq):
                 req = self.running.pop(msg.rid, None)
                 if req is not None:
-                    self._send([ReqOutput(msg.rid, b"", finish_reason="abort", prompt_tokens=len(req.msg.prompt_ids) // 4)])
+                    n_prompt = len(req.msg.prompt_ids) // 4
+                    self._send([ReqOutput(msg.rid, b"", finish_reason="abort", prompt_tokens=n_prompt)])
             elif isinstance(msg, Shutdown):
                 self._stop.set()
 
@@ -151,7 +152,8 @@ class FakeEngine:
             tokens = tokens[: self.eos_after - 1] + [self.eos_id] + tokens[self.eos_after - 1 :]
         self.running[msg.rid] = FakeReq(msg, tokens)
         if msg.params.prompt_logprobs >= 0:
-            self._send([ReqOutput(msg.rid, b"", prompt_logprobs=self._logprobs(prompt[1:], 0, msg.params.prompt_logprobs))])
+            lp = self._logprobs(prompt[1:], 0, msg.params.prompt_logprobs)
+            self._send([ReqOutput(msg.rid, b"", prompt_logprobs=lp)])
 
     def _logprobs(self, tokens: list[int], start: int, k: int) -> Logprobs:
         chosen = [fake_logprob(start + i) for i in range(len(tokens))]
@@ -202,6 +204,7 @@ class FakeEngine:
         steps = self.tokens_per_step - 1
         return SchedulerStats(
             num_running=len(self.running), num_waiting=0, kv_pages_used=len(self.running), kv_pages_total=64,
-            prefix_queries=100, prefix_hits=40, spec_num_drafts=self.drafts, spec_num_draft_tokens=self.drafts * max(steps, 0),
+            prefix_queries=100, prefix_hits=40, spec_num_drafts=self.drafts,
+            spec_num_draft_tokens=self.drafts * max(steps, 0),
             spec_num_accepted_tokens=self.accepted, spec_accepted_per_pos=tuple([self.drafts] * max(steps, 0)),
         )

@@ -49,7 +49,7 @@ class FrontThread:
         finally:
             self.loop.close()
 
-    def start(self) -> "FrontThread":
+    def start(self) -> FrontThread:
         self.thread.start()
         assert self.started.wait(10), "front did not start"
         if self.error:

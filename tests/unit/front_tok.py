@@ -75,7 +75,9 @@ def write_tokenizer_dir(path: str, template: str | None = CHATML_TEMPLATE, add_b
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
-        "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False},
+        # A serialised AddedToken, as older checkpoints store it.
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True, "lstrip": False,
+                      "rstrip": False, "normalized": False, "single_word": False},
         "pad_token": "<pad>",
         "add_bos_token": add_bos,
         "model_max_length": 4096,
@@ -87,7 +89,7 @@ def write_tokenizer_dir(path: str, template: str | None = CHATML_TEMPLATE, add_b
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shared_tokenizer_dir(template_name: str = "chatml") -> str:
     """One trained tokenizer directory per template, reused by every test in the session."""
     template = {"chatml": CHATML_TEMPLATE, "llama": LLAMA_TEMPLATE, "none": None}[template_name]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.unit.front_tok import shared_tokenizer_dir
 from proto.arrays import pack_i32
 from proto.messages import ReqOutput, SamplingParams
+from tests.unit.front_tok import shared_tokenizer_dir
 from tokenizer_proc.detokenize import IncrementalDetokenizer
 from tokenizer_proc.request_state import RequestState, StopConfig
 from tokenizer_proc.stops import StopMatch, StopMatcher
