@@ -91,6 +91,25 @@ def chat_logprobs(tok: TextTokenizer, token_ids: Sequence[int], entries: Sequenc
     return {"content": content}
 
 
+def vllm_prompt_logprobs(tok: TextTokenizer, prompt_ids: Sequence[int], entries: list[TokenLogprob] | None) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else
+    ``{token_id: {logprob, rank, decoded_token}}`` for the token itself and its top alternatives."""
+    rows = entries or []
+    out: list = [None]
+    for i, token_id in enumerate(prompt_ids[1:]):
+        if i >= len(rows):
+            out.append(None)
+            continue
+        chosen, alternatives = rows[i]
+        ranks = {t: r + 1 for r, (t, _) in enumerate(alternatives)}
+        row = {str(t): {"logprob": _lp(lp), "rank": r + 1, "decoded_token": tok.token_str(t)}
+               for r, (t, lp) in enumerate(alternatives)}
+        row.setdefault(str(token_id), {"logprob": _lp(chosen), "rank": ranks.get(token_id),
+                                       "decoded_token": tok.token_str(token_id)})
+        out.append(row)
+    return out
+
+
 def usage(states: Sequence[RequestState], n: int) -> dict:
     """Prompt tokens once per prompt (choices of one prompt share it); completions summed."""
     per_prompt = states[::n] if n > 0 else states

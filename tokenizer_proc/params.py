@@ -62,6 +62,7 @@ class GenPlan:
     continuous_usage: bool = False
     echo: bool = False
     top_logprobs: int | None = None  # None: no logprobs in the response
+    return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field (non-streaming only)
     prompt_texts: list[str] = field(default_factory=list)
 
     def choice_params(self, j: int) -> SamplingParams:
@@ -205,6 +206,7 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
         continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
         echo=echo,
         top_logprobs=req.logprobs,
+        return_prompt_logprobs=req.prompt_logprobs is not None,
         # Echo returns the prompt as sent; token prompts are decoded like the completion.
         prompt_texts=[text if text is not None else tok.decode(ids, req.skip_special_tokens is not False)
                       for ids, text in pairs] if echo else [],

@@ -82,8 +82,9 @@ class RequestState:
         self.sink: asyncio.Queue | None = None  # set by EngineClient.submit
         self.detok = IncrementalDetokenizer(decoder, prompt_ids, stop_cfg.skip_special_tokens)
         self.matcher = StopMatcher(stop_cfg.stop, stop_cfg.include_stop_str_in_output)
-        self.arrival_wall = time.time()
         self.arrival_mono = time.monotonic() if arrival_mono is None else arrival_mono
+        # The HTTP arrival on the wall clock, for the scheduler's queue timing.
+        self.arrival_wall = time.time() - (time.monotonic() - self.arrival_mono)
         self.first_token_mono: float | None = None
         self.last_token_mono: float | None = None
         self.n_tokens = 0  # completion tokens kept (usage)

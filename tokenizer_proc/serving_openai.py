@@ -17,7 +17,15 @@ from starlette.responses import Response
 
 from tokenizer_proc.context import Front, arrival, read_body
 from tokenizer_proc.errors import APIError, decode_body, error_body
-from tokenizer_proc.formatting import CompletionLogprobs, chat_logprobs, new_id, now_s, state_usage, usage
+from tokenizer_proc.formatting import (
+    CompletionLogprobs,
+    chat_logprobs,
+    new_id,
+    now_s,
+    state_usage,
+    usage,
+    vllm_prompt_logprobs,
+)
 from tokenizer_proc.params import GenPlan, check_model, plan_chat, plan_completion
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
 from tokenizer_proc.request_state import Delta, RequestState
@@ -144,8 +152,12 @@ class CompletionHandler:
                 logprobs = acc.to_dict()
             if self.plan.echo:
                 text = self._prompt_text(r.state) + text
-            choices.append({"index": r.state.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
+            choice = {"index": r.state.index, "text": text, "logprobs": logprobs,
+                      "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+            if self.plan.return_prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(self.front.tok, r.state.prompt_ids,
+                                                                 r.state.prompt_logprobs)
+            choices.append(choice)
         out = self.chunk(choices)
         out["usage"] = usage(self.group.states, self.plan.n)
         return out

@@ -214,6 +214,14 @@ def test_echo_max_tokens_zero_for_lm_eval(stack, client):
     assert gen_reqs(stack)[-1].params.prompt_logprobs == 1
 
 
+def test_vllm_prompt_logprobs_field(stack, http):
+    r = http.post("/v1/completions", json={"prompt": "The fox", "max_tokens": 1, "prompt_logprobs": 2}).json()
+    rows = r["choices"][0]["prompt_logprobs"]
+    ids = stack.tok.encode("The fox")
+    assert rows[0] is None and len(rows) == len(ids)
+    assert rows[1][str(ids[1])]["logprob"] == -0.25 and len(rows[1]) == 2
+
+
 def test_echo_with_generation(stack, client):
     fixed_output(stack, " jumps")
     r = client.completions.create(model=MODEL, prompt="The fox", max_tokens=5, echo=True, logprobs=0)
