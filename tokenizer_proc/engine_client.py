@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import msgspec
 import zmq
@@ -60,6 +60,7 @@ class EngineClient:
         self.dead_reason: str | None = None
         self.started_at = time.time()
         self._task: asyncio.Task | None = None
+        self.on_restart: Callable[[], None] | None = None  # set by the server
 
     # ------------------------------------------------------------------ sockets
     def open(self) -> None:
@@ -167,9 +168,14 @@ class EngineClient:
             self.last_stats = msg
             self.metrics.on_stats(msg)
         elif isinstance(msg, EngineInfo):
+            restarted = self.phase == DEAD
             self.info = msg
             self.metrics.set_max_model_len(msg.max_context)
             self.info_event.set()
+            if restarted and self.on_restart is not None:
+                # A supervisor that restarts the engine: warm up again before serving.
+                self.phase, self.dead_reason = STARTING, None
+                self.on_restart()
         elif isinstance(msg, EngineDead):
             self.on_engine_dead(msg.reason)
 

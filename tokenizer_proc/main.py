@@ -27,7 +27,7 @@ from proto.transport import Endpoints
 from tokenizer_proc.app import build_app
 from tokenizer_proc.chat_template import ChatTemplate
 from tokenizer_proc.context import Front
-from tokenizer_proc.engine_client import DEAD, DRAINING, READY, EngineClient
+from tokenizer_proc.engine_client import DEAD, DRAINING, READY, STARTING, EngineClient
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.params import load_generation_defaults
 from tokenizer_proc.serving_native import run_probe
@@ -93,6 +93,7 @@ class FrontServer:
         except Exception as exc:  # noqa: BLE001 - zmq errors have many types
             raise StartupError(f"cannot bind outputs channel {self.engine.endpoints.outputs}: {exc}") from exc
         self.engine.start()
+        self.engine.on_restart = self._on_engine_restart
         self._install_signals()
         # _serve, not serve: serve() installs uvicorn's own SIGTERM handler (immediate exit), and
         # we need ours (drain first).
@@ -125,6 +126,21 @@ class FrontServer:
         self.engine.phase = READY
         self.status("ready", None)
         log.info("front ready on http://%s:%d", self.args.host, self.port)
+
+    def _on_engine_restart(self) -> None:
+        asyncio.get_running_loop().create_task(self._rewarm(), name="rewarm")
+
+    async def _rewarm(self) -> None:
+        try:
+            if self.args.warmup:
+                await self._warmup()
+        except StartupError as exc:
+            log.error("engine restarted but %s", exc)
+            self.engine.on_engine_dead(str(exc))
+            return
+        if not self._stopping and self.engine.phase == STARTING:
+            self.engine.phase = READY
+            log.info("engine restarted; serving again")
 
     async def _warmup(self) -> None:
         try:

@@ -100,6 +100,19 @@ def test_engine_dead_fails_inflight_and_health():
         stack.close()
 
 
+def test_engine_restart_after_death():
+    stack = start_stack()
+    try:
+        stack.fake.send_dead("worker died")
+        with httpx.Client(base_url=stack.base_url, timeout=10) as c:
+            assert stack.fake.wait_for(lambda: c.get("/health").status_code == 503)
+            stack.fake.send_info()  # a restarted engine announces itself again
+            assert stack.fake.wait_for(lambda: c.get("/health").status_code == 200)
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        stack.close()
+
+
 def test_drain_fails_stragglers_after_timeout():
     stack = start_stack(shutdown_timeout=0.5)
     try:
