@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
-    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--hf-batch", type=int, default=0, help="HF generate batch (default: all prompts at once)")
     ap.add_argument("--json", default=None, help="write results here")
     bench, server_argv = ap.parse_known_args()
     args, ep, procs = start_engine(server_argv)
@@ -124,7 +124,7 @@ def main() -> None:
             p.terminate()
     if bench.hf:
         results["hf_transformers"] = run_hf(args.model_path, prompts, bench.output_len, args.resolved_device(),
-                                            bench.hf_batch)
+                                            bench.hf_batch or bench.num_prompts)
     print(json.dumps(results, indent=2))
     if bench.json:
         with open(bench.json, "w") as f:
