@@ -61,7 +61,8 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
     state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
     backend = create_backend(args.attention_backend, pool=pool, page_table=state.page_table)
-    runner = ModelRunner(target, assistant, backend, state, t, device)
+    eos = read_eos_token_ids(args.model_path)
+    runner = ModelRunner(target, assistant, backend, state, t, device, eos)
     ready = WorkerReady(
         page_size=args.page_size,
         num_pages=cap.num_pages,
@@ -73,7 +74,7 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
         architecture=type(target).__name__,
         tokens_per_step=t,
         speculative_num_steps=t - 1 if args.spec_enabled else 0,
-        eos_token_ids=read_eos_token_ids(args.model_path),
+        eos_token_ids=eos,
         kv_bytes_per_token=KVPool.bytes_per_token(target.kv_shapes, dtype),
     )
     return runner, ready

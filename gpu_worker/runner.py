@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, logits_rows
+from gpu_worker.processors import LogitProcessors
 from gpu_worker.prompt_logprobs import prompt_logprob_rows
 from gpu_worker.sampling import RowSampling, sample, token_logprobs
 from gpu_worker.device import h2d
@@ -73,8 +74,10 @@ class StepTimer:
 
 
 class ModelRunner:
-    def __init__(self, target, assistant, backend, state: SlotState, tokens_per_step: int, device):
+    def __init__(self, target, assistant, backend, state: SlotState, tokens_per_step: int, device,
+                 eos_ids: tuple[int, ...] = ()):
         self.target = target
+        self.proc = LogitProcessors(state.seq_len.shape[0], target.vocab_size, device, eos_ids)
         self.assistant = assistant
         self.backend = backend
         self.state = state
@@ -87,8 +90,10 @@ class ModelRunner:
         st = self.state
         st.free(plan.free)
         st.admit(plan.admit)
+        self.proc.admit(plan.admit)
         st.append_pages(plan.pages)
         rows = PlanRows.from_plan(plan)
+        self.proc.observe_extend(rows)
         timer = StepTimer(self.device)
         timer.mark()
         dec_slots_t = h2d(rows.dec_slots, self.device)
@@ -102,6 +107,8 @@ class ModelRunner:
         prompt_lps = prompt_logprob_rows(self.target, rows, st, hidden)
         timer.mark()
         self._update_state(rows, out, accept, sel_hidden[seed_rows])
+        res_slots = rows.result_slots()
+        self.proc.observe_outputs(res_slots, h2d(res_slots, self.device), out, accept)
         lps = self._logprobs(rows, logits, out)
         return self._copy_out(plan.step_id, rows, out, accept, lps, prompt_lps, timer)
 
@@ -130,18 +137,26 @@ class ModelRunner:
         if e:
             ext_slots = rows.ext_slots[e_rows]
             pos = h2d((rows.ext_start + rows.ext_len)[e_rows], self.device)
-            tok = sample(logits[:e], self._row_sampling(ext_slots), pos)
+            lg = logits[:e]
+            if self.proc.active(ext_slots):
+                lg = self.proc.apply(lg, ext_slots, h2d(ext_slots, self.device), pos)
+            tok = sample(lg, self._row_sampling(ext_slots), pos)
             parts_out.append(torch.cat([tok[:, None], tok.new_zeros(e, t - 1)], dim=1))
             parts_acc.append(torch.ones(e, dtype=torch.int64, device=self.device))
             seeds.append(torch.arange(e, device=self.device))
         if len(rows.dec_slots):
             rs = self._row_sampling(rows.dec_slots)
             seq = self.state.seq_len[dec_slots_t]
+            lg = logits[e:]
+            if self.proc.active(rows.dec_slots):
+                pos = (seq[:, None] + 1 + torch.arange(t, device=self.device)[None, :]).reshape(-1)
+                drafts = dec_tokens[:, 1:] if self.assistant is not None else None
+                lg = self.proc.apply(lg, rows.dec_slots, dec_slots_t, pos, drafts)
             if self.assistant is None:
-                tok = sample(logits[e:], rs, seq + 1)
+                tok = sample(lg, rs, seq + 1)
                 out, acc = tok[:, None], torch.ones_like(tok)
             else:
-                out, acc = verify(logits[e:], dec_tokens[:, 1:], rs, seq)
+                out, acc = verify(lg, dec_tokens[:, 1:], rs, seq)
             parts_out.append(out)
             parts_acc.append(acc)
             seeds.append(e + torch.arange(len(rows.dec_slots), device=self.device) * t + acc - 1)

@@ -164,6 +164,7 @@ class AdmitRow(msgspec.Struct, frozen=True, array_like=True):
     slot: int
     params: SamplingParams
     seed: int  # 63-bit; the request's own RNG stream (DESIGN §3)
+    prompt_len: int = 0  # positions >= prompt_len hold generated tokens (penalties, min_tokens)
 
 
 class PageAppend(msgspec.Struct, frozen=True, array_like=True):

@@ -137,7 +137,7 @@ class Planner:
         core.counters.prefix_hits += req.cached_tokens
         core.running.append(req)
         core.by_slot[req.slot] = req
-        self._admit.append(AdmitRow(req.slot, req.params, req.seed))
+        self._admit.append(AdmitRow(req.slot, req.params, req.seed, len(req.prompt)))
         if matched:
             self._pages.append(PageAppend(req.slot, 0, pack_i32(matched)))
         return self._chunk(req, budget)
