@@ -55,7 +55,10 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     target = load_model(args.model_path, dtype, device, args.load_format)
     assistant = None
     if args.spec_enabled:
-        assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target)
+        try:
+            assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-draft-model-path: {exc}") from exc
     t = args.tokens_per_step
     cap = plan_capacity(args, target, device, dtype, t, max_positions(args.model_path))
     pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
@@ -127,7 +130,10 @@ def run(args: ServerArgs, endpoints: Endpoints, status_conn=None) -> None:
         try:
             ready = worker.setup()
         except Exception as exc:  # report a start-up failure as one line, then exit non-zero
-            log.exception("worker start-up failed")
+            if isinstance(exc, (ValueError, FileNotFoundError, RuntimeError)):
+                log.error("worker start-up failed: %s", exc)  # a bad input: no traceback
+            else:
+                log.exception("worker start-up failed")
             worker.results.send(WorkerError(f"{type(exc).__name__}: {exc}"))
             if status_conn is not None:
                 status_conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -97,14 +97,14 @@ def load_model(
     if arch in DRAFT_ARCHITECTURES and target is None:
         raise ValueError(f"{arch} is a draft model: pass the loaded target as target=")
     model = _materialize(cls, spec, dtype, device)
+    if arch in DRAFT_ARCHITECTURES:
+        model.bind(target)  # before the weights: a pair that does not fit says why, not a shape
     if load_format == "dummy":
         model.init_dummy_()
     elif load_format == "auto":
         load_weights(model, model_dir)
     else:
         raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
-    if arch in DRAFT_ARCHITECTURES:
-        model.bind(target)
     model.eval()
     model.requires_grad_(False)
     return model
