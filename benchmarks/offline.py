@@ -59,8 +59,14 @@ def run_engine(ep, prompts: list[np.ndarray], output_len: int, temperature: floa
     requests.close()
     zctx.term()
     out = {"wall_s": wall, "output_tokens": n_tokens, "output_tok_s": n_tokens / wall}
-    if stats is not None and stats.spec_num_drafts:
-        out["accept_length"] = 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
+    if stats is not None:
+        steps = max(stats.steps, 1)
+        out.update(steps=stats.steps, draft_ms_per_step=1e3 * stats.worker_draft_s / steps,
+                   forward_ms_per_step=1e3 * stats.worker_forward_s / steps,
+                   scheduler_ms_per_step=1e3 * stats.step_time_s / steps)
+        if stats.spec_num_drafts:
+            out["accept_length"] = 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
+            out["accepted_per_pos"] = [x / stats.spec_num_drafts for x in stats.spec_accepted_per_pos]
     return out
 
 
@@ -87,13 +93,14 @@ def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: s
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     gen = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
-    ids = torch.tensor(np.stack(prompts), device=device)
+    if len({len(p) for p in prompts}) > 1:
+        batch = 1  # no padding games: unequal prompts run one at a time
     with torch.no_grad():
-        model.generate(ids[:1, :8], max_new_tokens=2)  # warm-up
+        model.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=2)  # warm-up
         t0 = time.perf_counter()
         n = 0
         for i in range(0, len(prompts), batch):
-            chunk = ids[i : i + batch]
+            chunk = torch.tensor(np.stack(prompts[i : i + batch]), device=device)
             out = model.generate(chunk, attention_mask=torch.ones_like(chunk), **gen)
             n += (out.shape[1] - chunk.shape[1]) * chunk.shape[0]
         if device != "cpu":
@@ -112,11 +119,10 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--hf-batch", type=int, default=0, help="HF generate batch (default: all prompts at once)")
     ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--prompts-file", default=None, help="text prompts, one per line (cycled); default random ids")
     bench, server_argv = ap.parse_known_args()
     args, ep, procs = start_engine(server_argv)
-    rng = np.random.default_rng(bench.seed)
-    vocab = _vocab(args.model_path)
-    prompts = [rng.integers(3, vocab, bench.input_len) for _ in range(bench.num_prompts)]
+    prompts = make_prompts(bench, args)
     results = {"workload": vars(bench), "engine": run_engine(ep, prompts, bench.output_len, bench.temperature)}
     for p in procs:
         p.join(10)
@@ -129,6 +135,20 @@ def main() -> None:
     if bench.json:
         with open(bench.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def make_prompts(bench, args) -> list[np.ndarray]:
+    if bench.prompts_file:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(os.path.join(args.tokenizer_dir, "tokenizer.json"))
+        with open(bench.prompts_file) as f:
+            lines = [ln.rstrip("\n").replace("\\n", "\n") for ln in f if ln.strip()]
+        ids = [np.array(tok.encode(t).ids[: bench.input_len], dtype=np.int64) for t in lines]
+        return [ids[i % len(ids)] for i in range(bench.num_prompts)]
+    rng = np.random.default_rng(bench.seed)
+    vocab = _vocab(args.model_path)
+    return [rng.integers(3, vocab, bench.input_len) for _ in range(bench.num_prompts)]
 
 
 def _vocab(model_dir: str) -> int:
