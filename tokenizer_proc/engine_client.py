@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from typing import Callable, Iterable
 
 import msgspec
@@ -42,6 +43,7 @@ from tokenizer_proc.request_state import Delta, RequestState
 log = logging.getLogger("tandem.front")
 
 STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
+LATE_TIMINGS_MAX = 4096
 
 
 class EngineClient:
@@ -53,6 +55,10 @@ class EngineClient:
         self.outputs: AsyncPullChannel | None = None
         self.requests: AsyncPushChannel | None = None
         self.states: dict[str, RequestState] = {}
+        # Requests the front ended itself (stop string, disconnect) whose engine request has not
+        # sent its final output yet: that output carries the scheduler timings (queue, prefill,
+        # decode) the latency histograms still need.
+        self.late: OrderedDict[str, bool] = OrderedDict()
         self.info: EngineInfo | None = None
         self.info_event = asyncio.Event()
         self.last_stats: SchedulerStats | None = None
@@ -127,6 +133,7 @@ class EngineClient:
         self.send(AbortReq(state.rid, reason))
         if not state.finished:
             self._finish_metrics(state.abort(), time.monotonic())
+            self._await_timings(state)
 
     def flush_cache(self) -> None:
         self.send(FlushCache())
@@ -134,6 +141,7 @@ class EngineClient:
     def fail_all(self, message: str, status: int = 503, abort_reason: str | None = None) -> None:
         """Engine dead or shutting down: every in-flight request ends now with an error."""
         now = time.monotonic()
+        self.late.clear()  # a dead or stopping engine sends no more final outputs
         for rid, state in list(self.states.items()):
             del self.states[rid]
             if abort_reason is not None:
@@ -189,7 +197,11 @@ class EngineClient:
     def _on_output(self, out: ReqOutput, now: float) -> None:
         state = self.states.get(out.rid)
         if state is None:
-            return  # finished here already (stop string, disconnect): the engine's echo of it
+            # Finished here already (stop string, disconnect): the engine's echo of it, whose final
+            # output still brings the scheduler's timings.
+            if out.finish_reason is not None and self.late.pop(out.rid, False) and out.timings is not None:
+                self.metrics.on_timings(out.timings)
+            return
         delta = state.apply(out)
         if delta is None:
             return
@@ -198,8 +210,16 @@ class EngineClient:
             del self.states[out.rid]
             if state.stopped_by_string and out.finish_reason is None:
                 self.send(AbortReq(out.rid, "stop_string"))
+                self._await_timings(state)
             self._finish_metrics(delta, now)
         state.sink.put_nowait(delta)
+
+    def _await_timings(self, state: RequestState) -> None:
+        if state.internal:
+            return
+        self.late[state.rid] = True
+        while len(self.late) > LATE_TIMINGS_MAX:  # never unbounded, whatever the engine does
+            self.late.popitem(last=False)
 
     # ------------------------------------------------------------------ metrics
     def _token_metrics(self, state: RequestState, k: int, now: float) -> None:

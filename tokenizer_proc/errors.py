@@ -84,6 +84,8 @@ def decode_body(body: bytes, typ: type[T]) -> T:
         raise bad_request(f"invalid request: {message}{where}", param) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("malformed JSON: nested too deeply") from None
 
 
 def check_content_type(content_type: str | None) -> None:

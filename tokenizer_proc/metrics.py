@@ -175,13 +175,18 @@ class Metrics:
         if ttft is not None and gen_tokens > 1:
             self.tpot.observe((e2e - ttft) / (gen_tokens - 1))
         if timings is not None:
-            self.queue.observe(timings.queue_s)
-            self.prefill.observe(timings.prefill_s)
-            self.decode.observe(timings.decode_s)
-            self.inference.observe(timings.prefill_s + timings.decode_s)
+            self.on_timings(timings)
         if self._token_hists is not None:
             self._token_hists[0].observe(prompt_tokens)
             self._token_hists[1].observe(gen_tokens)
+
+    def on_timings(self, timings: ReqTimings) -> None:
+        """The scheduler's view of one finished request (it comes with the engine's final output,
+        which for a request the front ended itself arrives after ``on_finish``)."""
+        self.queue.observe(timings.queue_s)
+        self.prefill.observe(timings.prefill_s)
+        self.decode.observe(timings.decode_s)
+        self.inference.observe(timings.prefill_s + timings.decode_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -92,13 +92,34 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def check_context(prompt_len: int, max_tokens: int, limits: Limits) -> None:
+def check_text_length(text: str, tok: TextTokenizer, max_context: int, param: str) -> None:
+    """Refuse, before tokenizing, a text too long for any context of ``max_context`` tokens.
+
+    The tokenizers library holds the GIL: encoding 10 MB takes tens of seconds during which the
+    event loop, and so every other stream, stands still. Such a text could never be served.
+    """
+    cap = tok.max_text_chars(max_context)
+    if len(text) > cap:
+        raise bad_request(
+            f"This model's maximum context length is {max_context} tokens. However, your {param} is "
+            f"{len(text)} characters long, more than {max_context} tokens can hold ({cap} characters at most). "
+            f"Please reduce the length of the {param}.",
+            param,
+        )
+
+
+def encode_prompt(text: str, tok: TextTokenizer, limits: Limits, param: str, add_special_tokens: bool = True):
+    check_text_length(text, tok, limits.max_context, param)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_context(prompt_len: int, max_tokens: int, limits: Limits, param: str = "max_tokens") -> None:
     if prompt_len + max_tokens > limits.max_context:
         raise bad_request(
             f"This model's maximum context length is {limits.max_context} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
             "Please reduce the length of the prompt or completion.",
-            "max_tokens",
+            param,
         )
 
 
@@ -170,7 +191,7 @@ def completion_prompts(prompt, tok: TextTokenizer, limits: Limits) -> list[tuple
         if isinstance(item, str):
             if item == "":
                 raise bad_request("prompt must not be empty", "prompt")
-            out.append((tok.encode(item, add_special_tokens=True), item))
+            out.append((encode_prompt(item, tok, limits, "prompt"), item))
         else:
             if not item:
                 raise bad_request("prompt must not be empty", "prompt")
@@ -240,9 +261,9 @@ def chat_text(req, template: ChatTemplate) -> str:
         raise bad_request(str(exc), "messages") from None
 
 
-def chat_prompt(req, tok: TextTokenizer, template: ChatTemplate) -> list[int]:
+def chat_prompt(req, tok: TextTokenizer, template: ChatTemplate, limits: Limits) -> list[int]:
     # HF tokenizes rendered chats without special tokens: the template wrote any BOS itself.
-    return tok.encode(chat_text(req, template), add_special_tokens=False)
+    return encode_prompt(chat_text(req, template), tok, limits, "messages", add_special_tokens=False)
 
 
 def plan_chat(
@@ -251,7 +272,7 @@ def plan_chat(
     _unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = chat_prompt(req, tok, template)
+    ids = chat_prompt(req, tok, template, limits)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
     if len(ids) >= limits.max_context:

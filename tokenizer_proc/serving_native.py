@@ -26,7 +26,9 @@ from tokenizer_proc.params import (
     chat_text,
     check_context,
     check_model,
+    check_text_length,
     check_token_ids,
+    encode_prompt,
     sampling_params,
     stop_strings,
 )
@@ -52,15 +54,20 @@ def _native_state(front: Front, req: GenerateRequest, limits: Limits, t0: float)
     if req.text is not None:
         if not req.text:
             raise bad_request("text must not be empty", "text")
-        ids = front.tok.encode(req.text, add_special_tokens=True)
+        ids = encode_prompt(req.text, front.tok, limits, "text")
     else:
         ids = list(req.input_ids or [])
         if not ids:
             raise bad_request("input_ids must not be empty", "input_ids")
         check_token_ids(ids, limits, "input_ids")
     sp = req.sampling_params or NativeSamplingParams()
-    max_new = SGLANG_DEFAULT_MAX_NEW_TOKENS if sp.max_new_tokens is None else sp.max_new_tokens
-    check_context(len(ids), max_new, limits)
+    if sp.max_new_tokens is None:
+        # SGLang's default, cut to what the context has room for (as SGLang does); only an
+        # explicit max_new_tokens that cannot fit is an error.
+        max_new = max(1, min(SGLANG_DEFAULT_MAX_NEW_TOKENS, limits.max_context - len(ids)))
+    else:
+        max_new = sp.max_new_tokens
+    check_context(len(ids), max_new, limits, "sampling_params.max_new_tokens")
     if sp.stop_token_ids:
         check_token_ids(sp.stop_token_ids, limits, "sampling_params.stop_token_ids")
     k = (req.top_logprobs_num or 0) if req.return_logprob else -1
@@ -145,12 +152,16 @@ async def tokenize(front: Front, request: Request) -> Response:
     check_model(req.model, front.args.model_name)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("exactly one of 'prompt' or 'messages' is required", "prompt")
+    info = front.engine.info
+    max_context = info.max_context if info else front.args.context_length
     if req.messages is not None:
         # vLLM: special tokens off by default for chats; the template writes them itself.
-        ids = front.tok.encode(chat_text(req, front.template), add_special_tokens=bool(req.add_special_tokens))
+        text, add_special, param = chat_text(req, front.template), bool(req.add_special_tokens), "messages"
     else:
-        ids = front.tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens is not False)
-    info = front.engine.info
+        text, add_special, param = req.prompt or "", req.add_special_tokens is not False, "prompt"
+    if max_context:
+        check_text_length(text, front.tok, max_context, param)
+    ids = front.tok.encode(text, add_special_tokens=add_special)
     body = {"count": len(ids), "max_model_len": info.max_context if info else front.args.context_length,
             "tokens": ids}
     if req.return_token_strs:

@@ -60,6 +60,10 @@ class TextTokenizer:
         add_bos = self.config.get("add_bos_token")
         self.add_bos_token: bool | None = add_bos if isinstance(add_bos, bool) else None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        # No token covers more input characters than its longest vocabulary entry has (byte-level
+        # and metaspace entries spend one character per input byte or character; "##" and
+        # "<0x..>" forms only overstate it). Bounds the text a number of tokens can hold.
+        self.max_token_chars = max((len(t) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
         self._decode_one = lru_cache(maxsize=65536)(self._decode_one_uncached)
 
     # ------------------------------------------------------------------ facts
@@ -74,6 +78,11 @@ class TextTokenizer:
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.tok.token_to_id(token)
+
+    def max_text_chars(self, max_tokens: int) -> int:
+        """A text longer than this has more than ``max_tokens`` tokens, whatever it says (x4: room
+        for normalizers that shrink text, such as NFKC composition)."""
+        return max_tokens * max(1, self.max_token_chars) * 4 + 16
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -1,0 +1,222 @@
+"""Hostile and malformed requests against a real `tandem serve` (small context, vLLM metric
+aliases): every one gets a 4xx with vLLM's error shape, never a 5xx or a 422, and the server stays
+healthy. Then a bounded schemathesis run over /openapi.json, asserting no 5xx.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from tests.e2e.api_util import metrics, post
+from tests.helpers.server import Server
+
+CTX = 64
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def srv(ckpts):
+    s = Server(ckpts["gemma4"], "--context-length", str(CTX), "--metrics-compat", "vllm")
+    yield ckpts["gemma4"], s
+    assert s.stop() == 0, s.output()
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"prompt": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def _j(body) -> bytes:
+    return json.dumps(body).encode()
+
+
+C, CH, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
+MSG = [{"role": "user", "content": "hi"}]
+# (name, path, body bytes, headers, status, param)
+BATTERY = [
+    ("bad json", C, b'{"prompt": "hi",', JSON, 400, None),
+    ("not an object", C, b"[1, 2]", JSON, 400, None),
+    ("empty body", C, b"", JSON, 400, None),
+    ("NaN literal", C, b'{"prompt": "hi", "temperature": NaN}', JSON, 400, None),
+    ("prompt wrong type", C, _j({"prompt": 5}), JSON, 400, "prompt"),
+    ("max_tokens wrong type", C, _j({"prompt": "hi", "max_tokens": "many"}), JSON, 400, "max_tokens"),
+    ("max_tokens bool", C, _j({"prompt": "hi", "max_tokens": True}), JSON, 400, "max_tokens"),
+    ("n fractional", C, _j({"prompt": "hi", "n": 1.5}), JSON, 400, "n"),
+    ("negative max_tokens", C, _j({"prompt": "hi", "max_tokens": -1}), JSON, 400, "max_tokens"),
+    ("max_tokens 0 without echo", C, _j({"prompt": "hi", "max_tokens": 0}), JSON, 400, "max_tokens"),
+    ("chat max_tokens 0", CH, _j({"messages": MSG, "max_tokens": 0}), JSON, 400, "max_tokens"),
+    ("temperature -1", C, _j({"prompt": "hi", "temperature": -1}), JSON, 400, "temperature"),
+    ("temperature 1e999", C, b'{"prompt": "hi", "temperature": 1e999}', JSON, 400, "temperature"),
+    ("top_p 2", C, _j({"prompt": "hi", "top_p": 2}), JSON, 400, "top_p"),
+    ("top_p 0", CH, _j({"messages": MSG, "top_p": 0}), JSON, 400, "top_p"),
+    ("n 0", C, _j({"prompt": "hi", "n": 0}), JSON, 400, "n"),
+    ("huge n", C, _j({"prompt": "hi", "n": 100000}), JSON, 400, "n"),
+    ("logprobs 50", C, _j({"prompt": "hi", "logprobs": 50}), JSON, 400, "logprobs"),
+    ("top_logprobs 50", CH, _j({"messages": MSG, "logprobs": True, "top_logprobs": 50}), JSON, 400,
+     "top_logprobs"),
+    ("top_logprobs without logprobs", CH, _j({"messages": MSG, "top_logprobs": 2}), JSON, 400, "top_logprobs"),
+    ("seed 2**64", C, _j({"prompt": "hi", "seed": 2**64}), JSON, 400, "seed"),
+    ("presence_penalty 3", C, _j({"prompt": "hi", "presence_penalty": 3}), JSON, 400, "presence_penalty"),
+    ("repetition_penalty 0", C, _j({"prompt": "hi", "repetition_penalty": 0}), JSON, 400, "repetition_penalty"),
+    ("token id out of vocab", C, _j({"prompt": [1, 384]}), JSON, 400, "prompt"),
+    ("token id negative", C, _j({"prompt": [[1, -3]]}), JSON, 400, "prompt"),
+    ("token id 2**70", C, _j({"prompt": [1, 2**70]}), JSON, 400, "prompt"),
+    ("stop_token_ids out of vocab", C, _j({"prompt": "hi", "stop_token_ids": [10**6]}), JSON, 400,
+     "stop_token_ids"),
+    ("empty prompt", C, _j({"prompt": ""}), JSON, 400, "prompt"),
+    ("empty prompt list", C, _j({"prompt": []}), JSON, 400, "prompt"),
+    ("empty inner list", C, _j({"prompt": [[]]}), JSON, 400, "prompt"),
+    ("mixed prompt list", C, _j({"prompt": [1, "a"]}), JSON, 400, "prompt"),
+    ("empty stop string", C, _j({"prompt": "hi", "stop": [""]}), JSON, 400, "stop"),
+    ("stream_options without stream", C, _j({"prompt": "hi", "stream_options": {"include_usage": True}}), JSON,
+     400, "stream_options"),
+    ("prompt_logprobs with stream", C, _j({"prompt": "hi", "prompt_logprobs": 1, "stream": True}), JSON, 400,
+     "prompt_logprobs"),
+    ("logit_bias", C, _j({"prompt": "hi", "logit_bias": {"5": 10}}), JSON, 400, "logit_bias"),
+    ("empty messages", CH, _j({"messages": []}), JSON, 400, "messages"),
+    ("message without role", CH, _j({"messages": [{"content": "x"}]}), JSON, 400, "messages[0]"),
+    ("message not an object", CH, _j({"messages": ["x"]}), JSON, 400, "messages[0]"),
+    ("image part", CH, _j({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+     JSON, 400, "messages[0]"),
+    ("unknown model", C, _j({"prompt": "hi", "model": "gpt-17"}), JSON, 404, "model"),
+    ("unknown model chat", CH, _j({"messages": MSG, "model": "gpt-17", "stream": True}), JSON, 404, "model"),
+    ("prompt + max_tokens over context", C, _j({"prompt": "hi", "max_tokens": CTX}), JSON, 400, "max_tokens"),
+    ("token prompt over context", C, _j({"prompt": list(range(6, 6 + CTX))}), JSON, 400, "max_tokens"),
+    ("chat over context", CH, _j({"messages": [{"role": "user", "content": "hi " * 100}]}), JSON, 400, "messages"),
+    ("generate over context", GEN, _j({"text": "hi", "sampling_params": {"max_new_tokens": 500}}), JSON, 400,
+     "sampling_params.max_new_tokens"),
+    ("stream over context", C, _j({"prompt": "hi", "max_tokens": 500, "stream": True}), JSON, 400, "max_tokens"),
+    ("text/plain", C, _j({"prompt": "hi"}), {"content-type": "text/plain"}, 400, None),
+    ("form encoded", C, b"prompt=hi", {"content-type": "application/x-www-form-urlencoded"}, 400, None),
+    ("10 MB prompt", C, _j({"prompt": "hi " * 3_500_000}), JSON, 400, "prompt"),
+    ("10 MB chat", CH, _j({"messages": [{"role": "user", "content": "x" * 10_000_000}]}), JSON, 400, "messages"),
+    ("10 MB generate text", GEN, _j({"text": "y" * 10_000_000}), JSON, 400, "text"),
+    ("10 MB tokenize", "/tokenize", _j({"prompt": "z " * 5_000_000}), JSON, 400, "prompt"),
+    ("10 MB garbage", C, b"\x00garbage" * 1_250_000, JSON, 400, None),
+    ("deeply nested", C, _nested(100_000), JSON, 400, None),
+    ("nested 1000", CH, b'{"messages": [{"role": "user", "content": "hi", "x": ' + b"[" * 1000 + b"]" * 1000
+     + b"}]}", JSON, 400, None),
+    ("non-UTF-8 string", C, b'{"prompt": "\xff\xfe hi"}', JSON, 400, None),
+    ("non-UTF-8 bytes", C, b"\xff\xfe\x00\x01", JSON, 400, None),
+    ("generate neither text nor ids", GEN, _j({}), JSON, 400, "text"),
+    ("generate both", GEN, _j({"text": "a", "input_ids": [1]}), JSON, 400, "text"),
+    ("generate n 2", GEN, _j({"text": "a", "sampling_params": {"n": 2}}), JSON, 400, "sampling_params.n"),
+    ("generate rid too long", GEN, _j({"text": "a", "rid": "r" * 300}), JSON, 400, "rid"),
+    ("tokenize wrong type", "/tokenize", _j({"prompt": 5}), JSON, 400, "prompt"),
+    ("detokenize out of vocab", "/detokenize", _j({"tokens": [10**6]}), JSON, 400, "tokens"),
+]
+
+
+def _check_error(r: httpx.Response, status: int, param: str | None, name: str) -> dict:
+    assert r.status_code == status, (name, r.status_code, r.text[:300])
+    body = r.json()
+    err = body["error"]
+    assert set(body) == {"error"} and set(err) == {"message", "type", "param", "code"}, name
+    assert err["code"] == status and isinstance(err["message"], str) and err["message"], name
+    assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError"), name
+    assert err["param"] == param, (name, err)
+    return err
+
+
+def test_error_battery(srv):
+    path, s = srv
+    with httpx.Client(base_url=s.url, timeout=30) as client:
+        for name, url, body, headers, status, param in BATTERY:
+            t0 = time.monotonic()
+            r = client.post(url, content=body, headers=headers)
+            err = _check_error(r, status, param, name)
+            assert time.monotonic() - t0 < 5, name  # none of these may stall the front
+            if "context" in name:
+                assert f"maximum context length is {CTX} tokens" in err["message"], err
+        for method, url, status in [("GET", C, 405), ("PUT", CH, 405), ("GET", "/v1/nope", 404)]:
+            r = client.request(method, url)
+            assert r.status_code == status and r.json()["error"]["code"] == status
+        assert client.get("/health").status_code == 200
+        r = post(s.url + C, {"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        assert r["usage"]["completion_tokens"] == 3
+        assert client.get("/load").json() == {"server_load": 0}
+
+
+def test_errors_through_openai_client(srv):
+    path, s = srv
+    client = OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=30)
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model=path, messages=MSG, max_tokens=CTX, stream=True)
+    assert f"{CTX} tokens" in str(e.value)
+    with pytest.raises(BadRequestError):
+        client.completions.create(model=path, prompt="hi", temperature=-1)
+    r = client.chat.completions.create(model=path, messages=MSG, max_tokens=2)
+    assert r.usage.completion_tokens <= 2
+
+
+def test_vllm_metric_aliases(srv):
+    path, s = srv
+    post(s.url + C, {"prompt": "hi", "max_tokens": 2})
+    time.sleep(0.1)
+    m = metrics(s.url)
+    names = {name for name, _ in m}
+    tandem = {n for n in names if n.startswith("tandem:")}
+    assert tandem and {"vllm:" + n[len("tandem:"):] for n in tandem} == {n for n in names if n.startswith("vllm:")}
+    for (name, labels), value in m.items():
+        if name.startswith("tandem:"):
+            assert m[("vllm:" + name[len("tandem:"):], labels)] == value, name
+    assert m[("vllm:generation_tokens_total", frozenset())] >= 2
+    assert "_created" not in httpx.get(s.url + "/metrics").text
+
+
+def _cap_schema(node) -> None:
+    """Bound the run: at most 2 choices and 3 prompts per request (so a request is at most six
+    engine requests: see test_burst_beyond_slots for what larger bursts do to this engine)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "n" and isinstance(value, dict):
+                for opt in value.get("anyOf", [value]):
+                    if opt.get("type") == "integer":
+                        opt["maximum"] = 2
+            if key == "prompt" and isinstance(value, dict):
+                for opt in value.get("anyOf", []):
+                    if opt.get("type") == "array":
+                        opt["maxItems"] = 3
+            _cap_schema(value)
+    elif isinstance(node, list):
+        for value in node:
+            _cap_schema(value)
+
+
+def test_schemathesis_no_server_errors(srv, tmp_path):
+    path, s = srv
+    schema = httpx.get(s.url + "/openapi.json").json()
+    _cap_schema(schema)
+    spec = tmp_path / "openapi.json"
+    spec.write_text(json.dumps(schema))
+    base = [sys.executable, "-m", "schemathesis.cli", "run", str(spec), "--url", s.url, "--checks",
+            "not_a_server_error", "--workers", "1", "--seed", "7", "--request-timeout", "20",
+            "--suppress-health-check", "all", "--no-shrink"]
+    # Negative boundary cases (all 4xx, fast) over every operation, then a bounded fuzz.
+    for extra in (["--phases", "coverage", "--mode", "negative"], ["--phases", "fuzzing", "--max-examples", "10"]):
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+        assert int(re.search(r"(\d+) generated", out.stdout).group(1)) > 50, out.stdout[-3000:]
+    assert httpx.get(s.url + "/health").status_code == 200
+
+
+@pytest.mark.xfail(strict=True, raises=httpx.TimeoutException, reason=(
+    "engine bug: scheduler_proc/planner.py Planner.plan() moves core.slots_to_free back to "
+    "core.free_slots only when it returns a plan; once every slot has been handed out and the "
+    "only work left is waiting requests, plan() returns None for ever and the server hangs"))
+def test_burst_beyond_slots(srv):
+    """Last in this module: on failure the server is wedged (its /health still says 200)."""
+    path, s = srv
+    r = httpx.post(s.url + C, json={"prompt": "hi", "max_tokens": 1, "n": 128}, timeout=6)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 128
+    r = httpx.post(s.url + C, json={"prompt": "hi", "max_tokens": 2}, timeout=4)
+    assert r.status_code == 200
