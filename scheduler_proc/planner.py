@@ -32,6 +32,7 @@ class Planner:
         self.core = core
         self.cfg = core.cfg
         self.next_step = 1
+        self._unsent_free: list[int] = []
 
     def plan(self) -> StepPlan | None:
         """The next step, or None when nothing can make progress right now."""
@@ -40,13 +41,17 @@ class Planner:
         self._extend: list[ExtendRow] = []
         self._decode: list[Req] = []
         self._rec = StepRecord(self.next_step, [])
+        # Slots released since the last plan are reusable now: this plan's ``free`` list (applied
+        # by the worker before ``admit``) carries them, or the next plan's if none is built.
+        self.core.free_slots.extend(self.core.slots_to_free)
+        self._unsent_free.extend(self.core.slots_to_free)
+        self.core.slots_to_free = []
         budget = self._plan_decode(self.cfg.chunk_budget)
         budget = self._plan_prefill_chunks(budget)
         self._plan_admissions(budget)
         if not (self._extend or self._decode):
             return None
-        free, self.core.slots_to_free = self.core.slots_to_free, []
-        self.core.free_slots.extend(free)  # reusable from the next plan on (this one frees them first)
+        free, self._unsent_free = self._unsent_free, []
         plan = StepPlan(
             step_id=self.next_step,
             admit=self._admit,

@@ -155,3 +155,15 @@ def test_stress_admit_abort_finish_every_step(t, depth):
     core.alloc.check_all_free()
     assert sorted(core.free_slots + core.slots_to_free) == list(range(1, 7))
     assert not core.by_slot and not core.running and not core.waiting
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_one_slot_serves_a_queue(depth):
+    """Regression: a slot released when nothing else runs must be reusable at once."""
+    core, planner, worker = make(t=2, slots=1)
+    drv = Driver(core, planner, worker, depth)
+    for i in range(4):
+        submit(core, f"s{i}", [3 + i, 4, 5], max_new=5, ignore_eos=True)
+    drv.run_until_idle(limit=500)
+    assert len(drv.finish) == 4
+    core.alloc.check_all_free()
