@@ -4,6 +4,8 @@ frozen-KV MTP, through the in-process engine and through a real `tandem serve`."
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from openai import OpenAI
@@ -15,16 +17,27 @@ from tests.helpers.server import Server
 PROMPTS = [[5, 17, 33, 99, 120, 7, 8, 9, 10, 11] * 3, [4, 5, 6], list(range(10, 60)), [200] * 40]
 
 
-def hf_greedy_cuda(model_dir, prompt, n):
+@functools.lru_cache(maxsize=8)
+def _hf_cuda(model_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     model.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt], device="cuda")
+    return model
+
+
+@functools.lru_cache(maxsize=512)
+def _hf_greedy_cuda(model_dir, prompt, n):
+    model = _hf_cuda(model_dir)
+    ids = torch.tensor([list(prompt)], device="cuda")
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                              min_new_tokens=n)
     return out[0, len(prompt):].tolist()
+
+
+def hf_greedy_cuda(model_dir, prompt, n):
+    return _hf_greedy_cuda(model_dir, tuple(prompt), n)
 
 
 @pytest.fixture(scope="module")
