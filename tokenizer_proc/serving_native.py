@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse
@@ -48,6 +49,22 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
+@dataclass(frozen=True)
+class LogprobOpts:
+    """What /generate returns besides text: nothing, or output (and prompt) logprobs."""
+
+    enabled: bool = False
+    top_k: int = 0
+    prompt_start: int = -1  # SGLang's logprob_start_len: -1 none, else prompt tokens from here
+
+
+def _logprob_opts(req: GenerateRequest) -> LogprobOpts:
+    if not req.return_logprob:
+        return LogprobOpts()
+    start = -1 if req.logprob_start_len is None else req.logprob_start_len
+    return LogprobOpts(True, req.top_logprobs_num or 0, start)
+
+
 def _native_state(front: Front, req: GenerateRequest, limits: Limits, t0: float) -> RequestState:
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("exactly one of 'text' or 'input_ids' is required", "text")
@@ -70,8 +87,10 @@ def _native_state(front: Front, req: GenerateRequest, limits: Limits, t0: float)
     check_context(len(ids), max_new, limits, "sampling_params.max_new_tokens")
     if sp.stop_token_ids:
         check_token_ids(sp.stop_token_ids, limits, "sampling_params.stop_token_ids")
-    k = (req.top_logprobs_num or 0) if req.return_logprob else -1
-    prompt_k = k if req.return_logprob and (req.logprob_start_len or -1) >= 0 else -1
+    lp = _logprob_opts(req)
+    k = lp.top_k if lp.enabled else -1
+    # logprob_start_len -1 (SGLang's default): output logprobs only; >= 0 adds the prompt's.
+    prompt_k = k if lp.enabled and lp.prompt_start >= 0 else -1
     seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
     params = sampling_params(sp, max(1, max_new), front.gen_defaults, k, prompt_k, sp.min_new_tokens, seed)
     cfg = StopConfig(stop_strings(sp.stop), bool(sp.no_stop_trim), sp.skip_special_tokens is not False,
@@ -93,7 +112,12 @@ def _logprob_triples(ids: list[int], entries: list[TokenLogprob]) -> list:
     return [[entries[i][0] if i < len(entries) else None, t, None] for i, t in enumerate(ids)]
 
 
-def _meta(state: RequestState, reason: str | None, stop, ids: list[int], entries, return_lp: bool) -> dict:
+def _top_triples(entries: list[TokenLogprob | None], k: int) -> list:
+    """SGLang's ``*_top_logprobs``: per position, the top-k as [logprob, token id, None]."""
+    return [None if e is None else [[lp, t, None] for t, lp in e[1][:k]] for e in entries]
+
+
+def _meta(state: RequestState, reason: str | None, stop, ids: list[int], entries, lp: LogprobOpts) -> dict:
     meta = {
         "id": state.rid,
         "finish_reason": _finish_reason(reason, stop, state),
@@ -103,16 +127,21 @@ def _meta(state: RequestState, reason: str | None, stop, ids: list[int], entries
         "e2e_latency": time.monotonic() - state.arrival_mono,
         "spec_verify_ct": state.spec_verify_ct,
     }
-    if return_lp:
+    if lp.enabled:
         meta["output_token_logprobs"] = _logprob_triples(ids, entries)
-        if state.prompt_logprobs is not None:
-            prompt = [None, *[e for e in state.prompt_logprobs]]
+        if lp.top_k > 0:
+            meta["output_top_logprobs"] = _top_triples(list(entries[: len(ids)]), lp.top_k)
+        if state.prompt_logprobs is not None and lp.prompt_start >= 0:
+            prompt = [None, *state.prompt_logprobs][lp.prompt_start: len(state.prompt_ids)]
+            ids_from = state.prompt_ids[lp.prompt_start:]
             meta["input_token_logprobs"] = [[None if e is None else e[0], t, None]
-                                            for e, t in zip(prompt, state.prompt_ids, strict=False)]
+                                            for e, t in zip(prompt, ids_from, strict=False)]
+            if lp.top_k > 0:
+                meta["input_top_logprobs"] = _top_triples(prompt, lp.top_k)
     return meta
 
 
-async def _native_events(group: RequestGroup, return_lp: bool) -> AsyncIterator[bytes]:
+async def _native_events(group: RequestGroup, lp: LogprobOpts) -> AsyncIterator[bytes]:
     result = ChoiceResult(group.states[0])
     async for batch in group.deltas():
         for d in batch:
@@ -121,7 +150,7 @@ async def _native_events(group: RequestGroup, return_lp: bool) -> AsyncIterator[
                 yield DONE_EVENT
                 return
             result.add(d)
-            meta = _meta(d.state, d.finish_reason, d.stop_reason, result.token_ids, result.logprobs, return_lp)
+            meta = _meta(d.state, d.finish_reason, d.stop_reason, result.token_ids, result.logprobs, lp)
             yield sse({"text": "".join(result.text), "output_ids": result.token_ids, "meta_info": meta, "index": 0})
     yield DONE_EVENT
 
@@ -132,15 +161,16 @@ async def generate(front: Front, request: Request) -> Response:
     front.engine.check_accepting()
     state = _native_state(front, req, front.limits(), t0)
     group = RequestGroup(front.engine, [state])
+    lp = _logprob_opts(req)
     if req.stream:
-        return SSEResponse(_native_events(group, req.return_logprob), on_close=group.close)
+        return SSEResponse(_native_events(group, lp), on_close=group.close)
     try:
         (r,) = await collect_or_abort(request, group)
     except ClientDisconnected:
         return Response(status_code=499)
     if r.error is not None:
         raise APIError(r.error_code or 500, r.error)
-    meta = _meta(r.state, r.finish_reason, r.stop_reason, r.token_ids, r.logprobs, req.return_logprob)
+    meta = _meta(r.state, r.finish_reason, r.stop_reason, r.token_ids, r.logprobs, lp)
     return JSONResponse({"text": "".join(r.text), "output_ids": r.token_ids, "meta_info": meta})
 
 

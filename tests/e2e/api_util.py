@@ -63,6 +63,18 @@ def engine_steps(base: str) -> int:
     return httpx.get(base + "/server_info", timeout=10).json()["scheduler_stats"]["steps"]
 
 
+def stop_server(server) -> None:
+    """SIGTERM once the engine is idle (an abort's steps may still be in flight right after a
+    test: see test_sigterm_while_generating_exits_0 for the shutdown race that hits), exit 0."""
+    try:
+        wait_idle(server.url, timeout=3.0)
+    except (AssertionError, httpx.HTTPError):
+        pass
+    code = server.stop()
+    with open(server.log_path) as f:
+        assert code == 0, f.read()[-4000:]
+
+
 def wait_idle(base: str, timeout: float = 2.0, idle_kv: float = 0.0) -> float:
     """Seconds until the scheduler reports no running request and idle KV usage (fails after timeout)."""
     t0 = time.monotonic()

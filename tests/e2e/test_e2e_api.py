@@ -9,7 +9,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.e2e.api_util import engine_steps, metric, metrics, one_thread, post, stream, wait_idle
+from tests.e2e.api_util import engine_steps, metric, metrics, one_thread, post, stop_server, stream, wait_idle
 from tests.helpers import hf_ref
 from tests.helpers.server import Server
 
@@ -23,7 +23,7 @@ def srv(ckpts):
     s = Server(ckpts["gemma4"])
     yield ckpts["gemma4"], s
     torch.set_num_threads(threads)
-    assert s.stop() == 0, s.output()
+    stop_server(s)
 
 
 def chat_ids(path: str, content: str) -> list[int]:
@@ -108,6 +108,29 @@ def test_stop_strings_chat(srv):
             "ignore_eos": True}
     later = later_stop(texts[-1], case.start + len(case.stop))
     _check_stops(s.url, "/v1/chat/completions", body, texts, [later, case.stop], chat=True)
+
+
+def test_stop_strings_multibyte(srv):
+    """Stops made of characters whose UTF-8 bytes come from two tokens (the first decodes to
+    U+FFFD on its own): matched on text, never on a half character, streamed without leaks."""
+    path, s = srv
+    prompt = "café naïve résumé Zürich — 日本語の"
+    ref = hf_ref.greedy(path, hf_ref.encode(path, prompt), 30, ignore_eos=True)
+    texts = hf_ref.prefix_texts(path, ref)
+    wide = [c for c in texts[-1] if ord(c) > 127 and c != "\ufffd"]
+    assert len(wide) >= 2, texts[-1]
+    full = texts[-1]
+    for stops in ([wide[0]], [full[full.index(wide[1]) - 1: full.index(wide[1]) + 1]]):
+        for include in (False, True):
+            want_text, want_n, want_stop = hf_ref.expected_stop(texts, stops, include)
+            assert not texts[want_n - 1].endswith(want_stop)  # the last token completed the character
+            body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": stops,
+                    "include_stop_str_in_output": include}
+            r = post(s.url + "/v1/completions", body)
+            assert (r["choices"][0]["text"], r["choices"][0]["stop_reason"]) == (want_text, want_stop)
+            assert r["usage"]["completion_tokens"] == want_n
+            c = collect(stream(s.url + "/v1/completions", body))
+            assert (c[0]["text"], c[0]["finish_reason"]) == (want_text, "stop")
 
 
 def test_stop_token_ids_count_but_hide(srv):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.e2e.api_util import engine_steps, metric, metrics, one_thread, post, stream, wait_idle
+from tests.e2e.api_util import engine_steps, metric, metrics, one_thread, post, stop_server, stream, wait_idle
 from tests.helpers import hf_ref
 from tests.helpers.server import Server
 
@@ -26,7 +26,7 @@ def srv(ckpts):
     s = Server(ckpts["gemma4"])
     yield ckpts["gemma4"], s
     torch.set_num_threads(threads)
-    assert s.stop() == 0, s.output()
+    stop_server(s)
 
 
 # ---------------------------------------------------------------------- 5. penalties, min_tokens
@@ -297,6 +297,35 @@ def test_generate_native(srv):
     for i, (lp, tok, _) in enumerate(g["meta_info"]["output_token_logprobs"]):
         assert tok == g["output_ids"][i]
         assert lp == pytest.approx(float(rows[len(ids) - 1 + i, tok]), abs=ATOL)
+    assert "input_token_logprobs" not in g["meta_info"]  # logprob_start_len defaults to -1
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_generate_prompt_and_top_logprobs(srv, start):
+    path, s = srv
+    ids = hf_ref.encode(path, "The quick brown fox jumps")
+    g = post(s.url + "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
+                                   "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 3,
+                                                                              "temperature": 0}})
+    m, out = g["meta_info"], g["output_ids"]
+    rows = hf_ref.logprob_rows(path, ids + out)
+
+    def check_top(top, row):
+        vals, top_ids = row.topk(2)
+        assert [t for _, t, _ in top] == top_ids.tolist()
+        assert [v for v, _, _ in top] == pytest.approx(vals.tolist(), abs=ATOL)
+
+    for i, ((lp, tok, _), top) in enumerate(zip(m["output_token_logprobs"], m["output_top_logprobs"], strict=True)):
+        assert tok == out[i] and lp == pytest.approx(float(rows[len(ids) - 1 + i, tok]), abs=ATOL)
+        check_top(top, rows[len(ids) - 1 + i])
+    assert [t for _, t, _ in m["input_token_logprobs"]] == ids[start:]
+    assert len(m["input_top_logprobs"]) == len(ids) - start
+    for j, ((lp, tok, _), top) in enumerate(zip(m["input_token_logprobs"], m["input_top_logprobs"]), start):
+        if j == 0:
+            assert lp is None and top is None
+            continue
+        assert lp == pytest.approx(float(rows[j - 1, tok]), abs=ATOL)
+        check_top(top, rows[j - 1])
 
 
 def test_tokenize_detokenize_and_info(srv):
