@@ -14,12 +14,12 @@ echo "== ceiling: HBM copy bandwidth, weight-streaming floor"
 python3 benchmarks/hbm_bandwidth.py --model-path $T --model-path $A | tee "$OUT/hbm.json"
 
 echo "== GPU tests (HF parity on CUDA, overlap, MTP, real server)"
-timeout 330 python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+timeout 240 python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
 
 echo "== bundled pair, offline throughput (concurrency 1 and 8, MTP off/on)"
 run() {  # name, extra args...
   local name=$1; shift
-  timeout 120 python3 benchmarks/offline.py --model-path $T --device cuda --prompts-file $P --output-len 128 \
+  timeout 75 python3 benchmarks/offline.py --model-path $T --device cuda --prompts-file $P --output-len 128 \
     --log-level warning --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 || echo "$name failed"
 }
 MTP=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $A --speculative-num-steps 3)

@@ -38,12 +38,13 @@ def start_engine(server_argv: list[str]):
     return args, ep, procs
 
 
-def run_engine(ep, prompts: list[np.ndarray], output_len: int, temperature: float) -> dict:
+def run_engine(ep, prompts: list[np.ndarray], output_len: int, temperature: float, procs) -> dict:
     zctx = zmq.Context()
     outputs = PullChannel(zctx, "outputs", ep.outputs)
     requests = PushChannel(zctx, "requests", ep.requests)
-    while not isinstance(outputs.recv(), EngineInfo):
-        pass
+    while not isinstance(outputs.recv(timeout_ms=1000), EngineInfo):
+        if not all(p.is_alive() for p in procs):
+            raise SystemExit("engine failed to start (see the log above)")
     params = SamplingParams(max_new_tokens=output_len, temperature=temperature, ignore_eos=True)
     # Warm-up request (not timed).
     requests.send(GenerateReq("warmup", prompts[0][:8].astype(np.int32).tobytes(), params, time.time()))
@@ -123,7 +124,7 @@ def main() -> None:
     bench, server_argv = ap.parse_known_args()
     args, ep, procs = start_engine(server_argv)
     prompts = make_prompts(bench, args)
-    results = {"workload": vars(bench), "engine": run_engine(ep, prompts, bench.output_len, bench.temperature)}
+    results = {"workload": vars(bench), "engine": run_engine(ep, prompts, bench.output_len, bench.temperature, procs)}
     for p in procs:
         p.join(10)
         if p.is_alive():

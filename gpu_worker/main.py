@@ -48,7 +48,7 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     device = torch.device(args.resolved_device())
     if device.type == "cpu":
         torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
-    else:
+    elif device.index is not None:
         torch.cuda.set_device(device)
     dtype = resolve_dtype(args, device)
     torch.manual_seed(args.random_seed)
