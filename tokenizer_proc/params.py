@@ -123,6 +123,12 @@ def check_context(prompt_len: int, max_tokens: int, limits: Limits, param: str =
         )
 
 
+def check_min_tokens(min_tokens: int | None, max_tokens: int, param: str = "min_tokens") -> None:
+    if min_tokens and min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({min_tokens}) must be less than or equal to max_tokens ({max_tokens})",
+                          param)
+
+
 def _unsupported(req: SamplingFields) -> None:
     # logit_bias, suffix and response_format are limited to their no-op values by protocol.py.
     if req.stream_options is not None and not req.stream:
@@ -212,6 +218,7 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
     prompts = [ids for ids, _ in pairs]
     for ids in prompts:
         check_context(len(ids), max_tokens, limits)
+    check_min_tokens(req.min_tokens, max_tokens)
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
     logprobs = -1 if req.logprobs is None else req.logprobs
@@ -284,6 +291,7 @@ def plan_chat(
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = requested if requested is not None else limits.max_context - len(ids)
     check_context(len(ids), max_tokens, limits)
+    check_min_tokens(req.min_tokens, max_tokens)
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
     top = (req.top_logprobs or 0) if req.logprobs else None

@@ -26,6 +26,7 @@ from tokenizer_proc.params import (
     Limits,
     chat_text,
     check_context,
+    check_min_tokens,
     check_model,
     check_text_length,
     check_token_ids,
@@ -85,6 +86,7 @@ def _native_state(front: Front, req: GenerateRequest, limits: Limits, t0: float)
     else:
         max_new = sp.max_new_tokens
     check_context(len(ids), max_new, limits, "sampling_params.max_new_tokens")
+    check_min_tokens(sp.min_new_tokens, max_new, "sampling_params.min_new_tokens")
     if sp.stop_token_ids:
         check_token_ids(sp.stop_token_ids, limits, "sampling_params.stop_token_ids")
     lp = _logprob_opts(req)

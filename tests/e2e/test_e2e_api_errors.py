@@ -70,6 +70,12 @@ BATTERY = [
     ("token id 2**70", C, _j({"prompt": [1, 2**70]}), JSON, 400, "prompt"),
     ("stop_token_ids out of vocab", C, _j({"prompt": "hi", "stop_token_ids": [10**6]}), JSON, 400,
      "stop_token_ids"),
+    ("min_tokens over max_tokens", C, _j({"prompt": "hi", "max_tokens": 3, "min_tokens": 10}), JSON, 400,
+     "min_tokens"),
+    ("chat min_tokens over max_completion_tokens", CH, _j({"messages": MSG, "max_completion_tokens": 3,
+                                                          "min_tokens": 5}), JSON, 400, "min_tokens"),
+    ("generate min_new_tokens over max_new_tokens", GEN, _j({"text": "hi", "sampling_params": {
+        "max_new_tokens": 2, "min_new_tokens": 3}}), JSON, 400, "sampling_params.min_new_tokens"),
     ("empty prompt", C, _j({"prompt": ""}), JSON, 400, "prompt"),
     ("empty prompt list", C, _j({"prompt": []}), JSON, 400, "prompt"),
     ("empty inner list", C, _j({"prompt": [[]]}), JSON, 400, "prompt"),
