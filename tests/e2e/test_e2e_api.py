@@ -5,6 +5,7 @@ shapes, max_completion_tokens, skip_special_tokens, unknown fields.
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from openai import OpenAI
@@ -318,6 +319,25 @@ def test_echo_prompt_logprobs_loglikelihood(srv):
     # Streamed echo: the prompt comes first, then the completion.
     c = collect(stream(url, {**base, "max_tokens": 1, "ignore_eos": True}))
     assert c[0]["text"] == prompt + hf_ref.decode(path, gen)
+
+
+def test_prefix_cache_hits_keep_results_exact(srv):
+    """A prompt of several KV pages, cached by a first request: the usage reports the hit, and
+    greedy text and prompt logprobs (which must recompute the whole prompt) stay exact."""
+    path, s = srv
+    url = s.url + "/v1/completions"
+    prompt = "Once upon a time there was a little engine that served tokens all day long. " * 2
+    ids = hf_ref.encode(path, prompt)
+    assert len(ids) > 32
+    ref = hf_ref.decode(path, hf_ref.greedy(path, ids, 6, ignore_eos=True))
+    assert httpx.post(s.url + "/flush_cache").status_code == 200
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first, second = post(url, body), post(url, body)
+    assert first["choices"][0]["text"] == second["choices"][0]["text"] == ref
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 32 <= second["usage"]["prompt_tokens_details"]["cached_tokens"] < len(ids)
+    r = post(url, {**body, "max_tokens": 0, "echo": True, "logprobs": 1})
+    _check_prompt_logprobs(path, r["choices"][0]["logprobs"], ids)
 
 
 # ---------------------------------------------------------------------- 6. prompt shapes and options
