@@ -56,7 +56,8 @@ def ckpts(tmp_path_factory):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_inproc_parity_cuda(ckpts, arch, overlap):
     d = ckpts[arch]
-    eng = InProcEngine(d, overlap=overlap, device="cuda", dtype="float32", chunked_prefill_size=16)
+    eng = InProcEngine(d, overlap=overlap, device="cuda", dtype="float32", chunked_prefill_size=16,
+                       max_total_tokens=65536)
     for i, p in enumerate(PROMPTS):
         eng.submit(f"r{i}", p, max_new_tokens=24, ignore_eos=True)
     eng.run()
@@ -68,7 +69,7 @@ def test_inproc_parity_cuda(ckpts, arch, overlap):
 def test_inproc_mtp_parity_cuda(ckpts, overlap):
     d = ckpts["gemma4"]
     eng = InProcEngine(d, draft=ckpts["assistant"], steps=3, overlap=overlap, device="cuda", dtype="float32",
-                       chunked_prefill_size=16)
+                       chunked_prefill_size=16, max_total_tokens=65536)
     for i, p in enumerate(PROMPTS * 8):
         eng.submit(f"r{i}", p, max_new_tokens=24, ignore_eos=True)
     eng.run()
