@@ -31,7 +31,8 @@ class Server:
         args += list(extra)
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tandem-server-{self.port}.log")
         self.log = open(self.log_path, "w")
-        full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
         self.url = f"http://127.0.0.1:{self.port}"
         self._wait_ready(timeout)
