@@ -22,7 +22,7 @@ import torch
 from gpu_worker.device import h2d
 from proto.messages import AdmitRow
 
-MAX_STOP = 16
+STOP_WIDTH = 8  # initial width of the per-slot stop-id table; grows on demand
 
 
 class LogitProcessors:
@@ -32,8 +32,8 @@ class LogitProcessors:
         self.freq = torch.zeros(n_slots, device=device)
         self.pres = torch.zeros(n_slots, device=device)
         self.min_until = torch.zeros(n_slots, dtype=torch.int64, device=device)
-        self.stop_ids = torch.zeros(n_slots, MAX_STOP, dtype=torch.int64, device=device)
-        self.stop_valid = torch.zeros(n_slots, MAX_STOP, dtype=torch.int64, device=device)
+        self.stop_ids = torch.zeros(n_slots, STOP_WIDTH, dtype=torch.int64, device=device)
+        self.stop_valid = torch.zeros(n_slots, STOP_WIDTH, dtype=torch.int64, device=device)
         self.has_penalty = np.zeros(n_slots, dtype=bool)
         self.has_min = np.zeros(n_slots, dtype=bool)
         self.prompt_len = np.zeros(n_slots, dtype=np.int64)
@@ -55,17 +55,27 @@ class LogitProcessors:
         self.freq[idx] = h2d(np.array([x.frequency_penalty for x in p], dtype=np.float32), self.device)
         self.pres[idx] = h2d(np.array([x.presence_penalty for x in p], dtype=np.float32), self.device)
         self.min_until[idx] = h2d(np.array([r.prompt_len + x.min_new_tokens for r, x in zip(rows, p)]), self.device)
-        stops = np.zeros((len(rows), MAX_STOP), dtype=np.int64)
+        ids = [list(x.stop_token_ids) + ([] if x.ignore_eos else list(self.eos)) for x in p]
+        self._widen_stops(max(len(i) for i in ids))
+        stops = np.zeros((len(rows), self.stop_ids.shape[1]), dtype=np.int64)
         valid = np.zeros_like(stops)
-        for i, x in enumerate(p):
-            ids = (list(x.stop_token_ids) + ([] if x.ignore_eos else list(self.eos)))[:MAX_STOP]
-            stops[i, : len(ids)], valid[i, : len(ids)] = ids, 1
+        for i, row in enumerate(ids):
+            stops[i, : len(row)], valid[i, : len(row)] = row, 1
         self.stop_ids[idx] = h2d(stops, self.device)
         self.stop_valid[idx] = h2d(valid, self.device)
         if pen.any():
             self._ensure_tables()
             self.counts[idx] = 0
             self.prompt_seen[idx] = False
+
+    def _widen_stops(self, width: int) -> None:
+        """Every stop id of every request is masked: widen the table when a request has more."""
+        old = self.stop_ids.shape[1]
+        if width <= old:
+            return
+        pad = torch.zeros(self.stop_ids.shape[0], width - old, dtype=torch.int64, device=self.device)
+        self.stop_ids = torch.cat([self.stop_ids, pad], dim=1)
+        self.stop_valid = torch.cat([self.stop_valid, pad.clone()], dim=1)
 
     def _ensure_tables(self) -> None:
         if self.counts is None:

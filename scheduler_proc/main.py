@@ -31,6 +31,7 @@ from scheduler_proc.planner import Planner
 
 log = logging.getLogger("tandem.scheduler")
 STATS_INTERVAL_S = 0.05
+STATS_INTERVAL_MS = 50
 
 
 class SchedulerLoop:
@@ -44,6 +45,7 @@ class SchedulerLoop:
         self.depth = 1 if args.disable_overlap_schedule else 2
         self.running = True
         self.last_stats = 0.0
+        self.last_sent: tuple = ()
 
     # ------------------------------------------------------------ start-up
     def wait_worker(self) -> WorkerReady:
@@ -87,7 +89,8 @@ class SchedulerLoop:
                 self.plans.send(plan)
             self._flush_outputs()
             self.core.counters.busy_s += time.perf_counter() - t0
-            events = dict(poller.poll(timeout=1000))
+            # A state change not yet reported (e.g. a release without output) is reported soon.
+            events = dict(poller.poll(timeout=STATS_INTERVAL_MS if self._stats_dirty() else 1000))
             t0 = time.perf_counter()
             if self.results.sock in events:
                 self._drain_results()
@@ -125,10 +128,17 @@ class SchedulerLoop:
         if outs:
             self.outputs.send(StepOutputs(outs))
         now = time.monotonic()
-        if outs or now - self.last_stats > STATS_INTERVAL_S:
-            if now - self.last_stats > STATS_INTERVAL_S or self.core.idle():
-                self.outputs.send(self.core.stats())
-                self.last_stats = now
+        if self._stats_dirty() and (now - self.last_stats > STATS_INTERVAL_S or self.core.idle()):
+            stats = self.core.stats()
+            self.outputs.send(stats)
+            self.last_stats, self.last_sent = now, self._gauges(stats)
+
+    @staticmethod
+    def _gauges(stats) -> tuple:
+        return stats.num_running, stats.num_waiting, stats.kv_pages_used, stats.steps
+
+    def _stats_dirty(self) -> bool:
+        return self._gauges(self.core.stats()) != self.last_sent
 
     def close(self) -> None:
         for chan in (self.requests, self.results, self.plans, self.outputs):

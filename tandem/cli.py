@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from proto.args import ArgError, parse_server_args
+from proto.args import BUNDLED_MODEL_DIR, ArgError, parse_server_args
 
 USAGE = "usage: tandem serve [--model-path DIR] [options]   (tandem serve --help for all flags)"
 
@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _announce(args) -> None:
     log = logging.getLogger("tandem")
+    if args.model_path.startswith(BUNDLED_MODEL_DIR):
+        log.info("no --model-path given: serving the bundled tiny-shakespeare pair from %s "
+                 "(Gemma 4 target + frozen-KV MTP assistant; see its README.md)", BUNDLED_MODEL_DIR)
     log.info("model: %s (served as %r)", args.model_path, args.model_name)
     if args.spec_enabled:
         log.info("speculative decoding: %s, draft %s, %d steps", args.speculative_algorithm,

@@ -76,7 +76,7 @@ class Supervisor:
             if dead:
                 role = sentinels[dead[0]]
                 code = self.procs[role].exitcode
-                if self.stopping and role == "tokenizer":
+                if self.stopping:  # children exit in order during a requested shutdown
                     break
                 log.error("%s process died (exit code %s); failing in-flight requests", role, code)
                 self._announce_death(f"{role} process died (exit code {code})")

@@ -214,11 +214,6 @@ def test_schemathesis_no_server_errors(srv, tmp_path):
     assert httpx.get(s.url + "/health").status_code == 200
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: tandem/supervisor.py Supervisor.watch excuses only the tokenizer's exit once stopping; "
-    "when the front's Shutdown reaches a scheduler with steps in flight, the scheduler exits within the "
-    "wait() already in progress and is reported as 'scheduler process died (exit code 0)': EngineDead "
-    "is announced and `tandem serve` exits 1 after a requested SIGTERM"))
 def test_sigterm_while_generating_exits_0(ckpts):
     s = Server(ckpts["gemma4"], "--shutdown-timeout", "0")
     body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}

@@ -1,0 +1,66 @@
+"""The bundled tiny-shakespeare pair: served by `tandem serve` with no model flags (MTP on),
+lossless against MTP off and HF transformers, with acceptance >= 2.5 at S = 3 on held-out
+prompts, read from the server's own /server_info and /metrics. (A test of the fixed artifact.)"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.helpers.checkpoints import hf_greedy
+from tests.helpers.server import ROOT, Server
+
+PAIR = os.path.join(ROOT, "models", "tiny-shakespeare")
+PROMPTS_FILE = os.path.join(ROOT, "benchmarks", "prompts_shakespeare_heldout.txt")
+
+
+def _prompts(n: int) -> list[str]:
+    with open(PROMPTS_FILE) as f:
+        lines = [ln.rstrip("\n").replace("\\n", "\n") for ln in f if ln.strip()]
+    return lines[:: max(1, len(lines) // n)][:n]
+
+
+def _complete(srv, prompts, n_tokens=48):
+    client = OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+    return [client.completions.create(model="tiny-shakespeare", prompt=p, max_tokens=n_tokens, temperature=0)
+            for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    prompts = _prompts(8)
+    with Server(None) as srv:  # no model flags: the bundled pair, MTP on (S = 3)
+        mtp = _complete(srv, prompts)
+        info = httpx.get(srv.url + "/server_info").json()
+        metrics = httpx.get(srv.url + "/metrics").text
+    with Server(os.path.join(PAIR, "target"), "--served-model-name", "tiny-shakespeare") as srv:
+        plain = _complete(srv, prompts)
+    return prompts, mtp, plain, info, metrics
+
+
+def test_mtp_equals_plain_greedy(outputs):
+    prompts, mtp, plain, _, _ = outputs
+    for a, b in zip(mtp, plain):
+        assert a.choices[0].text == b.choices[0].text
+        assert a.usage.completion_tokens == b.usage.completion_tokens
+
+
+def test_acceptance_on_held_out_prompts(outputs):
+    _, _, _, info, metrics = outputs
+    assert info["avg_spec_accept_length"] >= 2.5
+    assert "tandem:spec_decode_num_drafts_total" in metrics
+
+
+def test_hf_transformers_agrees(outputs):
+    from tokenizers import Tokenizer
+
+    prompts, mtp, _, _, _ = outputs
+    target = os.path.join(PAIR, "target")
+    tok = Tokenizer.from_file(os.path.join(target, "tokenizer.json"))
+    for prompt, r in list(zip(prompts, mtp))[:3]:
+        ids = tok.encode(prompt).ids
+        ref = hf_greedy(target, ids, 48)
+        assert r.choices[0].text == tok.decode(ref, skip_special_tokens=True)
