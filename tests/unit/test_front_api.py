@@ -261,9 +261,10 @@ def test_engine_abort_finish_reason(stack, client):
     stack.fake.paused = True
 
     def abort_soon():
-        stack.fake.wait_for(lambda: stack.engine.num_inflight > 0)
-        rid = next(iter(stack.engine.states))
-        with stack.fake._lock:  # the scheduler aborting on its own (e.g. preemption limit)
+        # Wait until the fake engine itself holds the request (not just the front).
+        stack.fake.wait_for(lambda: len(stack.fake.running) > 0, timeout=15)
+        with stack.fake._lock:
+            rid = next(iter(stack.fake.running))  # the scheduler aborting on its own (e.g. preemption limit)
             stack.fake.running.pop(rid)
             stack.fake._send([ReqOutput(rid, b"", finish_reason="abort")])
 
