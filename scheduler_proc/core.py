@@ -48,6 +48,7 @@ class SchedConfig:
     spec_steps: int = 0
     enable_prefix_cache: bool = True
     max_queued: int = 1 << 30
+    vocab_size: int = 0  # 0: unknown (tests); ids are then not range-checked here
 
     @staticmethod
     def from_ready(ready: WorkerReady, args) -> "SchedConfig":
@@ -64,6 +65,7 @@ class SchedConfig:
             spec_steps=ready.speculative_num_steps,
             enable_prefix_cache=not args.disable_prefix_cache,
             max_queued=args.max_queued_requests,
+            vocab_size=ready.vocab_size,
         )
 
 
@@ -119,6 +121,9 @@ class SchedulerCore:
                 f"prompt has {len(prompt)} tokens; this model's context length is {self.cfg.max_context}",
                 400,
             )
+        bad = _out_of_vocab(prompt, msg.params.stop_token_ids, self.cfg.vocab_size)
+        if bad is not None:
+            return self._reject(msg.rid, len(prompt), bad, 400)
         if len(self.waiting) >= self.cfg.max_queued:
             return self._reject(msg.rid, len(prompt), "server overloaded: too many queued requests", 503)
         room = self.cfg.max_context - len(prompt)
@@ -290,6 +295,18 @@ class SchedulerCore:
 
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.inflight
+
+
+def _out_of_vocab(prompt: np.ndarray, stop_ids, vocab: int) -> str | None:
+    """The worker indexes embeddings and logits with these ids: refuse any outside the vocab
+    here too, whatever the front checked (defence in depth: a bad id must not kill the worker)."""
+    if vocab <= 0:
+        return None
+    if len(prompt) and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab):
+        return f"prompt token ids must be in [0, {vocab})"
+    if any(not 0 <= t < vocab for t in stop_ids):
+        return f"stop_token_ids must be in [0, {vocab})"
+    return None
 
 
 def _timings(req: Req) -> ReqTimings:

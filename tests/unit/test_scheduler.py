@@ -167,3 +167,14 @@ def test_one_slot_serves_a_queue(depth):
     drv.run_until_idle(limit=500)
     assert len(drv.finish) == 4
     core.alloc.check_all_free()
+
+
+def test_out_of_vocab_ids_are_refused():
+    core, planner, worker = make()
+    core.cfg = core.cfg.__class__(**{**core.cfg.__dict__, "vocab_size": 64})
+    submit(core, "x", [1, 2, 64])
+    core.add_request(GenerateReq("y", pack_i32([1, 2]), SamplingParams(stop_token_ids=(99,)), time.time()))
+    outs = {o.rid: o for o in core.take_outputs()}
+    assert outs["x"].error_code == 400 and "[0, 64)" in outs["x"].error
+    assert outs["y"].finish_reason == "error" and "stop_token_ids" in outs["y"].error
+    assert not core.waiting
