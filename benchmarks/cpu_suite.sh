@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# CPU figures for BENCHMARKS.md, measured side by side in one run on the bundled pair:
-# plain vs frozen-KV MTP (S=3), overlap on vs off, concurrency 1 and 16 (8 for the issue-5
-# table), plus HF transformers generate on the same target and prompts.
+# CPU figures for BENCHMARKS.md, side by side in one run on the bundled pair (held-out
+# prompts, greedy, 96 new tokens each, median of 3 timed rounds per configuration):
+#   issue 4: plain vs frozen-KV MTP (S=3) x overlap on/off, concurrency 1 and 16
+#   issue 5: plain vs MTP at concurrency 1 and 8
+#   issue 2: HF transformers generate on the same target and prompts (concurrency 1)
 # Usage: bash benchmarks/cpu_suite.sh [OUT_DIR]
 set -uo pipefail
 OUT=${1:-/tmp/tandem-cpu-bench}; mkdir -p "$OUT"
@@ -11,17 +13,17 @@ P=benchmarks/prompts_shakespeare_heldout.txt
 MTP=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $A --speculative-num-steps 3)
 run() {  # name, extra args...
   local name=$1; shift
-  $PY benchmarks/offline.py --model-path $T --device cpu --prompts-file $P --output-len 64 \
+  $PY benchmarks/offline.py --model-path $T --device cpu --prompts-file $P --output-len 96 --repeat 3 \
     --log-level warning --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 || echo "$name failed"
 }
-run c1_plain --num-prompts 6 --max-running-requests 1 --hf
-run c1_mtp --num-prompts 6 --max-running-requests 1 "${MTP[@]}"
-run c1_mtp_nooverlap --num-prompts 6 --max-running-requests 1 "${MTP[@]}" --disable-overlap-schedule
-run c1_plain_nooverlap --num-prompts 6 --max-running-requests 1 --disable-overlap-schedule
-for c in 8 16; do
-  run c${c}_plain --num-prompts $((2 * c)) --max-running-requests $c
-  run c${c}_mtp --num-prompts $((2 * c)) --max-running-requests $c "${MTP[@]}"
-  run c${c}_plain_nooverlap --num-prompts $((2 * c)) --max-running-requests $c --disable-overlap-schedule
-  run c${c}_mtp_nooverlap --num-prompts $((2 * c)) --max-running-requests $c "${MTP[@]}" --disable-overlap-schedule
+for c in 1 16; do
+  n=$(( c == 1 ? 4 : 32 ))
+  extra=(); [ "$c" = 1 ] && extra=(--hf)
+  run c${c}_plain --num-prompts $n --max-running-requests $c "${extra[@]}"
+  run c${c}_mtp --num-prompts $n --max-running-requests $c "${MTP[@]}"
+  run c${c}_plain_nooverlap --num-prompts $n --max-running-requests $c --disable-overlap-schedule
+  run c${c}_mtp_nooverlap --num-prompts $n --max-running-requests $c "${MTP[@]}" --disable-overlap-schedule
 done
+run c8_plain --num-prompts 16 --max-running-requests 8
+run c8_mtp --num-prompts 16 --max-running-requests 8 "${MTP[@]}"
 $PY benchmarks/summarize.py "$OUT"

@@ -38,7 +38,7 @@ def start_engine(server_argv: list[str]):
     return args, ep, procs
 
 
-def run_engine(ep, prompts: list[np.ndarray], output_len: int, temperature: float, procs) -> dict:
+def run_engine(ep, prompts: list[np.ndarray], output_len: int, temperature: float, procs, repeat: int = 1) -> dict:
     zctx = zmq.Context()
     outputs = PullChannel(zctx, "outputs", ep.outputs)
     requests = PushChannel(zctx, "requests", ep.requests)
@@ -49,17 +49,21 @@ def run_engine(ep, prompts: list[np.ndarray], output_len: int, temperature: floa
     # Warm-up request (not timed).
     requests.send(GenerateReq("warmup", prompts[0][:8].astype(np.int32).tobytes(), params, time.time()))
     _collect(outputs, {"warmup"})
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        requests.send(GenerateReq(f"b{i}", p.astype(np.int32).tobytes(), params, time.time()))
-    n_tokens, stats = _collect(outputs, {f"b{i}" for i in range(len(prompts))})
-    wall = time.perf_counter() - t0
+    walls = []
+    for k in range(repeat):  # rounds of the same workload; the median round is reported
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            requests.send(GenerateReq(f"b{k}-{i}", p.astype(np.int32).tobytes(), params, time.time()))
+        n_tokens, stats = _collect(outputs, {f"b{k}-{i}" for i in range(len(prompts))})
+        walls.append(time.perf_counter() - t0)
+    wall = float(np.median(walls))
     requests.send(Shutdown("benchmark done"))
     time.sleep(0.5)
     outputs.close()
     requests.close()
     zctx.term()
-    out = {"wall_s": wall, "output_tokens": n_tokens, "output_tok_s": n_tokens / wall}
+    out = {"wall_s": wall, "output_tokens": n_tokens, "output_tok_s": n_tokens / wall,
+           "round_tok_s": [round(n_tokens / w, 1) for w in walls]}
     if stats is not None:
         steps = max(stats.steps, 1)
         out.update(steps=stats.steps, draft_ms_per_step=1e3 * stats.worker_draft_s / steps,
@@ -87,7 +91,8 @@ def _collect(outputs, rids: set[str]):
     return n, stats
 
 
-def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: str, batch: int) -> dict:
+def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: str, batch: int,
+           repeat: int = 1) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -96,18 +101,22 @@ def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: s
     gen = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
     if len({len(p) for p in prompts}) > 1:
         batch = 1  # no padding games: unequal prompts run one at a time
+    walls = []
     with torch.no_grad():
         model.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=2)  # warm-up
-        t0 = time.perf_counter()
-        n = 0
-        for i in range(0, len(prompts), batch):
-            chunk = torch.tensor(np.stack(prompts[i : i + batch]), device=device)
-            out = model.generate(chunk, attention_mask=torch.ones_like(chunk), **gen)
-            n += (out.shape[1] - chunk.shape[1]) * chunk.shape[0]
-        if device != "cpu":
-            torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "output_tokens": n, "output_tok_s": n / wall}
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            n = 0
+            for i in range(0, len(prompts), batch):
+                chunk = torch.tensor(np.stack(prompts[i : i + batch]), device=device)
+                out = model.generate(chunk, attention_mask=torch.ones_like(chunk), **gen)
+                n += (out.shape[1] - chunk.shape[1]) * chunk.shape[0]
+            if device != "cpu":
+                torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+    wall = float(np.median(walls))
+    return {"wall_s": wall, "output_tokens": n, "output_tok_s": n / wall,
+            "round_tok_s": [round(n / w, 1) for w in walls]}
 
 
 def main() -> None:
@@ -117,6 +126,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="timed rounds; the median is reported")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--hf-batch", type=int, default=0, help="HF generate batch (default: all prompts at once)")
     ap.add_argument("--json", default=None, help="write results here")
@@ -124,14 +134,14 @@ def main() -> None:
     bench, server_argv = ap.parse_known_args()
     args, ep, procs = start_engine(server_argv)
     prompts = make_prompts(bench, args)
-    results = {"workload": vars(bench), "engine": run_engine(ep, prompts, bench.output_len, bench.temperature, procs)}
+    results = {"workload": vars(bench), "engine": run_engine(ep, prompts, bench.output_len, bench.temperature, procs, bench.repeat)}
     for p in procs:
         p.join(10)
         if p.is_alive():
             p.terminate()
     if bench.hf:
         results["hf_transformers"] = run_hf(args.model_path, prompts, bench.output_len, args.resolved_device(),
-                                            bench.hf_batch or bench.num_prompts)
+                                            bench.hf_batch or bench.num_prompts, bench.repeat)
     print(json.dumps(results, indent=2))
     if bench.json:
         with open(bench.json, "w") as f:

@@ -95,6 +95,9 @@ class Worker:
         return ready
 
     def run(self) -> None:
+        """Launch each plan as it arrives; send a result once its copy is done. On CUDA the
+        next plan is usually launched before the previous result is waited for (depth 2); on
+        CPU a step is done when launch returns, so its result goes out at once."""
         inflight: deque = deque()
         while True:
             plan = self._recv(block=not inflight)
@@ -102,9 +105,7 @@ class Worker:
                 break
             if plan is not None:
                 inflight.append(self.runner.launch(plan))
-                if len(inflight) < 2:
-                    continue
-            if inflight:
+            while inflight and (inflight[0].ready() or len(inflight) >= 2 or plan is None):
                 self.results.send(inflight.popleft().result())
         while inflight:
             self.results.send(inflight.popleft().result())

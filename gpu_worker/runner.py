@@ -34,6 +34,9 @@ class Pending:
     event: object
     timer: "StepTimer"
 
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
     def result(self) -> StepResult:
         if self.event is not None:
             self.event.synchronize()
