@@ -61,3 +61,47 @@ def test_mtp_lossless(pair, overlap, draft):
     if draft == "oracle":
         # Multi-token steps really happened, full chains included.
         assert min(eng.core.counters.per_pos) > 10
+
+
+def test_stress_real_worker_admit_abort_finish(pair):
+    """The real worker (MTP, overlap) under churn: requests admitted, aborted and finishing
+    nearly every step; afterwards every page and slot is free and outputs stay exact."""
+    import random
+    from collections import deque
+
+    from proto.messages import AbortReq
+    from tests.helpers.inproc import _dec_plan, _dec_result, _enc
+
+    g, a, prompts, refs = pair
+    eng = InProcEngine(g, draft=a, steps=3, overlap=True, chunked_prefill_size=16, page_size=4,
+                       max_running_requests=6, max_total_tokens=1024)
+    eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([p + r for p, r in zip(prompts, refs)]))
+    rng = random.Random(7)
+    pending, submitted, aborted = deque(), {}, set()
+    for step in range(5000):
+        if step >= 500 and eng.core.idle() and not pending:
+            break
+        if step < 500 and rng.random() < 0.6:
+            i = rng.randrange(len(prompts))
+            rid = f"s{step}"
+            submitted[rid] = i
+            eng.submit(rid, prompts[i], max_new_tokens=rng.randrange(1, 40), ignore_eos=True)
+        live = [r for r in submitted if r not in eng.finish and r not in aborted]
+        if step < 500 and live and rng.random() < 0.25:
+            rid = rng.choice(live)
+            aborted.add(rid)
+            eng.core.abort(AbortReq(rid))
+        while len(eng.core.inflight) < 2 and (plan := eng.planner.plan()) is not None:
+            pending.append(eng.runner.launch(_dec_plan.decode(_enc.encode(plan))))
+        if pending:
+            eng.core.on_result(_dec_result.decode(_enc.encode(pending.popleft().result())))
+        for out in eng.core.take_outputs():
+            eng.tokens[out.rid].extend(__import__("numpy").frombuffer(out.token_ids, "<i4").tolist())
+            if out.finish_reason:
+                eng.finish[out.rid] = out.finish_reason
+    assert set(eng.finish) == set(submitted)
+    for rid, i in submitted.items():
+        if eng.finish[rid] != "abort":
+            assert eng.tokens[rid] == refs[i][: len(eng.tokens[rid])], rid
+    eng.core.alloc.check_all_free()
+    assert not eng.core.running and not eng.core.by_slot
