@@ -22,7 +22,9 @@ def prompt_logprob_rows(target, rows, state, hidden: torch.Tensor) -> list[Promp
     out = []
     for r in np.nonzero(want >= 0)[0]:
         lo, n = int(offsets[r]), int(rows.ext_len[r])
-        if n < 2:
+        if n < 2:  # a one-token prompt has no prompt logprobs: say so with an empty row, not silence
+            empty = Logprobs(b"", b"", b"", int(want[r]))
+            out.append(PromptLogprobRows(int(rows.ext_slots[r]), int(rows.ext_start[r]) + 1, empty))
             continue
         logits = target.compute_logits(hidden[lo : lo + n - 1])
         toks = torch.from_numpy(rows.ext_tokens[lo + 1 : lo + n]).to(logits.device)

@@ -57,7 +57,9 @@ class SlotState:
         self.seed[idx] = h2d(np.array([r.seed & ((1 << 62) - 1) for r in rows], dtype=np.int64), self.device)
         self.temperature[idx] = h2d(np.array([x.temperature for x in p], dtype=np.float32), self.device)
         self.top_p[idx] = h2d(np.array([x.top_p for x in p], dtype=np.float32), self.device)
-        self.top_k[idx] = h2d(np.array([x.top_k for x in p], dtype=np.int64), self.device)
+        # top_k has no upper bound on the wire (up to 2**64-1); beyond the vocabulary it filters
+        # nothing, so clamp it: an int64 overflow here killed the worker.
+        self.top_k[idx] = h2d(np.array([min(x.top_k, 1 << 62) for x in p], dtype=np.int64), self.device)
         self.min_p[idx] = h2d(np.array([x.min_p for x in p], dtype=np.float32), self.device)
         self.seq_len[idx] = 0
         slots = np.array([r.slot for r in rows])

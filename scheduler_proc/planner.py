@@ -27,6 +27,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _needs_every_token(req: Req) -> bool:
+    """The worker must see every fill token: prompt logprobs; repetition_penalty (it marks prompt
+    tokens as seen only as it computes them); frequency/presence penalties on a re-prefill (the
+    fill's output tokens are counted only as computed). A prefix hit would skip them."""
+    p = req.params
+    return (p.prompt_logprobs >= 0 or p.repetition_penalty != 1.0
+            or (req.fill_tokens is not None and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)))
+
+
 class Planner:
     def __init__(self, core: SchedulerCore):
         self.core = core
@@ -125,8 +134,9 @@ class Planner:
         fill = req.fill
         hashes = page_hashes(fill, ps, len(fill) // ps)
         # Leave at least one token to compute: its logits give the first sample. Prompt
-        # logprobs need the whole prompt computed, so they take no cache hit.
-        usable = 0 if req.params.prompt_logprobs >= 0 else (len(fill) - 1) // ps
+        # logprobs need the whole prompt computed, so they take no cache hit; nor do penalties
+        # whose worker state is built from the tokens it computes (see _needs_every_token).
+        usable = 0 if _needs_every_token(req) else (len(fill) - 1) // ps
         matched = core.alloc.match_prefix(hashes[:usable])
         first = len(fill) if req.params.prompt_logprobs >= 0 else min(budget, len(fill) - len(matched) * ps)
         need = _cdiv(len(matched) * ps + first, ps) - len(matched)
@@ -135,11 +145,13 @@ class Planner:
             return 0
         req.slot = core.free_slots.pop()
         req.pages, req.page_hashes, req.registered_pages = matched, hashes, len(matched)
-        req.cached_tokens = req.prefilled = req.prefill_returned = len(matched) * ps
+        req.prefilled = req.prefill_returned = len(matched) * ps
+        if req.fill_tokens is None:  # usage counts prompt tokens: a re-prefill's hit (mostly its
+            req.cached_tokens = req.prefilled  # own outputs) would exceed the prompt length
         req.phase = Phase.PREFILL
         req.first_scheduled = req.first_scheduled or time.monotonic()
         core.counters.prefix_queries += len(fill)
-        core.counters.prefix_hits += req.cached_tokens
+        core.counters.prefix_hits += req.prefilled
         core.running.append(req)
         core.by_slot[req.slot] = req
         self._admit.append(AdmitRow(req.slot, req.params, req.seed, len(req.prompt)))

@@ -75,5 +75,8 @@ class Req:
         return self.finish_reason is not None
 
     def surely_done(self) -> bool:
-        """Every in-flight decode step yields at least one token: planning more is waste."""
-        return len(self.output_ids) + self.decode_inflight >= self.max_new_tokens
+        """Every in-flight decode step yields at least one token: planning more is waste.
+        The sampled last prefill chunk, while in flight, yields one too (without counting it,
+        max_new_tokens=1 under overlap always got a decode row whose tokens were dropped)."""
+        sampling = self.prefill_done and self.prefill_returned < len(self.fill)
+        return len(self.output_ids) + self.decode_inflight + sampling >= self.max_new_tokens

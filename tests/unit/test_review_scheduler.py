@@ -1,0 +1,101 @@
+"""Review findings in the scheduler, each pinned by a test (simulated worker, fast)."""
+
+from __future__ import annotations
+
+import time
+
+from proto.arrays import pack_i32, view_i32
+from proto.messages import AbortReq, GenerateReq, SamplingParams
+from tests.unit.sim_worker import reference
+from tests.unit.test_scheduler import Driver, make, submit
+
+
+def test_no_decode_row_after_the_only_token_is_already_in_flight():
+    """max_new_tokens=1: the sampled last prefill chunk yields the only token. With overlap the
+    planner used to add a decode row (T tokens of verify, page growth, possibly a preemption of
+    another request) whose tokens were always dropped: ``surely_done`` ignored the in-flight
+    sampled chunk."""
+    core, planner, worker = make(t=4)
+    submit(core, "one", [3, 4, 5, 6, 7], max_new=1, ignore_eos=True)
+    first = planner.plan()
+    assert first is not None and first.extend and first.extend[0].sample
+    assert planner.plan() is None  # nothing useful to run until the result is back
+    drv = Driver(core, planner, worker, 2)
+    drv.pending.append(worker.run(first))
+    drv.run_until_idle()
+    assert drv.tokens["one"] == reference([3, 4, 5, 6, 7], 1, eos=False) and drv.finish["one"] == "length"
+    core.alloc.check_all_free()
+
+
+def test_cached_tokens_never_exceed_the_prompt_after_a_preemption():
+    """Usage's cached_tokens is a count of *prompt* tokens. A preempted request's re-prefill
+    (prompt + its own outputs) usually hits the pages it published itself; that hit used to
+    overwrite cached_tokens, so a 19-token prompt reported 40+ cached tokens."""
+    core, planner, worker = make(t=4, num_pages=21, ps=4, slots=4, chunk=32)
+    drv = Driver(core, planner, worker, 2)
+    prompts = {f"p{i}": list(range(1 + i, 20 + i)) for i in range(4)}
+    for rid, p in prompts.items():
+        submit(core, rid, p, max_new=30, ignore_eos=True)
+    outs = {}
+    while not core.idle():
+        while len(core.inflight) < 2 and (plan := planner.plan()) is not None:
+            drv.pending.append(worker.run(plan))
+        core.on_result(drv.pending.popleft())
+        for o in core.take_outputs():
+            outs.setdefault(o.rid, []).append(o)
+    assert core.counters.preemptions > 0
+    for rid, p in prompts.items():
+        toks = [t for o in outs[rid] for t in view_i32(o.token_ids).tolist()]
+        assert toks == reference(p, 30, eos=False), rid
+        for o in outs[rid]:
+            assert o.cached_tokens <= o.prompt_tokens == len(p), (rid, o.cached_tokens)
+
+
+def test_abort_while_waiting_after_preemption_frees_everything():
+    core, planner, worker = make(t=4, num_pages=21, ps=4, slots=4, chunk=32)
+    drv = Driver(core, planner, worker, 2)
+    for i in range(4):
+        submit(core, f"p{i}", list(range(1 + i, 20 + i)), max_new=30, ignore_eos=True)
+    aborted = None
+    for _ in range(2000):
+        drv.step()
+        requeued = [r for r in core.waiting if r.output_ids]
+        if requeued:
+            aborted = requeued[0].rid
+            core.abort(AbortReq(aborted))
+            break
+    assert aborted is not None, "no request was preempted"
+    drv.run_until_idle()
+    assert drv.finish[aborted] == "abort" and len(drv.finish) == 4
+    core.alloc.check_all_free()
+    assert not core.by_rid and not core.running and not core.waiting
+
+
+def test_prefix_hit_then_flush_while_in_use_stays_exact():
+    core, planner, worker = make(t=4, ps=4)
+    drv = Driver(core, planner, worker, 2)
+    shared = list(range(1, 26))
+    submit(core, "a", shared + [7], max_new=12, ignore_eos=True)
+    drv.run_until_idle()
+    submit(core, "b", shared + [9], max_new=12, ignore_eos=True)
+    submit(core, "c", shared + [9, 9], max_new=12, ignore_eos=True)
+    drv.step()
+    core.alloc.flush()  # pages in use lose their hash; their data stays valid for b and c
+    drv.step()
+    core.alloc.flush()
+    drv.run_until_idle()
+    assert drv.tokens["b"] == reference(shared + [9], 12, eos=False)
+    assert drv.tokens["c"] == reference(shared + [9, 9], 12, eos=False)
+    core.alloc.check_all_free()
+
+
+def test_prompt_at_context_edge_with_mtp_and_overlap():
+    """prompt_len = max_context - 1: exactly one token, no page beyond what the worker has."""
+    core, planner, worker = make(t=4, ps=4, max_context=32)
+    drv = Driver(core, planner, worker, 2)
+    p = list(range(1, 32))
+    core.add_request(GenerateReq("edge", pack_i32(p), SamplingParams(max_new_tokens=50, temperature=0.0,
+                                                                      ignore_eos=True), time.time()))
+    drv.run_until_idle()
+    assert drv.tokens["edge"] == reference(p, 1, eos=False) and drv.finish["edge"] == "length"
+    core.alloc.check_all_free()
