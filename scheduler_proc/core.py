@@ -143,7 +143,6 @@ class SchedulerCore:
             return
         if req.phase is Phase.WAITING:
             self.waiting.remove(req)
-            del self.by_rid[req.rid]
         self._finish(req, "abort")
 
     # ------------------------------------------------------------ results
@@ -218,6 +217,10 @@ class SchedulerCore:
 
     def _finish(self, req: Req, reason: str, kept=(), lp=None, matched=None) -> None:
         req.finish_reason = reason
+        # The front frees the rid on this output: it may come back at once (user rids on
+        # /generate) while this request still drains; only by_slot/running track it from now.
+        if self.by_rid.get(req.rid) is req:
+            del self.by_rid[req.rid]
         self.outbox.append(self._output(req, list(kept), lp, finish_reason=reason, matched_stop=matched,
                                         timings=_timings(req)))
         if req.phase is Phase.WAITING:
@@ -256,7 +259,6 @@ class SchedulerCore:
             self.waiting.appendleft(req)
         else:
             req.phase = Phase.DONE
-            self.by_rid.pop(req.rid, None)
 
     def _cache_committed(self, req: Req) -> None:
         """On release, publish the full pages of the committed sequence (prompt + outputs but

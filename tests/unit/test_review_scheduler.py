@@ -99,3 +99,26 @@ def test_prompt_at_context_edge_with_mtp_and_overlap():
     drv.run_until_idle()
     assert drv.tokens["edge"] == reference(p, 1, eos=False) and drv.finish["edge"] == "length"
     core.alloc.check_all_free()
+
+
+def test_rid_is_reusable_as_soon_as_its_request_has_finished():
+    """The front frees a rid when the finishing output arrives (and /generate takes rids from
+    users). The scheduler kept a finished request in ``by_rid`` until its in-flight step
+    drained, so reusing the rid at once was refused as a "duplicate request id" (400), and the
+    late release would then have dropped the new request's entry."""
+    core, planner, worker = make(t=1)
+    drv = Driver(core, planner, worker, 2)
+    p = [3, 4, 5]
+    stop = reference(p, 20, eos=False)[2]
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))
+    core.add_request(GenerateReq("x", pack_i32(p), params, time.time()))
+    while "x" not in drv.finish:
+        drv.step()
+    assert core.inflight, "the finished request still has a step in flight"
+    drv.finish.clear()
+    drv.tokens.clear()
+    core.add_request(GenerateReq("x", pack_i32(p), params, time.time()))
+    drv.run_until_idle()
+    assert drv.finish["x"] == "stop" and drv.tokens["x"] == reference(p, 20, eos=False)[:3]
+    core.alloc.check_all_free()
+    assert not core.by_rid
