@@ -28,6 +28,7 @@ from proto.messages import Shutdown, StepPlan, WorkerError, WorkerReady
 from proto.transport import Endpoints, PullChannel, PushChannel
 
 log = logging.getLogger("tandem.worker")
+WAIT_SLICE_MS = 1
 
 
 def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
@@ -64,7 +65,9 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
     state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
     backend = create_backend(args.attention_backend, pool=pool, page_table=state.page_table)
-    eos = read_eos_token_ids(args.model_path)
+    # An EOS id outside the vocabulary (a broken config) could never be sampled; dropping it
+    # keeps the min_tokens mask from indexing out of range.
+    eos = tuple(i for i in read_eos_token_ids(args.model_path) if 0 <= i < target.vocab_size)
     runner = ModelRunner(target, assistant, backend, state, t, device, eos)
     ready = WorkerReady(
         page_size=args.page_size,
@@ -96,11 +99,11 @@ class Worker:
 
     def run(self) -> None:
         """Launch each plan as it arrives; send a result once its copy is done. On CUDA the
-        next plan is usually launched before the previous result is waited for (depth 2); on
-        CPU a step is done when launch returns, so its result goes out at once."""
+        next plan is launched before the previous result is waited for (depth 2); on CPU a
+        step is done when launch returns, so its result goes out at once."""
         inflight: deque = deque()
         while True:
-            plan = self._recv(block=not inflight)
+            plan = self._next_plan(inflight)
             if isinstance(plan, Shutdown):
                 break
             if plan is not None:
@@ -110,10 +113,26 @@ class Worker:
         while inflight:
             self.results.send(inflight.popleft().result())
 
-    def _recv(self, block: bool) -> StepPlan | Shutdown | None:
+    def _next_plan(self, inflight: deque) -> StepPlan | Shutdown | None:
+        """A plan, or None once the oldest in-flight step is done (or two are in flight).
+
+        With one step in flight the scheduler usually sends the next plan right after it reads
+        the previous result, a moment *after* we sent it: wait for either that plan or the step,
+        in 1 ms slices, so the device never drains while a plan is on its way."""
+        if not inflight:
+            return self._recv(block=True)
+        if len(inflight) >= 2:
+            return None
+        while not inflight[0].ready():
+            plan = self._recv(block=False, timeout_ms=WAIT_SLICE_MS)
+            if plan is not None:
+                return plan
+        return self._recv(block=False)
+
+    def _recv(self, block: bool, timeout_ms: int = 0) -> StepPlan | Shutdown | None:
         while True:
             try:
-                return self.plans.recv(timeout_ms=None if block else 0)
+                return self.plans.recv(timeout_ms=None if block else timeout_ms)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.error("dropping malformed plan frame: %s", exc)
 

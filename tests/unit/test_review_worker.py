@@ -221,8 +221,6 @@ def test_prompt_logprobs_of_a_long_prompt_are_computed_in_blocks(pair, monkeypat
     assert np.allclose(whole[0], blocked[0], atol=1e-5) and (whole[1] == blocked[1]).all()
 
 
-@pytest.mark.xfail(strict=True, reason="worker loop blocks on step N+1's copy event whenever plan N+2 has not "
-                   "arrived yet, so N+2 is never launched behind N+1 (overlap lost every other step on GPU)")
 def test_worker_launches_the_next_plan_before_waiting_on_a_lone_unfinished_step():
     """The scheduler sends plan N+2 only after it has processed result N, i.e. a moment after
     the worker sent it. The worker checks for a plan with timeout 0, finds none and then waits
