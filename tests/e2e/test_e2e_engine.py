@@ -107,19 +107,21 @@ def test_killing_the_worker_fails_inflight_and_exits_nonzero(ckpts):
         async def main():
             client = AsyncOpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)
 
+            started = asyncio.Event()
+
             async def long_stream():
-                stream = await client.completions.create(model=path, prompt="hello", max_tokens=100000 % 200,
+                stream = await client.completions.create(model=path, prompt="hello", max_tokens=480,
                                                          stream=True, extra_body={"ignore_eos": True})
                 async for _ in stream:
-                    pass
+                    started.set()
 
             async def non_stream():
-                await client.completions.create(model=path, prompt="hello", max_tokens=190,
+                await client.completions.create(model=path, prompt="hello", max_tokens=480,
                                                 extra_body={"ignore_eos": True})
 
             tasks = [asyncio.create_task(long_stream()) for _ in range(3)]
             tasks += [asyncio.create_task(non_stream()) for _ in range(3)]
-            await asyncio.sleep(1.0)
+            await asyncio.wait_for(started.wait(), 20)  # generation is under way
             os.kill(worker, signal.SIGKILL)
             t0 = time.monotonic()
             results = await asyncio.gather(*tasks, return_exceptions=True)
