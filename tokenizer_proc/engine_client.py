@@ -117,7 +117,9 @@ class EngineClient:
         elif self.phase == DEAD:
             raise APIError(503, f"engine is dead: {self.dead_reason}")
         for s in states:
-            if s.rid in self.states:
+            # A rid whose abort the engine has not answered yet is still in use: reusing it
+            # would hand the old request's final output to the new one.
+            if s.rid in self.states or s.rid in self.late:
                 raise APIError(400, f"request id {s.rid!r} is already in use", "rid")
         sink: asyncio.Queue = asyncio.Queue()
         for s in states:
