@@ -189,10 +189,11 @@ class Planner:
         if self.core.alloc.available + draining >= need:
             return False  # pages are coming back with the in-flight results; wait for them
         for victim in reversed(self.core.running):
-            if victim is protect or victim.phase is Phase.DRAINING or victim in self._rec.reqs:
+            if victim.phase is Phase.DRAINING or victim in self._rec.reqs:
                 continue
+            # FCFS: the newest request yields, even when it is the one asking for pages.
             self.core.preempt(victim)
-            return victim.phase is not Phase.DRAINING
+            return victim is not protect and victim.phase is not Phase.DRAINING
         return False
 
     def _touch(self, req: Req) -> None:
