@@ -151,7 +151,11 @@ def run(args: ServerArgs, endpoints: Endpoints, status_conn=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     loop = SchedulerLoop(args, endpoints)
     try:
-        loop.start()
+        try:
+            loop.start()
+        except RuntimeError as exc:  # the worker could not start: it already said why
+            log.error("%s", exc)
+            raise SystemExit(1) from None
         loop.run()
     finally:
         loop.close()
