@@ -87,10 +87,10 @@ class SchedulerLoop:
             self._drain_requests()
             while len(self.core.inflight) < self.depth and (plan := self.planner.plan()) is not None:
                 self.plans.send(plan)
-            self._flush_outputs()
+            unreported = self._flush_outputs()
             self.core.counters.busy_s += time.perf_counter() - t0
             # A state change not yet reported (e.g. a release without output) is reported soon.
-            events = dict(poller.poll(timeout=STATS_INTERVAL_MS if self._stats_dirty() else 1000))
+            events = dict(poller.poll(timeout=STATS_INTERVAL_MS if unreported else 1000))
             t0 = time.perf_counter()
             if self.results.sock in events:
                 self._drain_results()
@@ -123,22 +123,22 @@ class SchedulerLoop:
             log.error("dropping malformed %s frame: %s", chan.channel, exc)
             return self._recv(chan)
 
-    def _flush_outputs(self) -> None:
+    def _flush_outputs(self) -> bool:
+        """Send pending outputs, and the stats when they changed (throttled while busy, at once
+        on going idle). Returns True while a change is left unreported."""
         outs = self.core.take_outputs()
         if outs:
             self.outputs.send(StepOutputs(outs))
+        stats = self.core.stats()
+        gauges = (stats.num_running, stats.num_waiting, stats.kv_pages_used, stats.steps)
+        if gauges == self.last_sent:
+            return False
         now = time.monotonic()
-        if self._stats_dirty() and (now - self.last_stats > STATS_INTERVAL_S or self.core.idle()):
-            stats = self.core.stats()
+        if now - self.last_stats > STATS_INTERVAL_S or self.core.idle():
             self.outputs.send(stats)
-            self.last_stats, self.last_sent = now, self._gauges(stats)
-
-    @staticmethod
-    def _gauges(stats) -> tuple:
-        return stats.num_running, stats.num_waiting, stats.kv_pages_used, stats.steps
-
-    def _stats_dirty(self) -> bool:
-        return self._gauges(self.core.stats()) != self.last_sent
+            self.last_stats, self.last_sent = now, gauges
+            return False
+        return True
 
     def close(self) -> None:
         for chan in (self.requests, self.results, self.plans, self.outputs):
