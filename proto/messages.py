@@ -131,6 +131,8 @@ class SchedulerStats(msgspec.Struct, tag="stats", frozen=True):
     step_time_s: float = 0.0  # scheduler wall time spent planning + processing (cumulative)
     worker_forward_s: float = 0.0  # worker time in target forward (cumulative)
     worker_draft_s: float = 0.0  # worker time in the draft loop (cumulative)
+    worker_busy_s: float = 0.0  # device-busy time of every step (cumulative; CUDA events on GPU)
+    worker_gap_s: float = 0.0  # device idle between consecutive steps while work was queued (cumulative)
 
 
 class EngineInfo(msgspec.Struct, tag="engine_info", frozen=True):
@@ -240,6 +242,8 @@ class StepResult(msgspec.Struct, tag="result", frozen=True):
     prompt_logprobs: list[PromptLogprobRows] = []
     forward_s: float = 0.0
     draft_s: float = 0.0
+    busy_s: float = 0.0  # device time from the step's first to its last queued work
+    gap_s: float = 0.0  # device idle between the previous step's end and this step's start
 
 
 class WorkerError(msgspec.Struct, tag="worker_error", frozen=True):

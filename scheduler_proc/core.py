@@ -91,6 +91,8 @@ class Counters:
     busy_s: float = 0.0
     forward_s: float = 0.0
     draft_s: float = 0.0
+    worker_busy_s: float = 0.0
+    worker_gap_s: float = 0.0
     per_pos: list[int] = field(default_factory=list)
 
 
@@ -107,6 +109,7 @@ class SchedulerCore:
         self.inflight: deque[StepRecord] = deque()
         self.outbox: list[ReqOutput] = []
         self.counters = Counters(per_pos=[0] * max(cfg.spec_steps, 0))
+        self._prev_step_reqs: set[int] = set()
         self._rng = np.random.default_rng()
 
     # ------------------------------------------------------------ requests
@@ -152,6 +155,13 @@ class SchedulerCore:
         self.counters.steps += 1
         self.counters.forward_s += res.forward_s
         self.counters.draft_s += res.draft_s
+        self.counters.worker_busy_s += res.busy_s
+        # A gap counts as idle only when this step continues work the previous one carried: the
+        # time an empty engine waits for requests is not overhead.
+        ids = {id(r) for r in rec.reqs}
+        if ids & self._prev_step_reqs:
+            self.counters.worker_gap_s += res.gap_s
+        self._prev_step_reqs = ids
         slots = view_i32(res.slots)
         t = self.cfg.tokens_per_step
         tokens = view_i32(res.tokens).reshape(len(slots), t)
@@ -289,6 +299,8 @@ class SchedulerCore:
             step_time_s=c.busy_s,
             worker_forward_s=c.forward_s,
             worker_draft_s=c.draft_s,
+            worker_busy_s=c.worker_busy_s,
+            worker_gap_s=c.worker_gap_s,
         )
 
     def take_outputs(self) -> list[ReqOutput]:

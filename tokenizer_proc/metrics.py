@@ -95,6 +95,9 @@ class Metrics:
         self.spec_accepted = c("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.spec_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
                               ("position",))
+        self.gpu_busy = c("gpu_busy_seconds", "Device-busy time of engine steps (CUDA events; CPU: compute time)")
+        self.gpu_gap = c("gpu_idle_between_steps_seconds",
+                         "Device idle between consecutive steps of continuing work (the process-boundary cost)")
         for reason in FINISH_REASONS:  # present from the start, so rate() works on the first request
             self.success.labels(model_name=model_name, finished_reason=reason)
 
@@ -142,6 +145,8 @@ class Metrics:
             (self.spec_accepted, "spec_num_accepted_tokens"),
         ):
             fan.inc(_delta(getattr(s, attr), getattr(last, attr) if last else 0))
+        for fan, attr in ((self.gpu_busy, "worker_busy_s"), (self.gpu_gap, "worker_gap_s")):
+            fan.inc(_delta(getattr(s, attr), getattr(last, attr) if last else 0.0))
         prev = last.spec_accepted_per_pos if last else ()
         for pos, value in enumerate(s.spec_accepted_per_pos):
             before = prev[pos] if pos < len(prev) else 0
@@ -192,6 +197,6 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _delta(now: int, before: int) -> int:
+def _delta(now: float, before: float) -> float:
     """Counter increments from cumulative values; a restarted engine starts again from zero."""
     return now - before if now >= before else now

@@ -1,0 +1,61 @@
+"""Our Triton kernels, one file per family; each has a torch reference in tests/unit.
+
+Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (CI checks them
+that way at tiny sizes). ``use_triton(x)`` says whether a tensor should take the kernel path:
+on CUDA always (when Triton imports), on the CPU only when the interpreter is switched on and
+``TANDEM_TRITON_CPU=1`` asks for it, so the plain CPU path keeps the torch reference ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    if not triton_available():
+        return False
+    if x.is_cuda:
+        return True
+    return interpreting() and os.environ.get("TANDEM_TRITON_CPU") == "1"
+
+
+def _fix_interpreter_index() -> None:
+    """Triton <= 3.6's interpreter turns a scalar into a Python int with ``int(array)``, an error
+    since numpy 2.4 for its 1-element arrays (so ``range(lo, hi)`` over loaded bounds failed);
+    Triton 3.9 squeezes first. Wrap its tensor patcher to do the same."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_tandem_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._tandem_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting() and triton_available():
+    _fix_interpreter_index()
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

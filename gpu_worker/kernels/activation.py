@@ -1,0 +1,52 @@
+"""Gated activation ``act(gate) * up`` in one pass (the MLP's middle), rounding like HF:
+``act(gate)`` is rounded to the model dtype before the product, and the product again.
+
+``gate`` and ``up`` may be two column halves of one merged ``gate_up`` output (strided rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.kernels import next_pow2
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+ACTS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
+
+if triton is not None:
+
+    @triton.jit
+    def _gated_act_kernel(g_ptr, u_ptr, o_ptr, n_cols, sg, su, so, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        DT = o_ptr.dtype.element_ty
+        g = tl.load(g_ptr + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            a = g / (1.0 + tl.exp(-g))
+        elif ACT == 1:
+            a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+        else:
+            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+        a = a.to(DT).to(tl.float32)
+        tl.store(o_ptr + row * so + cols, (a * u).to(DT), mask=mask)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate, up [T, I] (unit column stride) -> act(gate) * up [T, I]."""
+    t, n = gate.shape
+    out = torch.empty((t, n), dtype=gate.dtype, device=gate.device)
+    if t:
+        block = min(4096, next_pow2(n))
+        _gated_act_kernel[(t, triton.cdiv(n, block))](
+            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), ACT=ACTS[act], BLOCK=block,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,165 @@
+"""Paged decode attention: few queries per row (decode T=1, MTP verify T=S+1, the frozen-KV
+draft's Q-only read), every row reading its own pages through the page table.
+
+One program per (row, KV head, split) computes all ``T * group`` queries that share the KV head
+(GQA packed into one tile: K/V are read once per KV head, not once per query head). Query token
+t of row b at mask position ``q_pos`` sees key j iff ``j < kv_len[b]``, ``j <= q_pos`` and, on
+a sliding layer, ``j > q_pos - window`` — the backend contract of ``attention/base.py``.
+
+Split-KV (flash-decoding): with few rows the key range is cut into ``num_splits`` pieces that
+run in parallel and a second kernel merges them by log-sum-exp; the split count depends only on
+the batch bucket, so the launch is the same on every CUDA-graph replay (splits past the row's
+keys exit at once). Rows with no visible key (graph padding) produce zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.kernels import interpreting, next_pow2
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr,
+        sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
+        T: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        kv_len = tl.load(kvlen_ptr + b).to(tl.int32)
+        m = tl.arange(0, BLOCK_M)
+        mvalid = m < T * G
+        tok = b * T + m // G
+        qh = kvh * G + m % G
+        qpos = tl.load(qpos_ptr + tok, mask=mvalid, other=-1).to(tl.int32)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = tl.load(q_ptr + tok[:, None] * sqt + qh[:, None] * sqh + d[None, :],
+                    mask=mvalid[:, None] & dm[None, :], other=0.0)
+        hi = tl.minimum(kv_len, tl.max(qpos, axis=0) + 1)
+        lo = 0
+        if USE_WINDOW:
+            lo = tl.maximum(0, tl.min(tl.where(mvalid, qpos, 2147483647), axis=0) - window + 1)
+        span = tl.maximum(hi - lo, 0)
+        chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
+        s_lo = lo + split * chunk
+        s_hi = tl.minimum(hi, s_lo + chunk)
+        dv = tl.arange(0, BLOCK_DV)
+        dvm = dv < DV
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        for start in range(s_lo, s_hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            nm = n < s_hi
+            page = tl.load(pt_ptr + slot * spt + n // PAGE, mask=nm, other=0).to(tl.int64)
+            loc = page * PAGE + n % PAGE
+            k = tl.load(k_ptr + loc[:, None] * skn + kvh * skh + d[None, :], mask=nm[:, None] & dm[None, :],
+                        other=0.0)
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            if USE_SOFTCAP:
+                s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
+            vis = nm[None, :] & (n[None, :] <= qpos[:, None])
+            if USE_WINDOW:
+                vis = vis & (n[None, :] > qpos[:, None] - window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + loc[:, None] * svn + kvh * svh + dv[None, :], mask=nm[:, None] & dvm[None, :],
+                        other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        if SPLITS == 1:
+            tl.store(o_ptr + tok[:, None] * sot + qh[:, None] * soh + dv[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=mvalid[:, None] & dvm[None, :])
+        else:
+            row = (tok * (G * tl.num_programs(1)) + qh) * SPLITS + split  # [N, Hq, SPLITS]
+            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(plse_ptr + row, lse, mask=mvalid)
+            tl.store(po_ptr + row[:, None] * BLOCK_DV + dv[None, :], out, mask=mvalid[:, None])
+
+    @triton.jit
+    def _merge_kernel(po_ptr, plse_ptr, o_ptr, sot, soh, HQ: tl.constexpr, DV: tl.constexpr,
+                      BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SPLITS)
+        row = (tok * HQ + h) * SPLITS + sp
+        lse = tl.load(plse_ptr + row)
+        mx = tl.max(lse, axis=0)
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(mx == float("-inf"), 0.0, mx)))
+        tot = tl.sum(w, axis=0)
+        dv = tl.arange(0, BLOCK_DV)
+        part = tl.load(po_ptr + row[:, None] * BLOCK_DV + dv[None, :])
+        out = tl.sum(part * w[:, None], axis=0) / tl.where(tot > 0, tot, 1.0)
+        tl.store(o_ptr + tok * sot + h * soh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
+
+
+def decode_blocks(d: int, dv: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) by head size: the K and V tiles must fit in registers/SMEM."""
+    big = max(d, dv)
+    if big <= 128:
+        return 64, 4
+    if big <= 256:
+        return 32, 4
+    return 16, 8
+
+
+def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: int, page_size: int,
+                 scale: float, window: int | None = None, softcap: float | None = None, num_splits: int = 1,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B*t, Hq, D] (row b owns tokens b*t..b*t+t-1) -> out [B*t, Hq, Dv].
+
+    ``slots`` [B], ``kv_lens`` [B] and ``q_pos`` [B*t] are device tensors; nothing here reads
+    them on the host, so the call is CUDA-graph safe for a fixed B, t and ``num_splits``."""
+    n, hq, d = q.shape
+    b = slots.shape[0]
+    hkv, dv = k_cache.shape[1], v_cache.shape[-1]
+    g = hq // hkv
+    if out is None:
+        out = torch.empty((n, hq, dv), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    block_n, warps = decode_blocks(d, dv)
+    bdv = next_pow2(dv)
+    splits = next_pow2(max(1, num_splits))
+    part = lse = out
+    if splits > 1:
+        part = torch.empty((n, hq, splits, bdv), dtype=torch.float32, device=q.device)
+        lse = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, out, part, lse, page_table, slots, kv_lens, q_pos,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
+        T=t, G=g, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
+        BLOCK_M=max(16, next_pow2(t * g)), BLOCK_N=block_n, SPLITS=splits, USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), num_warps=warps, num_stages=2,
+    )
+    if splits > 1:
+        _merge_kernel[(n, hq)](part, lse, out, out.stride(0), out.stride(1), HQ=hq, DV=dv, BLOCK_DV=bdv,
+                               SPLITS=splits, num_warps=4)
+    return out

@@ -1,0 +1,124 @@
+"""Per-head q/k norm + rotary embedding + KV store, one (token, head) per program.
+
+For each token t and query head: ``q_out = rope(norm(q))``. For each KV head (when the layer
+writes KV): ``k_cache[loc[t]] = rope(norm(k))`` and ``v_cache[loc[t]] = vnorm(v)``. One launch
+replaces the norms, the cos/sin build, rotate-half, the two multiplies and the two index copies
+of the reference path. Rotation is neox style (rotate-half), as HF's Llama/Qwen/Gemma.
+
+Rounding follows HF: cos/sin are computed in float32 and rounded to the model dtype, and each of
+``x * cos``, ``rotate_half(x) * sin`` and their sum is rounded. Norm styles: 0 none, 1 llama
+(Qwen3's q/k norm), 2 gemma; ``V_NORM`` is Gemma 4's weightless v norm. Gemma 4's partial
+("proportional") rotary needs nothing special: its zero frequencies give cos 1, sin 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.kernels import next_pow2
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+NORM_NONE, NORM_LLAMA, NORM_GEMMA = 0, 1, 2
+
+if triton is not None:
+
+    @triton.jit
+    def _rnd(x, DT: tl.constexpr):
+        return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _head_norm(x1, x2, w_ptr, half, hm, HALF: tl.constexpr, eps, NORM: tl.constexpr, DT: tl.constexpr):
+        ms = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
+        inv = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+        w1 = tl.load(w_ptr + half, mask=hm, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + half, mask=hm, other=0.0).to(tl.float32)
+        if NORM == 1:
+            return _rnd(_rnd(x1 * inv, DT) * w1, DT), _rnd(_rnd(x2 * inv, DT) * w2, DT)
+        return _rnd(x1 * inv * w1, DT), _rnd(x2 * inv * w2, DT)
+
+    @triton.jit
+    def _rotate(x1, x2, c, s, DT: tl.constexpr):
+        o1 = _rnd(_rnd(x1 * c, DT) + _rnd(-x2 * s, DT), DT)
+        o2 = _rnd(_rnd(x2 * c, DT) + _rnd(x1 * s, DT), DT)
+        return o1, o2
+
+    @triton.jit
+    def _rope_store_kernel(
+        q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, loc_ptr, inv_ptr, qw_ptr, kw_ptr,
+        sqt, sqh, skt, skh, svt, svh, sot, soh, skn, skch, svn, svch, eps,
+        HQ: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+        NORM: tl.constexpr, V_NORM: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        DT = qo_ptr.dtype.element_ty
+        half = tl.arange(0, BLOCK_H)
+        hm = half < HALF
+        f = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + half, mask=hm, other=0.0)
+        c = _rnd(tl.cos(f), DT)
+        s = _rnd(tl.sin(f), DT)
+        if h < HQ:
+            base = q_ptr + t * sqt + h * sqh
+            x1 = tl.load(base + half, mask=hm, other=0.0).to(tl.float32)
+            x2 = tl.load(base + HALF + half, mask=hm, other=0.0).to(tl.float32)
+            if NORM != 0:
+                x1, x2 = _head_norm(x1, x2, qw_ptr, half, hm, HALF, eps, NORM, DT)
+            o1, o2 = _rotate(x1, x2, c, s, DT)
+            out = qo_ptr + t * sot + h * soh
+            tl.store(out + half, o1.to(DT), mask=hm)
+            tl.store(out + HALF + half, o2.to(DT), mask=hm)
+        else:
+            kh = h - HQ
+            loc = tl.load(loc_ptr + t)
+            base = k_ptr + t * skt + kh * skh
+            x1 = tl.load(base + half, mask=hm, other=0.0).to(tl.float32)
+            x2 = tl.load(base + HALF + half, mask=hm, other=0.0).to(tl.float32)
+            if NORM != 0:
+                x1, x2 = _head_norm(x1, x2, kw_ptr, half, hm, HALF, eps, NORM, DT)
+            o1, o2 = _rotate(x1, x2, c, s, DT)
+            kdst = kc_ptr + loc * skn + kh * skch
+            KT = kc_ptr.dtype.element_ty
+            tl.store(kdst + half, o1.to(KT), mask=hm)
+            tl.store(kdst + HALF + half, o2.to(KT), mask=hm)
+            dv = tl.arange(0, BLOCK_DV)
+            dm = dv < DV
+            v = tl.load(v_ptr + t * svt + kh * svh + dv, mask=dm, other=0.0).to(tl.float32)
+            if V_NORM:
+                inv_v = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(v * v, axis=0) / DV + eps))
+                v = _rnd(v * inv_v, DT)
+            tl.store(vc_ptr + loc * svn + kh * svch + dv, v.to(vc_ptr.dtype.element_ty), mask=dm)
+
+
+def rope_store(q, k, v, positions, inv_freq, out_loc, k_cache, v_cache, *, norm: int = NORM_NONE,
+               q_weight=None, k_weight=None, v_norm: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """q [T, Hq, D] -> rotated (normed) q, contiguous. With ``out_loc``, also writes the rotated
+    (normed) k and the (normed) v of every token into the caches; ``k``/``v`` may be strided views
+    (columns of a merged qkv output) and may alias each other (Gemma 4's k_eq_v)."""
+    t, hq, d = q.shape
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    store = out_loc is not None
+    hkv = k.shape[1] if store else 0
+    if t == 0:
+        return q_out
+    dv = v.shape[-1] if store else 1
+    dummy = q_out
+    _rope_store_kernel[(t, hq + hkv)](
+        q, k if store else dummy, v if store else dummy, q_out,
+        k_cache if store else dummy, v_cache if store else dummy, positions,
+        out_loc if store else positions, inv_freq,
+        q_weight if q_weight is not None else dummy, k_weight if k_weight is not None else dummy,
+        q.stride(0), q.stride(1),
+        k.stride(0) if store else 0, k.stride(1) if store else 0,
+        v.stride(0) if store else 0, v.stride(1) if store else 0,
+        q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0) if store else 0, k_cache.stride(1) if store else 0,
+        v_cache.stride(0) if store else 0, v_cache.stride(1) if store else 0, eps,
+        HQ=hq, HALF=d // 2, DV=dv, BLOCK_H=next_pow2(d // 2), BLOCK_DV=next_pow2(dv),
+        NORM=norm, V_NORM=v_norm, num_warps=1 if d <= 256 else 2,
+    )
+    return q_out
