@@ -11,7 +11,7 @@ keys [0, kv_len) of its slot's pages. Two mask conventions (chosen when the meta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ class ForwardBatch:
     out_loc: torch.Tensor | None  # [T] int64 KV write locations; None for Q-only (draft) forwards
     attn: Any  # backend metadata, built once per forward and shared by every layer
     num_tokens: int
+    rope_cache: dict = field(default_factory=dict)  # reference path: cos/sin per RoPE kind
 
     @property
     def writes_kv(self) -> bool:

@@ -22,7 +22,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4Spec, LayerSpec
-from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, Rotary, activation, apply_rope, paged_attention, softcap
+from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, MergedLinear, Rotary, gated, rope_attention, softcap
 
 _SCALE_CACHE: dict[tuple[float, torch.dtype], float] = {}
 
@@ -43,25 +43,31 @@ class Gemma4Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, layer.num_kv_heads, d
         self.owns_kv = layer.owns_kv
         self.attn: AttnLayer | None = None  # set by the model: it knows the physical KV layout
-        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.attention_bias)
         self.q_norm = GemmaRMSNorm(d, eps)
         if self.owns_kv:  # shared layers have no k/v weights at all (HF drops them on load)
-            self.k_proj = nn.Linear(h, layer.num_kv_heads * d, bias=spec.attention_bias)
-            self.v_proj = None if layer.k_eq_v else nn.Linear(h, layer.num_kv_heads * d, bias=spec.attention_bias)
+            parts = {"q_proj": spec.num_heads * d, "k_proj": layer.num_kv_heads * d}
+            if not layer.k_eq_v:
+                parts["v_proj"] = layer.num_kv_heads * d
+            self.qkv_proj = MergedLinear(h, parts, bias=spec.attention_bias)
             self.k_norm = GemmaRMSNorm(d, eps)
             self.v_norm = GemmaRMSNorm(d, eps, with_scale=False)
+        else:
+            self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.attention_bias)
         self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.attention_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch, backend):
+    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
         t = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
         if not self.owns_kv:
-            return self.o_proj(paged_attention(backend, self.attn, q, None, None, fb))
-        k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
-        k = apply_rope(self.k_norm(k_raw), cos, sin)
-        v = self.v_norm(v)  # k_eq_v: value = un-normed, un-rotated k_proj output, then v_norm
-        return self.o_proj(paged_attention(backend, self.attn, q, k, v, fb))
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            return self.o_proj(rope_attention(backend, self.attn, rotary, fb, q, q_norm=self.q_norm))
+        parts = self.qkv_proj.split(self.qkv_proj(x))
+        q = parts[0].view(t, self.num_heads, self.head_dim)
+        k = parts[1].view(t, self.num_kv_heads, self.head_dim)
+        # k_eq_v: value = the un-normed, un-rotated k_proj output, then v_norm
+        v = parts[2].view(t, self.num_kv_heads, self.head_dim) if len(parts) == 3 else k
+        o = rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm,
+                           v_norm=self.v_norm)
+        return self.o_proj(o)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -77,21 +83,23 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.register_buffer("layer_scalar", torch.ones(1))  # persistent: stored in checkpoints
         self.ple_dim = spec.hidden_size_per_layer_input
+        self.act_name = spec.hidden_act
         if self.ple_dim:
-            self.act = activation(spec.hidden_act)
             self.per_layer_input_gate = nn.Linear(h, self.ple_dim, bias=False)
             self.per_layer_projection = nn.Linear(self.ple_dim, h, bias=False)
             self.post_per_layer_input_norm = GemmaRMSNorm(h, eps)
 
-    def forward(self, x, per_layer_input, cos, sin, fb: ForwardBatch, backend) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, fb, backend)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        x = x + self.post_feedforward_layernorm(h)
-        if self.ple_dim:
-            h = self.act(self.per_layer_input_gate(x)) * per_layer_input
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
-        return x * self.layer_scalar
+    def forward(self, x, per_layer_input, rotary: Rotary, fb: ForwardBatch, backend) -> torch.Tensor:
+        """The residual stream x in, out; the kernel path updates x in place. Each
+        ``norm_add`` is HF's ``x = x + norm(h)`` (then the next norm) in one kernel."""
+        h = self.self_attn(self.input_layernorm(x), rotary, fb, backend)
+        h, x = self.post_attention_layernorm.norm_add(h, x, next_norm=self.pre_feedforward_layernorm)
+        h = self.mlp(h)
+        if not self.ple_dim:
+            return self.post_feedforward_layernorm.norm_add(h, x, scale=self.layer_scalar)[1]
+        _, x = self.post_feedforward_layernorm.norm_add(h, x)
+        h = self.per_layer_projection(gated(self.act_name, self.per_layer_input_gate(x), per_layer_input))
+        return self.post_per_layer_input_norm.norm_add(h, x, scale=self.layer_scalar)[1]
 
 
 class Gemma4Backbone(nn.Module):
@@ -134,11 +142,10 @@ class Gemma4Backbone(nn.Module):
         return (proj + tok) * (2.0**-0.5)
 
     def run(self, x: torch.Tensor, ple: torch.Tensor | None, fb: ForwardBatch, backend) -> torch.Tensor:
-        """Decoder layers + final norm over input embeddings x [T, H]."""
-        ropes = {t: rot(fb.positions, x.dtype) for t, rot in self.rotary.items()}
+        """Decoder layers + final norm over input embeddings x [T, H] (x is updated in place on
+        the kernel path: pass a tensor nobody else reads)."""
         for i, layer in enumerate(self.layers):
-            cos, sin = ropes[layer.layer_type]
-            x = layer(x, ple[:, i] if ple is not None else None, cos, sin, fb, backend)
+            x = layer(x, ple[:, i] if ple is not None else None, self.rotary[layer.layer_type], fb, backend)
         return self.norm(x)
 
 

@@ -14,6 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.kernels import use_triton
+from gpu_worker.kernels.activation import gated_act
+from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
+from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
 
 
@@ -36,9 +40,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            return launch_norm(MODE_NORM, x, None, self.weight, None, None, self.eps, gemma=False)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)  # HF multiplies in the input dtype
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual). The kernel path updates ``residual`` in place."""
+        if use_triton(x):
+            out = launch_norm(MODE_ADD_NORM, x, residual, self.weight, None, None, self.eps, gemma=False)
+            return out, residual
+        residual = x + residual
+        return self.forward(residual), residual
 
 
 class GemmaRMSNorm(nn.Module):
@@ -53,12 +67,27 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            return launch_norm(MODE_NORM, x, None, self.weight, None, None, self.eps, gemma=True)
         x32 = x.float()
         # HF uses pow(-0.5) rather than rsqrt (JAX parity); keep it for bit-compatibility.
         out = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
             out = out * self.weight.float()
         return out.type_as(x)
+
+    def norm_add(self, x: torch.Tensor, residual: torch.Tensor, next_norm: "GemmaRMSNorm | None" = None,
+                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Gemma's sandwich step: ``r = residual + self(x)`` [``* scale``]; returns
+        ``(next_norm(r) or None, r)``. The kernel path updates ``residual`` in place."""
+        if use_triton(x):
+            w2 = next_norm.weight if next_norm is not None else None
+            out = launch_norm(MODE_NORM_ADD, x, residual, self.weight, w2, scale, self.eps, gemma=True)
+            return out, residual
+        residual = residual + self.forward(x)
+        if scale is not None:
+            residual = residual * scale
+        return (next_norm(residual) if next_norm is not None else None), residual
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -136,18 +165,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --------------------------------------------------------------------------- MLP / attention
 
 
+class MergedLinear(nn.Linear):
+    """Several projections of one input as one weight [sum(parts), in]: one GEMM instead of many
+    (q/k/v, gate/up). ``parts`` maps each checkpoint projection name to its output width, in
+    order; the loader copies each checkpoint tensor into its rows."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def shard(self, part: str) -> tuple[int, int]:
+        """(row offset, rows) of ``part`` in the merged weight."""
+        offset = 0
+        for name, rows in self.parts.items():
+            if name == part:
+                return offset, rows
+            offset += rows
+        raise KeyError(part)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The merged output as one column view per part (no copy)."""
+        return torch.split(y, list(self.parts.values()), dim=-1)
+
+
+def gated(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up, rounded like HF; one kernel on the device path."""
+    if use_triton(gate):
+        return gated_act(gate, up, act)
+    return activation(act)(gate) * up
+
+
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)); HF names, so checkpoint keys map one to one."""
+    """down(act(gate(x)) * up(x)) with gate and up merged into one ``gate_up_proj``."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act = activation(act)
+        self.act_name = act
+        activation(act)  # fail at build time on an unsupported activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(gated(self.act_name, gate, up))
 
 
 def paged_attention(
@@ -158,7 +218,7 @@ def paged_attention(
     v: torch.Tensor | None,
     fb: ForwardBatch,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] (None: Q-only read of ``layer.kv_layer``) -> [T, Hq * Dv].
+    """q [T, Hq, D], k/v [T, Hkv, D] (None: read the pool only) -> [T, Hq * Dv].
 
     The backend writes k/v at ``fb.out_loc`` (when given) before reading, so a query sees its own
     key; masks come from the per-forward metadata in ``fb.attn``.
@@ -167,6 +227,44 @@ def paged_attention(
         raise ValueError("k/v given to a layer that does not write KV")
     out = backend.forward(layer, q, k, v, fb)
     return out.reshape(out.shape[0], -1)
+
+
+def _norm_style(norm: nn.Module | None) -> int:
+    if norm is None:
+        return NORM_NONE
+    return NORM_GEMMA if isinstance(norm, GemmaRMSNorm) else NORM_LLAMA
+
+
+def rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBatch, q, k=None, v=None, *,
+                   q_norm=None, k_norm=None, v_norm=None) -> torch.Tensor:
+    """Per-head norms, RoPE, KV store and paged attention for one layer -> [T, Hq * Dv].
+
+    q [T, Hq, D]; k/v [T, Hkv, *] (column views of the qkv output) or None for a layer that
+    only reads KV (Gemma 4 KV sharing, the frozen-KV draft). On the kernel path one launch
+    norms, rotates and stores (``kernels/rope.py``) and the backend then only reads the pool.
+    """
+    writes = k is not None
+    if use_triton(q):
+        pool = backend.pool
+        q = rope_store(
+            q, k, v, fb.positions, rotary.inv_freq, fb.out_loc if writes else None,
+            pool.k[layer.kv_layer] if writes else None, pool.v[layer.kv_layer] if writes else None,
+            norm=_norm_style(q_norm), q_weight=getattr(q_norm, "weight", None),
+            k_weight=getattr(k_norm, "weight", None), v_norm=v_norm is not None,
+            eps=q_norm.eps if q_norm is not None else 1e-6,
+        )
+        return paged_attention(backend, layer, q, None, None, fb)
+    key = id(rotary)
+    if key not in fb.rope_cache:  # cos/sin once per forward and RoPE kind
+        fb.rope_cache[key] = rotary(fb.positions, q.dtype)
+    cos, sin = fb.rope_cache[key]
+    if q_norm is not None:
+        q = q_norm(q)
+    q = apply_rope(q, cos, sin)
+    if writes:
+        k = apply_rope(k_norm(k) if k_norm is not None else k, cos, sin)
+        v = v_norm(v) if v_norm is not None else v
+    return paged_attention(backend, layer, q, k, v, fb)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

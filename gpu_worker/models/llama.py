@@ -15,7 +15,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import LayerSpec, LlamaSpec
-from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, apply_rope, paged_attention
+from gpu_worker.models.layers import GatedMLP, MergedLinear, RMSNorm, Rotary, rope_attention
 
 
 class LlamaAttention(nn.Module):
@@ -24,9 +24,9 @@ class LlamaAttention(nn.Module):
         h, d = spec.hidden_size, layer.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, layer.num_kv_heads, d
         self.attn = attn
-        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(h, layer.num_kv_heads * d, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(h, layer.num_kv_heads * d, bias=spec.qkv_bias)
+        kv = layer.num_kv_heads * d
+        self.qkv_proj = MergedLinear(h, {"q_proj": spec.num_heads * d, "k_proj": kv, "v_proj": kv},
+                                     bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
@@ -34,15 +34,15 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch, backend):
+    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head norm before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(paged_attention(backend, self.attn, q, k, v, fb))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        # Qwen3: per-head norm before RoPE
+        o = rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm)
+        return self.o_proj(o)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -53,9 +53,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, fb: ForwardBatch,
+                backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer output, residual stream). The residual add is deferred into the next norm
+        (``add_forward``): HF's ``residual + h`` then norm, in one kernel."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(h, rotary, fb, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -73,7 +81,7 @@ class LlamaBackbone(nn.Module):
             for i, layer in enumerate(spec.layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        # Every layer shares one head_dim and RoPE, so cos/sin are computed once per forward.
+        # Every layer shares one head_dim and RoPE.
         self.rotary = Rotary(spec.layers[0].head_dim, spec.layers[0].rope)
 
 
@@ -93,11 +101,10 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens(ids)
 
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
-        x = self.embed(fb.input_ids)
-        cos, sin = self.model.rotary(fb.positions, x.dtype)
+        h, residual = self.embed(fb.input_ids), None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, fb, backend)
-        return self.model.norm(x)
+            h, residual = layer(h, residual, self.model.rotary, fb, backend)
+        return self.model.norm.add_forward(h, residual)[0]
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

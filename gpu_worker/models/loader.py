@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from gpu_worker.models import DRAFT_ARCHITECTURES, model_class
 from gpu_worker.models.config import architecture_of, load_config, parse_config
+from gpu_worker.models.layers import MergedLinear
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,37 @@ def _materialize(cls, spec, dtype: torch.dtype, device: torch.device | str):
     return model
 
 
+def merged_targets(model) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint module path of each part of a merged projection -> (our module path, row
+    offset, rows): ``...self_attn.k_proj`` -> (``...self_attn.qkv_proj``, q rows, k rows)."""
+    out = {}
+    for path, mod in model.named_modules():
+        if isinstance(mod, MergedLinear):
+            parent = path.rsplit(".", 1)[0]
+            for part in mod.parts:
+                out[f"{parent}.{part}"] = (path, *mod.shard(part))
+    return out
+
+
+def _destination(targets: dict, merged: dict, name: str) -> tuple[str, torch.Tensor] | None:
+    """(the name we count as loaded, the tensor to copy into) for our name of a checkpoint key."""
+    if name in targets:
+        return name, targets[name]
+    module, _, leaf = name.rpartition(".")
+    if module in merged:
+        path, offset, rows = merged[module]
+        dst = targets.get(f"{path}.{leaf}")
+        if dst is not None:
+            return name, dst.narrow(0, offset, rows)
+    return None
+
+
 def load_weights(model, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into the matching parameter/buffer; fail on missing ones."""
+    """Copy every checkpoint tensor into the matching parameter/buffer (or the rows of a merged
+    projection that stand for it); fail on missing ones."""
     targets = model.state_dict(keep_vars=True)  # params + persistent buffers, by HF name
+    merged = merged_targets(model)
+    expected = _expected_names(targets, merged)
     seen: set[str] = set()
     unexpected: list[str] = []
     for path in checkpoint_files(model_dir):
@@ -54,18 +83,19 @@ def load_weights(model, model_dir: Path) -> None:
                 name = model.checkpoint_key(key)
                 if name is None:
                     continue
-                if name not in targets:
+                found = _destination(targets, merged, name)
+                if found is None:
                     if not model.ignored_checkpoint_key(name):
                         unexpected.append(key)
                     continue
-                dst = targets[name]
+                name, dst = found
                 src = f.get_tensor(key)
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
                 with torch.no_grad():
                     dst.copy_(src.to(dtype=dst.dtype) if dst.is_floating_point() else src)
                 seen.add(name)
-    missing = [n for n in targets if n not in seen]
+    missing = [n for n in expected if n not in seen]
     optional = model.optional_weights()
     for name in [n for n in missing if n in optional]:
         log.warning("%s not in checkpoint; using %s", name, optional[name])
@@ -76,6 +106,18 @@ def load_weights(model, model_dir: Path) -> None:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensors, e.g. {missing[:8]}")
     if unexpected:
         log.warning("ignoring %d unexpected checkpoint tensors, e.g. %s", len(unexpected), unexpected[:8])
+
+
+def _expected_names(targets: dict, merged: dict) -> list[str]:
+    """Every checkpoint-side name the model needs: a merged tensor counts once per part."""
+    parts: dict[str, list[str]] = {}
+    for part, (path, _, _) in merged.items():
+        parts.setdefault(path, []).append(part)
+    names = []
+    for name in targets:
+        module, _, leaf = name.rpartition(".")
+        names.extend(f"{p}.{leaf}" for p in parts[module]) if module in parts else names.append(name)
+    return names
 
 
 def load_model(

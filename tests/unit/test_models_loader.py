@@ -80,7 +80,7 @@ def test_old_format_gemma4_config_loads_same_model(gemma, tmp_path):
 def test_bfloat16_load_keeps_rope_in_float32(gemma):
     hf, path = gemma
     ours = load_model(path, dtype=torch.bfloat16, device=TEST_DEVICE)
-    assert ours.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert ours.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     assert all(r.inv_freq.dtype == torch.float32 for r in ours.model.rotary.values())
     torch.testing.assert_close(
         ours.model.rotary["full_attention"].inv_freq.cpu(), hf.model.rotary_emb.full_attention_inv_freq, atol=0, rtol=0
