@@ -8,6 +8,7 @@ for tests); ``flashinfer`` needs CUDA.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from typing import Callable
 
@@ -34,6 +35,10 @@ def flashinfer_available() -> bool:
     return True
 
 
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(f"gpu_worker.attention.{_MODULES[name]}") is not None
+
+
 def resolve_backend(name: str, device_type: str) -> str:
     """The backend ``name`` stands for on this device; raises ValueError naming the flag."""
     from gpu_worker.kernels import interpreting, triton_available
@@ -41,7 +46,7 @@ def resolve_backend(name: str, device_type: str) -> str:
     if name == "auto":
         if device_type != "cuda":
             return "torch"
-        if flashinfer_available():
+        if flashinfer_available() and _has_module("flashinfer"):
             return "flashinfer"
         return "triton" if triton_available() else "torch"
     if name == "flashinfer" and device_type != "cuda":
