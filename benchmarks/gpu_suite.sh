@@ -5,8 +5,9 @@
 # tests/gpu first, then the benchmarks of issue 8 (a-f); JSON + logs under $OUT; a table last.
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
 set -uo pipefail
-OUT=${OUT:-/tmp/tandem-gpu-out}; mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama qwen gemma pair attn"}
+export TANDEM_HOST_TIMING=${TANDEM_HOST_TIMING:-1}  # worker logs host ms/step by loop phase
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 [ -d .fi-cache ] && export FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache
@@ -24,8 +25,11 @@ fi
 if has profile; then
   echo "== profile: one 8B decode step (1 request, 512-token prompt)"
   timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
-    > "$OUT/profile_8b.txt" 2>&1 || echo "profile failed"
-  head -8 "$OUT/profile_8b.txt"
+    --trace "$FINAL/trace_8b_bs1.json.gz" > "$OUT/profile_8b.txt" 2>&1 || echo "profile failed"
+  head -6 "$OUT/profile_8b.txt"
+  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 32 --batch 64 --sync-debug \
+    > "$OUT/profile_8b_bs64.txt" 2>&1 || echo "profile bs64 failed"
+  head -30 "$OUT/profile_8b_bs64.txt"
 fi
 off() {  # name, timeout, args...
   local name=$1 t=$2; shift 2
@@ -34,7 +38,7 @@ off() {  # name, timeout, args...
 }
 if has llama; then
   echo "== (a, b, d) Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"
-  off llama_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
+  off llama_overlap 150 --log-level warning --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
     --max-running-requests 64
   off llama_no_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
     --max-running-requests 64 --disable-overlap-schedule
@@ -68,6 +72,7 @@ if has attn; then
 fi
 if [ -d "${FLASHINFER_WORKSPACE_BASE:-/nonexistent}" ] || [ -d ~/.cache/flashinfer ]; then
   src=${FLASHINFER_WORKSPACE_BASE:+$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer}; src=${src:-~/.cache/flashinfer}
-  [ -d "$src" ] && tar czf "$OUT/fi-cache.tgz" -C "$(dirname "$src")" flashinfer 2>/dev/null
+  [ -d "$src" ] && tar czf "$FINAL/fi-cache.tgz" -C "$(dirname "$src")" flashinfer 2>/dev/null
 fi
 python3 benchmarks/gpu_report.py "$OUT" $DM
+cp "$OUT/summary.txt" "$FINAL/"; tar czf "$FINAL/results.tgz" -C "$OUT" .

@@ -11,11 +11,13 @@ hot path (the numbers it prints go into the notes beside BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -38,10 +40,12 @@ def main() -> None:
     ap.add_argument("--trace", default=None)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--sync-debug", action="store_true", help="list host syncs in the profiled steps")
     a = ap.parse_args()
     eng = InProcEngine(a.model_path, draft=a.draft, device="cuda", load_format="dummy",
                        attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
-                       max_running_requests=max(8, a.batch), context_length=4096)
+                       max_running_requests=max(8, a.batch), context_length=4096, overlap=not a.no_overlap)
     vocab = eng.ready.vocab_size
     prompt = [(17 * i) % (vocab - 10) + 5 for i in range(a.input_len)]
 
@@ -53,10 +57,18 @@ def main() -> None:
     batch("warm", 8)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if a.sync_debug:
+            torch.cuda.set_sync_debug_mode(1)
         batch("p", a.steps)  # one prefill step, then steps - 1 decode steps
+        torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    syncs = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    if a.sync_debug:
+        print("host syncs in the profiled steps:", json.dumps(syncs.most_common(20), indent=1))
     report(prof, a.steps, wall)
     if a.trace:
         prof.export_chrome_trace("/tmp/_trace.json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections import deque
 
 import msgspec
@@ -104,6 +105,30 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
     runner.enable_graphs(graph_buckets(args.cuda_graph_bs, args.cuda_graph_max_bs or 256, max_slots), emulate)
 
 
+class HostClock:
+    """Where the worker's host time goes (``TANDEM_HOST_TIMING=1``): per phase of the loop,
+    logged every 200 steps. Off by default (one attribute check per tick)."""
+
+    def __init__(self, on: bool):
+        self.on, self.acc, self.steps, self.t = on, {}, 0, time.perf_counter()
+
+    @classmethod
+    def from_env(cls) -> "HostClock":
+        return cls(os.environ.get("TANDEM_HOST_TIMING") == "1")
+
+    def tick(self, phase: str, step: bool = False) -> None:
+        if not self.on:
+            return
+        now = time.perf_counter()
+        self.acc[phase] = self.acc.get(phase, 0.0) + now - self.t
+        self.t = now
+        self.steps += step
+        if step and self.steps % 200 == 0:
+            log.warning("host ms/step over 200 steps: %s",
+                        {k: round(1e3 * v / 200, 3) for k, v in self.acc.items()})
+            self.acc = {}
+
+
 class Worker:
     def __init__(self, args: ServerArgs, ep: Endpoints):
         self.args = args
@@ -120,14 +145,23 @@ class Worker:
         next plan is launched before the previous result is waited for (depth 2); on CPU a
         step is done when launch returns, so its result goes out at once."""
         inflight: deque = deque()
+        clock = HostClock.from_env()
+        if clock.on:
+            self.runner.tick = clock.tick
         while True:
+            clock.tick("idle")
             plan = self._next_plan(inflight)
+            clock.tick("recv")
             if isinstance(plan, Shutdown):
                 break
             if plan is not None:
                 inflight.append(self.runner.launch(plan))
+                clock.tick("launch", step=True)
             while inflight and (inflight[0].ready() or len(inflight) >= 2 or plan is None):
-                self.results.send(inflight.popleft().result())
+                res = inflight.popleft().result()
+                clock.tick("wait")
+                self.results.send(res)
+                clock.tick("send")
         while inflight:
             self.results.send(inflight.popleft().result())
 

@@ -81,8 +81,8 @@ class LogitProcessors:
         self.stop_ids[idx] = b["pr_stops"].view(-1, width)
         self.stop_valid[idx] = b["pr_valid"].view(-1, width)
         if "pr_pen_slot" in b:
-            self.counts[b["pr_pen_slot"]] = 0
-            self.prompt_seen[b["pr_pen_slot"]] = False
+            self.counts.index_fill_(0, b["pr_pen_slot"], 0)
+            self.prompt_seen.index_fill_(0, b["pr_pen_slot"], False)
 
     def _widen_stops(self, width: int) -> None:
         """Every stop id of every request is masked: widen the table when a request has more."""

@@ -85,6 +85,10 @@ class StepTimer:
         return self._dt(b, c), self._dt(a, b), self._dt(a, d), gap
 
 
+def _no_tick(phase: str, step: bool = False) -> None:
+    pass
+
+
 class ModelRunner:
     """Launches steps. Decode-only steps whose batch fits a bucket replay CUDA graphs
     (``cuda_graphs.py``); steps with prefill chunks run eagerly. Either way the step's host data
@@ -103,6 +107,7 @@ class ModelRunner:
         self.staging = Staging(device)
         self.graphs: DecodeGraphs | None = None
         self._last_timer: StepTimer | None = None
+        self.tick = _no_tick  # HostClock.tick when TANDEM_HOST_TIMING=1 (worker main)
 
     def enable_graphs(self, buckets: list[int], emulate: bool = False) -> DecodeGraphs:
         """Decode steps of up to max(buckets) rows go through ``DecodeGraphs`` (captured here)."""
@@ -123,6 +128,7 @@ class ModelRunner:
         bucket = self.graphs.bucket(len(rows.dec_slots)) if self.graphs is not None and rows.decode_only else None
         self._stage_rows(rows, b, bucket)
         b.upload()  # the step's one host-to-device copy
+        self.tick("l.stage")
         timer = self._last_timer = StepTimer(self.device, self._last_timer)
         timer.mark()
         st.apply_admit(b)
@@ -139,7 +145,9 @@ class ModelRunner:
             hidden = self.target.forward(fb, self.backend)
             sel_hidden = hidden[b["logit_rows"]]
             logits = self.target.compute_logits(sel_hidden)
+        self.tick("l.forward")
         out, accept, seed_rows = self._sample(rows, logits, b, dec_tokens)
+        self.tick("l.sample")
         prompt_lps = prompt_logprob_rows(self.target, rows, st, hidden)
         timer.mark()
         self._update_state(rows, b, out, accept, sel_hidden[seed_rows])

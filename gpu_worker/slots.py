@@ -80,7 +80,7 @@ class SlotState:
         self.top_p[idx] = b["adm_top_p"].float()
         self.top_k[idx] = b["adm_top_k"]
         self.min_p[idx] = b["adm_min_p"].float()
-        self.seq_len[idx] = 0
+        self.seq_len.index_fill_(0, idx, 0)  # a scalar assignment would sync the host
 
     def stage_pages(self, appends: list[PageAppend], b: StageBatch) -> None:
         if not appends:
@@ -95,4 +95,5 @@ class SlotState:
 
     def apply_pages(self, b: StageBatch) -> None:
         if "pt_rows" in b:
-            self.page_table[b["pt_rows"], b["pt_cols"]] = b["pt_vals"].to(torch.int32)
+            flat = b["pt_rows"] * self.page_table.shape[1] + b["pt_cols"]
+            self.page_table.view(-1).index_copy_(0, flat, b["pt_vals"].to(torch.int32))
