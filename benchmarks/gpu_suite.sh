@@ -38,7 +38,7 @@ off() {  # name, timeout, args...
 }
 if has llama; then
   echo "== (a, b, d) Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"
-  off llama_overlap 150 --log-level warning --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
+  off llama_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
     --max-running-requests 64
   off llama_no_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
     --max-running-requests 64 --disable-overlap-schedule
