@@ -27,9 +27,6 @@ if has profile; then
   timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
     --trace "$FINAL/trace_8b_bs1.json.gz" > "$OUT/profile_8b.txt" 2>&1 || echo "profile failed"
   head -6 "$OUT/profile_8b.txt"
-  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 32 --batch 64 --sync-debug \
-    > "$OUT/profile_8b_bs64.txt" 2>&1 || echo "profile bs64 failed"
-  head -30 "$OUT/profile_8b_bs64.txt"
 fi
 off() {  # name, timeout, args...
   local name=$1 t=$2; shift 2
@@ -38,10 +35,10 @@ off() {  # name, timeout, args...
 }
 if has llama; then
   echo "== (a, b, d) Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"
-  off llama_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
-    --max-running-requests 64
   off llama_no_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
     --max-running-requests 64 --disable-overlap-schedule
+  off llama_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
+    --max-running-requests 64
 fi
 if has qwen; then
   echo "== (c) Qwen3-0.6B shape, nano-vllm recipe (256 requests, lengths U[100, 1024]) + HF generate"
@@ -74,5 +71,6 @@ if [ -d "${FLASHINFER_WORKSPACE_BASE:-/nonexistent}" ] || [ -d ~/.cache/flashinf
   src=${FLASHINFER_WORKSPACE_BASE:+$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer}; src=${src:-~/.cache/flashinfer}
   [ -d "$src" ] && tar czf "$FINAL/fi-cache.tgz" -C "$(dirname "$src")" flashinfer 2>/dev/null
 fi
+grep -h "host ms/step" "$OUT"/*.log | tail -4 > "$OUT/host_timing.txt"
 python3 benchmarks/gpu_report.py "$OUT" $DM
 cp "$OUT/summary.txt" "$FINAL/"; tar czf "$FINAL/results.tgz" -C "$OUT" .

@@ -7,6 +7,7 @@ sets depth 1 (plan, wait for its result, repeat). Both give identical greedy tok
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -156,6 +157,8 @@ def run(args: ServerArgs, endpoints: Endpoints, status_conn=None) -> None:
         except RuntimeError as exc:  # the worker could not start: it already said why
             log.error("%s", exc)
             raise SystemExit(1) from None
+        gc.collect()
+        gc.freeze()  # start-up state lives for the whole process: keep it out of GC passes
         loop.run()
     finally:
         loop.close()
