@@ -26,7 +26,9 @@ except ImportError:
 
 if triton is not None:
 
-    @triton.jit
+    # Per-call views (a row group's slice of q, out and the index arrays) start at varying offsets:
+    # specialising on their 16-byte alignment would JIT-compile new variants mid-serving.
+    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"])
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr,
         sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,

@@ -24,7 +24,10 @@ except ImportError:
 
 if triton is not None:
 
-    @triton.jit
+    # The index arrays are per-step views (rows of the [3, NB] block table, staging slices): no
+    # alignment specialisation, so their offsets never trigger a recompile mid-serving.
+    @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "kvlen_ptr", "qpos_ptr", "brow_ptr", "bstart_ptr",
+                                                "blen_ptr"])
     def _extend_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, brow_ptr, bstart_ptr, blen_ptr,
         sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
