@@ -5,9 +5,15 @@ and stop matcher right there (``RequestState.apply``) and queues the resulting D
 HTTP handler. Doing it in one place means a stop string aborts the engine request within the
 same step, and metrics see every token exactly once.
 
-Life cycle (``phase``): starting -> ready -> draining, or -> dead on EngineDead. Only ``ready``
-accepts requests; the others answer 503. Admission reserves capacity synchronously (no await
-between the check and the registration), so a burst cannot overshoot ``max_queued_requests``.
+Life cycle (``phase``): starting -> ready -> draining, or -> dead on EngineDead (and back to
+starting when a restarted engine announces itself). Only ``ready`` accepts requests; the others
+answer 503.
+
+Admission (``--max-queued-requests`` N counts *waiting* requests, not running ones): the
+estimate is the scheduler's last reported ``num_waiting`` plus every GenerateReq sent that the
+scheduler had not read yet when it made that report (``requests_received`` is cumulative), so
+a request in transit counts as waiting until the scheduler says otherwise. Check and send
+happen synchronously (no await between them), so a burst cannot overshoot N.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class EngineClient:
         self.started_at = time.time()
         self._task: asyncio.Task | None = None
         self.on_restart: Callable[[], None] | None = None  # set by the server
+        self.sent_generate = 0  # GenerateReqs sent to the current engine (admission estimate)
 
     # ------------------------------------------------------------------ sockets
     def open(self) -> None:
@@ -99,7 +106,10 @@ class EngineClient:
         return len(self.states)
 
     def check_accepting(self) -> None:
+        """Ready and not overloaded, else 503 (handlers call it before tokenizing, so refusing a
+        burst costs no tokenizer time; ``submit`` checks again with the real count)."""
         if self.phase == READY:
+            self.check_capacity(1)
             return
         if self.phase == DEAD:
             raise APIError(503, f"engine is dead: {self.dead_reason}")
@@ -107,13 +117,31 @@ class EngineClient:
             raise APIError(503, "server is shutting down")
         raise APIError(503, "server is starting up")
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: the scheduler's queue plus what is on its way there."""
+        stats = self.last_stats
+        waiting = stats.num_waiting if stats else 0
+        received = stats.requests_received if stats else 0
+        return waiting + max(0, self.sent_generate - received)
+
+    @property
+    def num_running(self) -> int:
+        return self.last_stats.num_running if self.last_stats else 0
+
+    def check_capacity(self, n: int = 1) -> None:
+        """503 + Retry-After when ``n`` more waiting requests would pass --max-queued-requests."""
+        waiting, limit = self.num_waiting, self.args.max_queued_requests
+        if waiting + n > limit:
+            self.metrics.rejected.labels(model_name=self.metrics.model_name, reason="overload").inc()
+            raise APIError(503, f"server overloaded: {waiting} requests waiting (--max-queued-requests "
+                                f"{limit}); retry later")
+
     def submit(self, states: list[RequestState], internal: bool = False) -> asyncio.Queue:
         """Register and send; returns the queue that receives every Delta of these states."""
         if not internal:
             self.check_accepting()
-            if self.num_inflight + len(states) > self.args.max_queued_requests:
-                raise APIError(503, f"server overloaded: {self.num_inflight} requests in flight "
-                                    f"(limit {self.args.max_queued_requests})")
+            self.check_capacity(len(states))
         elif self.phase == DEAD:
             raise APIError(503, f"engine is dead: {self.dead_reason}")
         for s in states:
@@ -126,6 +154,7 @@ class EngineClient:
             s.sink = sink
             self.states[s.rid] = s
             self.send(GenerateReq(s.rid, pack_i32(s.prompt_ids), s.params, s.arrival_wall))
+            self.sent_generate += 1
         return sink
 
     def abort(self, state: RequestState, reason: str = "client_disconnect") -> None:
@@ -182,6 +211,10 @@ class EngineClient:
             self.info = msg
             self.metrics.set_max_model_len(msg.max_context)
             self.info_event.set()
+            if restarted:
+                # A fresh engine: its counters start from zero.
+                self.sent_generate, self.last_stats = 0, None
+                self.metrics.engine_restarts.inc()
             if restarted and self.on_restart is not None:
                 # A supervisor that restarts the engine: warm up again before serving.
                 self.phase, self.dead_reason = STARTING, None
