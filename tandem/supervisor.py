@@ -116,6 +116,7 @@ class Supervisor:
             if not dead or self.stopping:  # children exit in order during a requested shutdown
                 continue
             role = dead[0]
+            self.procs[role].join(1.0)  # reap it: exitcode is known only once waited for
             code = self.procs[role].exitcode
             log.error("%s process died (exit code %s); failing in-flight requests", role, code)
             if role == "tokenizer" or not self.args.restart_on_failure:

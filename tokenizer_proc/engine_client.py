@@ -11,9 +11,10 @@ answer 503.
 
 Admission (``--max-queued-requests`` N counts *waiting* requests, not running ones): the
 estimate is the scheduler's last reported ``num_waiting`` plus every GenerateReq sent that the
-scheduler had not read yet when it made that report (``requests_received`` is cumulative), so
-a request in transit counts as waiting until the scheduler says otherwise. Check and send
-happen synchronously (no await between them), so a burst cannot overshoot N.
+scheduler had not read yet when it made that report (``requests_received`` is cumulative),
+less the running slots that report left free (the scheduler fills them first). Check and send
+happen synchronously (no await between them), so a burst cannot overshoot N while slots are
+the limit; when KV pages are, the scheduler's backstop (N + max running) still holds.
 """
 
 from __future__ import annotations
@@ -119,11 +120,15 @@ class EngineClient:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: the scheduler's queue plus what is on its way there."""
+        """Requests not yet running: the scheduler's queue plus those on their way there, less
+        the ones the free running slots will take at once (the scheduler fills slots first)."""
         stats = self.last_stats
         waiting = stats.num_waiting if stats else 0
-        received = stats.requests_received if stats else 0
-        return waiting + max(0, self.sent_generate - received)
+        in_transit = max(0, self.sent_generate - (stats.requests_received if stats else 0))
+        free_slots = 0
+        if self.info is not None and waiting == 0:
+            free_slots = max(0, self.info.max_running_requests - (stats.num_running if stats else 0))
+        return waiting + max(0, in_transit - free_slots)
 
     @property
     def num_running(self) -> int:
