@@ -88,7 +88,7 @@ class FakeEngine:
     def send_info(self) -> None:
         self.outputs.send(EngineInfo(
             max_context=self.max_context, vocab_size=self.vocab_size, page_size=16, num_pages=64,
-            max_running_requests=32, device="cpu", dtype="float32", architecture="FakeForCausalLM",
+            max_running_requests=self.max_running, device="cpu", dtype="float32", architecture="FakeForCausalLM",
             speculative_num_steps=3, eos_token_ids=(self.eos_id,),
         ))
 

@@ -69,6 +69,8 @@ def test_overload_counts_waiting_not_running():
     stack = start_stack(max_queued_requests=2)
     try:
         stack.fake.paused, stack.fake.max_running = True, 1
+        stack.fake.send_info()
+        assert stack.fake.wait_for(lambda: stack.engine.info.max_running_requests == 1)
         held = [Background(stack.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 3})]
         assert stack.fake.wait_for(lambda: stack.engine.num_running == 1 and stack.engine.num_waiting == 0)
         held += [Background(stack.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 3}) for _ in range(2)]
@@ -94,6 +96,8 @@ def test_overload_burst_never_overshoots():
     stack = start_stack(max_queued_requests=4)
     try:
         stack.fake.paused, stack.fake.max_running = True, 2
+        stack.fake.send_info()  # the engine's slot count, as the front uses it for admission
+        assert stack.fake.wait_for(lambda: stack.engine.info.max_running_requests == 2)
         burst = [Background(stack.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 2}) for _ in range(24)]
         time.sleep(1.0)  # the burst is in; stats have caught up
         assert len(stack.fake.running) <= 2 + 4
