@@ -233,6 +233,11 @@ class EngineClient:
         self.dead_reason = reason
         self.info_event.set()  # wake a start-up that is still waiting for EngineInfo
         self.fail_all(f"engine is dead: {reason}", 503)
+        # Nothing runs or waits on a dead engine: /load and the gauges say so until it is back.
+        self.last_stats = None
+        self.metrics.running.set(0)
+        self.metrics.waiting.set(0)
+        self.metrics.kv_usage.set(0.0)
 
     def _on_output(self, out: ReqOutput, now: float) -> None:
         state = self.states.get(out.rid)
