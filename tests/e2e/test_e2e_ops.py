@@ -104,6 +104,18 @@ def test_api_key_required(guarded):
     assert httpx.get(url + "/server_info", headers=AUTH).json()["api_key"] == "<redacted>"
 
 
+def test_body_limit_and_chat_checks(guarded):
+    """The default 8 MiB body limit gives 413; a user message without content is a 400 naming
+    the field (OpenAI's wording), never a 422."""
+    r = httpx.post(guarded.url + "/v1/completions", headers={**AUTH, "content-type": "application/json"},
+                   content=b'{"prompt": "' + b"a" * (9 << 20) + b'"}', timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    r = httpx.post(guarded.url + "/v1/chat/completions", json={"messages": [{"role": "user"}]}, headers=AUTH)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages[0].content", r.text
+    assert err["message"] == "Missing required parameter: 'messages[0].content'."
+
+
 def test_overload_at_4x_capacity(guarded):
     """Capacity = 2 running + 2 waiting; 16 concurrent streams: each gets its tokens or a 503 with
     Retry-After in the OpenAI shape; none hangs, none is lost."""
