@@ -112,11 +112,15 @@ class EngineClient:
         if self.phase == READY:
             self.check_capacity(1)
             return
+        self._count_rejected(self.phase)
         if self.phase == DEAD:
             raise APIError(503, f"engine is dead: {self.dead_reason}")
         if self.phase == DRAINING:
             raise APIError(503, "server is shutting down")
         raise APIError(503, "server is starting up")
+
+    def _count_rejected(self, reason: str) -> None:
+        self.metrics.rejected.labels(model_name=self.metrics.model_name, reason=reason).inc()
 
     @property
     def num_waiting(self) -> int:
@@ -138,7 +142,7 @@ class EngineClient:
         """503 + Retry-After when ``n`` more waiting requests would pass --max-queued-requests."""
         waiting, limit = self.num_waiting, self.args.max_queued_requests
         if waiting + n > limit:
-            self.metrics.rejected.labels(model_name=self.metrics.model_name, reason="overload").inc()
+            self._count_rejected("overload")
             raise APIError(503, f"server overloaded: {waiting} requests waiting (--max-queued-requests "
                                 f"{limit}); retry later")
 
