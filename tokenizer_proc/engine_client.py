@@ -126,9 +126,13 @@ class EngineClient:
     def num_waiting(self) -> int:
         """Requests not yet running: the scheduler's queue plus those on their way there, less
         the ones the free running slots will take at once (the scheduler fills slots first)."""
+        return self._waiting_with(0)
+
+    def _waiting_with(self, n: int) -> int:
+        """``num_waiting`` if ``n`` more requests were sent now."""
         stats = self.last_stats
         waiting = stats.num_waiting if stats else 0
-        in_transit = max(0, self.sent_generate - (stats.requests_received if stats else 0))
+        in_transit = max(0, self.sent_generate - (stats.requests_received if stats else 0)) + n
         free_slots = 0
         if self.info is not None and waiting == 0:
             free_slots = max(0, self.info.max_running_requests - (stats.num_running if stats else 0))
@@ -139,11 +143,15 @@ class EngineClient:
         return self.last_stats.num_running if self.last_stats else 0
 
     def check_capacity(self, n: int = 1) -> None:
-        """503 + Retry-After when ``n`` more waiting requests would pass --max-queued-requests."""
-        waiting, limit = self.num_waiting, self.args.max_queued_requests
-        if waiting + n > limit:
+        """503 + Retry-After when ``n`` more requests would leave more than --max-queued-requests
+        waiting; 400 when ``n`` could never fit (more than max running + that limit)."""
+        limit = self.args.max_queued_requests
+        if self.info is not None and n > self.info.max_running_requests + limit:
+            raise APIError(400, f"n={n} choices can never be scheduled here (max running requests "
+                                f"{self.info.max_running_requests} + --max-queued-requests {limit})", "n")
+        if self._waiting_with(n) > limit:
             self._count_rejected("overload")
-            raise APIError(503, f"server overloaded: {waiting} requests waiting (--max-queued-requests "
+            raise APIError(503, f"server overloaded: {self.num_waiting} requests waiting (--max-queued-requests "
                                 f"{limit}); retry later")
 
     def submit(self, states: list[RequestState], internal: bool = False) -> asyncio.Queue:

@@ -116,3 +116,20 @@ def test_ops_flags(monkeypatch):
                        (["--transport", "tcp", "--curve-keys-dir", "/nonexistent"], "--curve-keys-dir")):
         with pytest.raises(ArgError, match=flag):
             parse_server_args(argv)
+
+
+def test_n_choices_may_use_free_slots():
+    """An idle engine with 4 free slots and --max-queued-requests 1 takes n=4 (all start at
+    once); n beyond running + queued can never fit: 400 naming n."""
+    stack = start_stack(max_queued_requests=1)
+    try:
+        stack.fake.max_running = 4
+        stack.fake.send_info()
+        assert stack.fake.wait_for(lambda: stack.engine.info.max_running_requests == 4)
+        with httpx.Client(base_url=stack.base_url, timeout=10) as c:
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 5})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 5
+            assert stack.fake.wait_for(lambda: stack.engine.num_waiting == 0)  # the stats caught up
+            assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 6}), 400, "n")
+    finally:
+        stack.close()
