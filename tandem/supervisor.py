@@ -67,6 +67,7 @@ class Supervisor:
         self.status: dict[str, object] = {}
         self.stopping = False
         self.failures = 0  # engine deaths in a row
+        self.death_announced = False  # the front was told the current engine is dead
         self.engine_started = 0.0
 
     # ------------------------------------------------------------------ children
@@ -163,6 +164,7 @@ class Supervisor:
         for r in ENGINE_ROLES:
             self._spawn(r)
         self.engine_started = time.monotonic()
+        self.death_announced = False
         return True
 
     def _stop_engine(self) -> None:
@@ -182,6 +184,7 @@ class Supervisor:
                 conn.close()
 
     def _announce_death(self, reason: str) -> None:
+        self.death_announced = True
         ctx = zmq.Context()
         try:
             chan = PushChannel(ctx, "outputs", self.endpoints.outputs)
@@ -204,7 +207,7 @@ class Supervisor:
         tok = self.procs["tokenizer"]
         if tok.is_alive() and not self.stopping:
             tok.terminate()
-        tok.join(max(0.1, deadline - time.monotonic()))
+        self._wait_front(deadline)
         for role in ENGINE_ROLES:  # they exit on the Shutdown the front sent
             self.procs[role].join(max(0.1, min(2.0, deadline - time.monotonic())))
         for proc in self.procs.values():
@@ -216,6 +219,23 @@ class Supervisor:
                 proc.kill()
                 proc.join(2.0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+    def _wait_front(self, deadline: float) -> None:
+        """Wait for the front to finish draining. An engine process that dies meanwhile (not
+        the exit 0 that follows the front's Shutdown) is announced at once, so the requests
+        still draining end with an error now rather than at the shutdown timeout."""
+        tok = self.procs["tokenizer"]
+        while tok.is_alive() and time.monotonic() < deadline:
+            engine = [self.procs[r] for r in ENGINE_ROLES if r in self.procs and self.procs[r].is_alive()]
+            wait([tok.sentinel, *(p.sentinel for p in engine)], timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            for r in ENGINE_ROLES:
+                proc = self.procs.get(r)
+                if self.death_announced or proc is None or proc.is_alive() or proc.exitcode in (0, None):
+                    continue
+                log.error("%s process died (exit code %s) during shutdown", r, proc.exitcode)
+                self._announce_death(f"{r} process died (exit code {proc.exitcode}) during shutdown")
+        tok.join(max(0.1, deadline - time.monotonic()))
 
 
 def serve(args: ServerArgs) -> int:

@@ -198,6 +198,27 @@ def test_sigterm_drains_8_streams_then_exits_0(ckpts):
         srv.stop()
 
 
+def test_worker_dies_during_drain(ckpts):
+    """SIGTERM, then the worker is killed while streams drain: they end with an explicit error
+    at once (not at the 30 s shutdown timeout), and the server still exits 0."""
+    srv = Server(ckpts["gemma4"])
+    try:
+        worker = engine_children(srv.proc.pid)["tandem-worker"]
+
+        def term_then_kill():
+            srv.proc.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: httpx.get(srv.url + "/health", timeout=2).status_code == 503, 5, 0.02)
+            os.kill(worker, signal.SIGKILL)
+
+        ends, elapsed, _ = _run_streams(srv.url + "/v1/completions", 4, {**LONG, "max_tokens": 480}, term_then_kill)
+        assert [e.outcome for e in ends] == ["error"] * 4, [(e.status, e.error, e.finish_reason) for e in ends]
+        assert elapsed <= 5.0 and all("worker process died" in e.error["message"] for e in ends)
+        srv.proc.wait(timeout=20)
+        assert srv.proc.returncode == 0, srv.output()
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------- restart
 
 
