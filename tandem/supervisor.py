@@ -119,6 +119,10 @@ class Supervisor:
             role = dead[0]
             self.procs[role].join(1.0)  # reap it: exitcode is known only once waited for
             code = self.procs[role].exitcode
+            if role == "tokenizer" and code == 0:  # the front was signalled itself and drained
+                log.info("front exited after draining; stopping")
+                self.stopping = True
+                break
             log.error("%s process died (exit code %s); failing in-flight requests", role, code)
             if role == "tokenizer" or not self.args.restart_on_failure:
                 self._announce_death(f"{role} process died (exit code {code})")

@@ -13,19 +13,7 @@ from proto.args import ServerArgs
 from tandem import supervisor
 from tandem.supervisor import Supervisor, restart_backoff
 from tests.unit.front_tok import shared_tokenizer_dir
-
-
-def fake_child(role, args, endpoints, status_conn, parent_pid=None):
-    """Front: reports ready and idles until SIGTERM. Engine: dies with code 3 after 0.2 s
-    (worker) or idles (scheduler), unless the role is named in TANDEM_TEST_CRASH."""
-    crash = os.environ.get("TANDEM_TEST_CRASH", "worker").split(",")
-    if role == "tokenizer":
-        status_conn.send(("ready", None))
-    if role in crash:
-        time.sleep(0.2)
-        os._exit(3)
-    while True:
-        time.sleep(0.1)
+from tests.unit.supervisor_children import fake_child
 
 
 def test_backoff_doubles_and_caps():
@@ -84,4 +72,12 @@ def test_without_restart_an_engine_death_exits_1(monkeypatch):
     sup = _sup(monkeypatch, "worker")
     pids = {p.pid for p in sup.procs.values()}
     assert sup.watch() == 1 and sup.failures == 0
+    assert _all_reaped(pids)
+
+
+def test_front_that_drained_by_itself_means_exit_0(monkeypatch):
+    monkeypatch.setenv("TANDEM_TEST_FRONT_EXIT0", "1")
+    sup = _sup(monkeypatch, "none", restart_on_failure=True)
+    pids = {p.pid for p in sup.procs.values()}
+    assert sup.watch() == 0 and sup.failures == 0
     assert _all_reaped(pids)
