@@ -62,9 +62,8 @@ def generate_keys(directory: str) -> CurveKeys:
     for d in (directory, auth_dir):
         os.chmod(d, 0o700)
     for name in ("server", "client"):
-        public_file, secret_file = zmq.auth.create_certificates(directory, name)
+        _, secret_file = zmq.auth.create_certificates(directory, name)
         os.chmod(secret_file, 0o600)
-    client_public, _ = zmq.auth.load_certificate(os.path.join(directory, "client.key"))
     with open(os.path.join(directory, "client.key")) as src, open(os.path.join(auth_dir, "client.key"), "w") as dst:
         dst.write(src.read())
     return load_keys(directory)
