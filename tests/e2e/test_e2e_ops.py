@@ -21,7 +21,7 @@ from openai import AuthenticationError, OpenAI
 
 from proto.arrays import pack_i32
 from proto.curve import load_keys
-from proto.messages import GenerateReq, SamplingParams
+from proto.messages import EngineDead, GenerateReq, SamplingParams
 from tests.e2e.api_util import metric, metrics
 from tests.e2e.ops_util import StreamEnd, engine_children, pid_alive, stream_completion, wait_until
 from tandem.cli import main
@@ -155,11 +155,16 @@ def test_rogue_zmq_peer_is_refused(guarded, keys_dir):
             s.linger = 0
         wrong.curve_secretkey, wrong.curve_publickey = sec, pub
         wrong.curve_serverkey = load_keys(keys_dir).server_public
+        # Inject requests into the scheduler, and a forged EngineDead into the front's outputs
+        # channel (had it got through, /health would turn 503).
+        dead = msgspec.msgpack.encode(EngineDead("forged by a rogue peer"))
         for s in (plain, wrong):
             s.connect(f"tcp://127.0.0.1:{requests_port}")
-            for frame in _rogue_frames():
-                s.send(frame, zmq.NOBLOCK)
+            s.connect(f"tcp://127.0.0.1:{requests_port + 1}")  # outputs is the second channel
+            for frame in _rogue_frames() + [dead] * 3:
+                s.send(frame, zmq.NOBLOCK)  # PUSH round-robins over both connections
         time.sleep(1.5)
+        assert httpx.get(guarded.url + "/health").status_code == 200
         assert info()["requests_received"] == received  # not one frame reached the decoder
         for s in (plain, wrong):
             s.close()
