@@ -60,7 +60,14 @@ class ServerArgs:
     tcp_base_port: int | None = None
     run_dir: str | None = None
     warmup: bool = True
-    shutdown_timeout: float = 5.0
+    # Operations (docs/architecture.md, "Operations").
+    shutdown_timeout: float = 30.0
+    restart_on_failure: bool = False
+    max_engine_restarts: int = 5  # consecutive engine deaths before the supervisor gives up
+    api_key: str | None = field(default=None, repr=False)  # or TANDEM_API_KEY
+    metrics_require_key: bool = False
+    curve_keys_dir: str | None = None  # tcp transport: default = fresh keys in the run dir
+    max_request_body_bytes: int = 8 * 1024 * 1024
     extra: dict = field(default_factory=dict)
 
     # --------------------------------------------------------------- derived values
@@ -130,6 +137,7 @@ def validate(args: ServerArgs) -> ServerArgs:
         ("--num-threads", args.num_threads),
         ("--max-queued-requests", args.max_queued_requests),
         ("--cuda-graph-max-bs", args.cuda_graph_max_bs),
+        ("--max-request-body-bytes", args.max_request_body_bytes),
     ):
         _positive(flag, val)
     if not 0.0 < args.mem_fraction_static < 1.0:
@@ -151,8 +159,29 @@ def validate(args: ServerArgs) -> ServerArgs:
         raise ArgError(f"--metrics-compat: expected vllm, got {args.metrics_compat!r}")
     if args.transport not in ("ipc", "tcp"):
         raise ArgError(f"--transport: expected ipc or tcp, got {args.transport!r}")
+    _validate_ops(args)
     _validate_spec(args)
     return args
+
+
+def _validate_ops(args: ServerArgs) -> None:
+    if args.shutdown_timeout < 0:
+        raise ArgError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.max_engine_restarts < 0:
+        raise ArgError(f"--max-engine-restarts: must be >= 0, got {args.max_engine_restarts}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ArgError("--api-key: must not be empty (leave it out to serve without a key)")
+    if args.metrics_require_key and args.api_key is None:
+        raise ArgError("--metrics-require-key: needs --api-key (or TANDEM_API_KEY)")
+    if args.curve_keys_dir is not None:
+        if args.transport != "tcp":
+            raise ArgError("--curve-keys-dir: only used with --transport tcp")
+        from proto.curve import CurveKeyError, load_keys  # noqa: PLC0415 - zmq only when asked
+
+        try:
+            load_keys(args.curve_keys_dir)
+        except CurveKeyError as exc:
+            raise ArgError(f"--curve-keys-dir: {exc}") from None
 
 
 def _validate_spec(args: ServerArgs) -> None:
@@ -216,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--random-seed", type=int, default=0)
     a("--disable-overlap-schedule", action="store_true")
     a("--disable-prefix-cache", "--disable-radix-cache", action="store_true")
-    a("--max-queued-requests", type=int, default=4096)
+    a("--max-queued-requests", type=int, default=4096,
+      help="waiting (not yet running) requests beyond which new ones get 503 + Retry-After")
     a("--speculative-algorithm", default=None)
     a("--speculative-draft-model-path", default=None)
     a("--speculative-num-steps", type=int, default=3)
@@ -227,7 +257,20 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tcp-base-port", type=int, default=None)
     a("--run-dir", default=None)
     a("--skip-warmup", action="store_true")
-    a("--shutdown-timeout", type=float, default=5.0)
+    ops = p.add_argument_group("operations")
+    o = ops.add_argument
+    o("--shutdown-timeout", type=float, default=30.0,
+      help="on SIGTERM, seconds running and queued requests get to finish (default 30)")
+    o("--restart-on-failure", action="store_true",
+      help="restart the engine (scheduler + worker) when one of them dies, instead of exiting")
+    o("--max-engine-restarts", type=int, default=5,
+      help="with --restart-on-failure: give up (exit 1) after this many consecutive engine deaths")
+    o("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set TANDEM_API_KEY)")
+    o("--metrics-require-key", action="store_true", help="require the API key on /health, /metrics, /load too")
+    o("--curve-keys-dir", default=None,
+      help="--transport tcp: CURVE keys from 'tandem keys generate DIR' (default: fresh keys per run)")
+    o("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+      help="larger request bodies get 413 (default 8 MiB)")
     return p
 
 
@@ -237,6 +280,8 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
     kw = {k: v for k, v in vars(ns).items() if k != "skip_warmup"}
     kw["warmup"] = not ns.skip_warmup
     kw["cuda_graph_bs"] = tuple(kw["cuda_graph_bs"]) if kw["cuda_graph_bs"] else None
+    if kw["api_key"] is None and os.environ.get("TANDEM_API_KEY"):
+        kw["api_key"] = os.environ["TANDEM_API_KEY"]
     if kw["model_path"] is None:
         kw.update(bundled_model_defaults(kw))
     kw["speculative_algorithm"] = (kw["speculative_algorithm"] or None) and kw["speculative_algorithm"].upper()

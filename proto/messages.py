@@ -128,6 +128,7 @@ class SchedulerStats(msgspec.Struct, tag="stats", frozen=True):
     spec_num_accepted_tokens: int = 0  # accepted drafts, bonus excluded (vLLM semantics)
     spec_accepted_per_pos: tuple[int, ...] = ()
     steps: int = 0
+    requests_received: int = 0  # GenerateReqs the scheduler has read (cumulative; front admission)
     step_time_s: float = 0.0  # scheduler wall time spent planning + processing (cumulative)
     worker_forward_s: float = 0.0  # worker time in target forward (cumulative)
     worker_draft_s: float = 0.0  # worker time in the draft loop (cumulative)

@@ -1,7 +1,9 @@
 """ZeroMQ PUSH/PULL channels carrying one msgspec frame per message.
 
 Addresses are ``ipc://`` paths inside a private 0700 run directory by default, or ``tcp://``.
-Decoding is typed: a malformed or unknown frame raises ``msgspec.DecodeError`` /
+Invariant: a ``tcp://`` channel is always CURVE-encrypted and authenticated (``proto/curve.py``);
+a process must call ``use_curve`` with its keys before opening one, or the channel refuses to
+open. Decoding is typed: a malformed or unknown frame raises ``msgspec.DecodeError`` /
 ``msgspec.ValidationError`` in the receiver, which logs and drops it, never crashes.
 """
 
@@ -16,6 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from proto.curve import Curve, CurveKeys, load_keys
 from proto.messages import OutputMsg, PlanMsg, RequestMsg, ResultMsg
 
 T = TypeVar("T")
@@ -36,6 +39,7 @@ class Endpoints:
     outputs: str
     plans: str
     results: str
+    curve_dir: str | None = None  # CURVE key directory for tcp:// (see proto/curve.py)
 
     def address(self, channel: str) -> str:
         return getattr(self, channel)
@@ -52,9 +56,40 @@ def ipc_endpoints(run_dir: str) -> Endpoints:
     return Endpoints(**{name: f"ipc://{run_dir}/{name}.sock" for name in CHANNEL_TYPES})
 
 
-def tcp_endpoints(host: str, base_port: int) -> Endpoints:
+def tcp_endpoints(host: str, base_port: int, curve_dir: str | None = None) -> Endpoints:
     names = list(CHANNEL_TYPES)
-    return Endpoints(**{n: f"tcp://{host}:{base_port + i}" for i, n in enumerate(names)})
+    return Endpoints(**{n: f"tcp://{host}:{base_port + i}" for i, n in enumerate(names)}, curve_dir=curve_dir)
+
+
+# The CURVE policy of this process (None: ipc only). Set once by the process entry point.
+_CURVE: Curve | None = None
+
+
+def use_curve(keys: CurveKeys | None) -> None:
+    global _CURVE
+    _CURVE = Curve(keys) if keys is not None else None
+
+
+def use_endpoint_security(endpoints: Endpoints) -> None:
+    """Load the keys ``endpoints`` names (a process entry point calls this before any channel)."""
+    use_curve(load_keys(endpoints.curve_dir) if endpoints.curve_dir else None)
+
+
+def _secure(sock: zmq.Socket, address: str, channel: str, server: bool) -> None:
+    if not address.startswith("tcp://"):
+        return
+    if _CURVE is None:
+        raise RuntimeError(f"{channel} channel {address}: tcp:// needs CURVE keys (none configured)")
+    if server:
+        _CURVE.server(sock, channel)
+    else:
+        _CURVE.client(sock)
+
+
+def _close(sock: zmq.Socket) -> None:
+    if _CURVE is not None:
+        _CURVE.release(sock)
+    sock.close(linger=0)
 
 
 class _Codec(Generic[T]):
@@ -77,13 +112,14 @@ class PushChannel(_Codec[T]):
         super().__init__(channel)
         self.sock = ctx.socket(zmq.PUSH)
         _socket_opts(self.sock)
+        _secure(self.sock, address, channel, server=False)
         self.sock.connect(address)
 
     def send(self, msg: T) -> None:
         self.sock.send(self.encoder.encode(msg), copy=False)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        _close(self.sock)
 
 
 class PullChannel(_Codec[T]):
@@ -93,6 +129,7 @@ class PullChannel(_Codec[T]):
         super().__init__(channel)
         self.sock = ctx.socket(zmq.PULL)
         _socket_opts(self.sock)
+        _secure(self.sock, address, channel, server=True)
         self.sock.bind(address)
 
     def recv(self, timeout_ms: int | None = None) -> T | None:
@@ -102,7 +139,7 @@ class PullChannel(_Codec[T]):
         return self.decoder.decode(self.sock.recv(copy=False).buffer)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        _close(self.sock)
 
 
 class AsyncPushChannel(_Codec[T]):
@@ -110,6 +147,7 @@ class AsyncPushChannel(_Codec[T]):
         super().__init__(channel)
         self.sock = ctx.socket(zmq.PUSH)
         _socket_opts(self.sock)
+        _secure(self.sock, address, channel, server=False)
         self.sock.connect(address)
 
     async def send(self, msg: T) -> None:
@@ -120,7 +158,7 @@ class AsyncPushChannel(_Codec[T]):
         self.sock.send(self.encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        _close(self.sock)
 
 
 class AsyncPullChannel(_Codec[T]):
@@ -128,6 +166,7 @@ class AsyncPullChannel(_Codec[T]):
         super().__init__(channel)
         self.sock = ctx.socket(zmq.PULL)
         _socket_opts(self.sock)
+        _secure(self.sock, address, channel, server=True)
         self.sock.bind(address)
 
     async def recv(self) -> T:
@@ -135,4 +174,4 @@ class AsyncPullChannel(_Codec[T]):
         return self.decoder.decode(frame.buffer)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        _close(self.sock)

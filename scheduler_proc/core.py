@@ -88,6 +88,7 @@ class Counters:
     draft_tokens: int = 0
     accepted: int = 0
     steps: int = 0
+    received: int = 0  # GenerateReqs read (the front's admission counts what is still in transit)
     busy_s: float = 0.0
     forward_s: float = 0.0
     draft_s: float = 0.0
@@ -114,6 +115,7 @@ class SchedulerCore:
 
     # ------------------------------------------------------------ requests
     def add_request(self, msg: GenerateReq) -> None:
+        self.counters.received += 1
         prompt = view_i32(msg.prompt_ids).copy()
         if msg.rid in self.by_rid:
             return self._reject(msg.rid, len(prompt), f"duplicate request id {msg.rid!r}", 400)
@@ -127,7 +129,10 @@ class SchedulerCore:
         bad = _out_of_vocab(prompt, msg.params.stop_token_ids, self.cfg.vocab_size)
         if bad is not None:
             return self._reject(msg.rid, len(prompt), bad, 400)
-        if len(self.waiting) >= self.cfg.max_queued:
+        # The front admits against --max-queued-requests (DESIGN §8); this is only a backstop
+        # against another client of the requests channel. Preempted requests also wait, hence
+        # the running allowance.
+        if len(self.waiting) >= self.cfg.max_queued + self.cfg.max_running:
             return self._reject(msg.rid, len(prompt), "server overloaded: too many queued requests", 503)
         room = self.cfg.max_context - len(prompt)
         req = Req(msg.rid, prompt, msg.params, msg.arrival, max(1, min(msg.params.max_new_tokens, room)))
@@ -296,6 +301,7 @@ class SchedulerCore:
             spec_num_accepted_tokens=c.accepted,
             spec_accepted_per_pos=tuple(c.per_pos),
             steps=c.steps,
+            requests_received=c.received,
             step_time_s=c.busy_s,
             worker_forward_s=c.forward_s,
             worker_draft_s=c.draft_s,

@@ -24,11 +24,16 @@ def _linux_prctl(role: str) -> None:
         pass
 
 
-def child_main(role: str, args, endpoints, status_conn) -> None:
+def child_main(role: str, args, endpoints, status_conn, parent_pid: int | None = None) -> None:
     os.setpgrp()  # Ctrl-C reaches the supervisor only; it stops children in order
     _linux_prctl(role)
-    if os.getppid() == 1:  # the supervisor died before we armed the death signal
+    # The supervisor died before we armed the death signal. (Compared with its pid, not 1: in a
+    # container the supervisor itself may be PID 1.)
+    if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
+    from proto.transport import use_endpoint_security  # noqa: PLC0415
+
+    use_endpoint_security(endpoints)  # tcp:// channels: this process's CURVE keys
     if role == "worker":
         from gpu_worker.main import run
     elif role == "scheduler":

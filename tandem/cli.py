@@ -7,7 +7,8 @@ import sys
 
 from proto.args import BUNDLED_MODEL_DIR, ArgError, parse_server_args
 
-USAGE = "usage: tandem serve [--model-path DIR] [options]   (tandem serve --help for all flags)"
+USAGE = ("usage: tandem serve [--model-path DIR] [options]   (tandem serve --help for all flags)\n"
+         "       tandem keys generate DIR                      (CURVE keys for --transport tcp)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "keys":
+        from tandem.keys import main as keys_main
+
+        return keys_main(argv[1:])
     if argv[0] != "serve":
         print(f"tandem: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc import serving_native, serving_openai
+from tokenizer_proc.auth import APIKeyMiddleware
 from tokenizer_proc.context import Front
 from tokenizer_proc.errors import APIError, error_body, error_response
 from tokenizer_proc.protocol import REQUEST_TYPES, TOKEN_ID_MAX
@@ -43,7 +44,9 @@ def _error_ref(description: str) -> dict:
 
 ERRORS = {
     400: _error_ref("Invalid request: malformed JSON, wrong content type, a bad field, or too long"),
+    401: _error_ref("Missing or wrong API key (with --api-key)"),
     404: _error_ref("Unknown model"),
+    413: _error_ref("Request body larger than --max-request-body-bytes"),
     503: _error_ref("Not ready, draining, engine dead, or overloaded (with Retry-After)"),
 }
 STREAM_OK = {200: {"description": "JSON, or server-sent events when stream is true",
@@ -132,6 +135,8 @@ def server_info(front: Front) -> dict:
     if stats is not None and stats.spec_num_drafts > 0:
         accept_len = (stats.spec_num_accepted_tokens + stats.spec_num_drafts) / stats.spec_num_drafts
     body: dict[str, Any] = {k: _json_safe(v) for k, v in dataclasses.asdict(front.args).items()}
+    if body.get("api_key") is not None:
+        body["api_key"] = "<redacted>"
     body.update(
         version=version(),
         model_name=front.args.model_name,
@@ -180,10 +185,24 @@ def install_error_handlers(app: FastAPI) -> None:
 Handler = Callable[[Front, Request], Awaitable[Response]]
 
 
+def load_body(front: Front) -> dict:
+    """GET /load: what a router needs to pick an engine (SGLang's /get_load fields plus ours)."""
+    engine = front.engine
+    stats = engine.last_stats
+    kv = stats.kv_pages_used / stats.kv_pages_total if stats and stats.kv_pages_total else 0.0
+    return {"server_load": engine.num_inflight, "num_requests_running": engine.num_running,
+            "num_requests_waiting": engine.num_waiting, "num_inflight_requests": engine.num_inflight,
+            "max_queued_requests": front.args.max_queued_requests, "kv_cache_usage_perc": kv,
+            "status": engine.phase}
+
+
 def build_app(front: Front) -> FastAPI:
     app = FastAPI(title="Tandem", version=version())
     app.state.front = front
     install_error_handlers(app)
+    if front.args.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=front.args.api_key,
+                           protect_ops=front.args.metrics_require_key)
 
     def post(path: str, handler: Handler, body: str, ok: dict | None = None) -> None:
         async def endpoint(request: Request) -> Response:
@@ -241,7 +260,7 @@ def build_app(front: Front) -> FastAPI:
 
     @app.get("/load")
     async def load() -> dict:
-        return {"server_load": front.engine.num_inflight}
+        return load_body(front)
 
     @app.post("/flush_cache", response_class=PlainTextResponse, responses={503: ERRORS[503]})
     async def flush_cache() -> Response:

@@ -16,7 +16,7 @@ from tokenizer_proc.params import GenPlan, Limits
 from tokenizer_proc.request_state import RequestState
 from tokenizer_proc.tokenizer import TextTokenizer
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ServerArgs.max_request_body_bytes
 
 
 @dataclass
@@ -49,13 +49,31 @@ class Front:
         return states
 
 
+def _body_limit(request: Request) -> int:
+    front = getattr(request.app.state, "front", None)
+    return front.args.max_request_body_bytes if front is not None else DEFAULT_MAX_BODY_BYTES
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body is larger than {limit} bytes (--max-request-body-bytes)", retry_after=False)
+
+
 async def read_body(request: Request) -> bytes:
-    """The raw JSON body, after the Content-Type check."""
+    """The raw JSON body, after the Content-Type check; 413 past --max-request-body-bytes,
+    whether the client declared the length or streams it chunked (counted as it arrives, so an
+    oversized body is never held in memory)."""
     check_content_type(request.headers.get("content-type"))
+    limit = _body_limit(request)
     length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-    return await request.body()
+    if length and length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def arrival() -> float:

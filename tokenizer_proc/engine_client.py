@@ -5,9 +5,16 @@ and stop matcher right there (``RequestState.apply``) and queues the resulting D
 HTTP handler. Doing it in one place means a stop string aborts the engine request within the
 same step, and metrics see every token exactly once.
 
-Life cycle (``phase``): starting -> ready -> draining, or -> dead on EngineDead. Only ``ready``
-accepts requests; the others answer 503. Admission reserves capacity synchronously (no await
-between the check and the registration), so a burst cannot overshoot ``max_queued_requests``.
+Life cycle (``phase``): starting -> ready -> draining, or -> dead on EngineDead (and back to
+starting when a restarted engine announces itself). Only ``ready`` accepts requests; the others
+answer 503.
+
+Admission (``--max-queued-requests`` N counts *waiting* requests, not running ones): the
+estimate is the scheduler's last reported ``num_waiting`` plus every GenerateReq sent that the
+scheduler had not read yet when it made that report (``requests_received`` is cumulative),
+less the running slots that report left free (the scheduler fills them first). Check and send
+happen synchronously (no await between them), so a burst cannot overshoot N while slots are
+the limit; when KV pages are, the scheduler's backstop (N + max running) still holds.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ class EngineClient:
         self.started_at = time.time()
         self._task: asyncio.Task | None = None
         self.on_restart: Callable[[], None] | None = None  # set by the server
+        self.sent_generate = 0  # GenerateReqs sent to the current engine (admission estimate)
 
     # ------------------------------------------------------------------ sockets
     def open(self) -> None:
@@ -99,21 +107,58 @@ class EngineClient:
         return len(self.states)
 
     def check_accepting(self) -> None:
+        """Ready and not overloaded, else 503 (handlers call it before tokenizing, so refusing a
+        burst costs no tokenizer time; ``submit`` checks again with the real count)."""
         if self.phase == READY:
+            self.check_capacity(1)
             return
+        self._count_rejected(self.phase)
         if self.phase == DEAD:
             raise APIError(503, f"engine is dead: {self.dead_reason}")
         if self.phase == DRAINING:
             raise APIError(503, "server is shutting down")
         raise APIError(503, "server is starting up")
 
+    def _count_rejected(self, reason: str) -> None:
+        self.metrics.rejected.labels(model_name=self.metrics.model_name, reason=reason).inc()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: the scheduler's queue plus those on their way there, less
+        the ones the free running slots will take at once (the scheduler fills slots first)."""
+        return self._waiting_with(0)
+
+    def _waiting_with(self, n: int) -> int:
+        """``num_waiting`` if ``n`` more requests were sent now."""
+        stats = self.last_stats
+        waiting = stats.num_waiting if stats else 0
+        in_transit = max(0, self.sent_generate - (stats.requests_received if stats else 0)) + n
+        free_slots = 0
+        if self.info is not None and waiting == 0:
+            free_slots = max(0, self.info.max_running_requests - (stats.num_running if stats else 0))
+        return waiting + max(0, in_transit - free_slots)
+
+    @property
+    def num_running(self) -> int:
+        return self.last_stats.num_running if self.last_stats else 0
+
+    def check_capacity(self, n: int = 1) -> None:
+        """503 + Retry-After when ``n`` more requests would leave more than --max-queued-requests
+        waiting; 400 when ``n`` could never fit (more than max running + that limit)."""
+        limit = self.args.max_queued_requests
+        if self.info is not None and n > self.info.max_running_requests + limit:
+            raise APIError(400, f"n={n} choices can never be scheduled here (max running requests "
+                                f"{self.info.max_running_requests} + --max-queued-requests {limit})", "n")
+        if self._waiting_with(n) > limit:
+            self._count_rejected("overload")
+            raise APIError(503, f"server overloaded: {self.num_waiting} requests waiting (--max-queued-requests "
+                                f"{limit}); retry later")
+
     def submit(self, states: list[RequestState], internal: bool = False) -> asyncio.Queue:
         """Register and send; returns the queue that receives every Delta of these states."""
         if not internal:
             self.check_accepting()
-            if self.num_inflight + len(states) > self.args.max_queued_requests:
-                raise APIError(503, f"server overloaded: {self.num_inflight} requests in flight "
-                                    f"(limit {self.args.max_queued_requests})")
+            self.check_capacity(len(states))
         elif self.phase == DEAD:
             raise APIError(503, f"engine is dead: {self.dead_reason}")
         for s in states:
@@ -126,6 +171,7 @@ class EngineClient:
             s.sink = sink
             self.states[s.rid] = s
             self.send(GenerateReq(s.rid, pack_i32(s.prompt_ids), s.params, s.arrival_wall))
+            self.sent_generate += 1
         return sink
 
     def abort(self, state: RequestState, reason: str = "client_disconnect") -> None:
@@ -182,6 +228,10 @@ class EngineClient:
             self.info = msg
             self.metrics.set_max_model_len(msg.max_context)
             self.info_event.set()
+            if restarted:
+                # A fresh engine: its counters start from zero.
+                self.sent_generate, self.last_stats = 0, None
+                self.metrics.engine_restarts.inc()
             if restarted and self.on_restart is not None:
                 # A supervisor that restarts the engine: warm up again before serving.
                 self.phase, self.dead_reason = STARTING, None
@@ -195,6 +245,11 @@ class EngineClient:
         self.dead_reason = reason
         self.info_event.set()  # wake a start-up that is still waiting for EngineInfo
         self.fail_all(f"engine is dead: {reason}", 503)
+        # Nothing runs or waits on a dead engine: /load and the gauges say so until it is back.
+        self.last_stats = None
+        self.metrics.running.set(0)
+        self.metrics.waiting.set(0)
+        self.metrics.kv_usage.set(0.0)
 
     def _on_output(self, out: ReqOutput, now: float) -> None:
         state = self.states.get(out.rid)

@@ -16,9 +16,10 @@ T = TypeVar("T")
 
 ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
-    413: "BadRequestError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",

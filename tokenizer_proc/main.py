@@ -140,6 +140,7 @@ class FrontServer:
             return
         if not self._stopping and self.engine.phase == STARTING:
             self.engine.phase = READY
+            self.status("ready", None)  # the supervisor logs it
             log.info("engine restarted; serving again")
 
     async def _warmup(self) -> None:

@@ -98,8 +98,12 @@ class Metrics:
         self.gpu_busy = c("gpu_busy_seconds", "Device-busy time of engine steps (CUDA events; CPU: compute time)")
         self.gpu_gap = c("gpu_idle_between_steps_seconds",
                          "Device idle between consecutive steps of continuing work (the process-boundary cost)")
+        self.rejected = c("request_rejected",
+                          "Requests refused at admission (503): overload, starting, draining, dead", ("reason",))
+        self.engine_restarts = c("engine_restarts", "Engine (scheduler + worker) restarts after a failure")
         for reason in FINISH_REASONS:  # present from the start, so rate() works on the first request
             self.success.labels(model_name=model_name, finished_reason=reason)
+        self.rejected.labels(model_name=model_name, reason="overload")
 
     # ------------------------------------------------------------------ construction
     def _make(self, cls: type, name: str, doc: str, labels: Iterable[str] = (), **kw: Any) -> _Fan:

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import msgspec
 
 from proto.messages import SamplingParams
+from tokenizer_proc.chat_messages import validate_messages
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_proc.errors import APIError, bad_request
 from tokenizer_proc.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     NativeSamplingParams,
     SamplingFields,
@@ -242,16 +242,6 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
 
 
 # ---------------------------------------------------------------------- /v1/chat/completions
-
-
-def validate_messages(messages: list[dict]) -> None:
-    if not messages:
-        raise bad_request("messages must contain at least one message", "messages")
-    for i, message in enumerate(messages):
-        try:
-            msgspec.convert(message, ChatMessage)
-        except msgspec.ValidationError as exc:
-            raise bad_request(f"invalid message: {exc}", f"messages[{i}]") from None
 
 
 def chat_text(req, template: ChatTemplate) -> str:

@@ -94,8 +94,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     """Only for validation and the schema: the template receives the original dict (extra keys
     such as ``tool_calls`` or ``reasoning_content`` included)."""
 
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None  # required for most roles (chat_messages.py)
     name: str | None = None
 
 

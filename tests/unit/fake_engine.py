@@ -7,7 +7,8 @@ GenerateReq with deterministic tokens: by default the prompt's own tokens, cycle
 - ``tokens_per_step``: tokens per ReqOutput (speculative decoding), reported as spec stats;
 - ``step_s``: time between steps; ``paused``: stop stepping (requests stay running);
 - ``error_token``: a prompt containing this id is rejected with error_code 400;
-- ``eos_after``: emit EOS as the N-th token (finish "stop", matched_stop = EOS).
+- ``eos_after``: emit EOS as the N-th token (finish "stop", matched_stop = EOS);
+- ``max_running``: only the oldest N requests step; the rest are reported as waiting.
 
 Finish rules match the real scheduler's: the earliest of EOS / stop_token_ids (after
 min_new_tokens) and max_new_tokens, applied token by token inside a multi-token step. Aborts
@@ -69,6 +70,8 @@ class FakeEngine:
         self.paused = False
         self.error_token: int | None = None
         self.eos_after: int | None = None
+        self.max_running = 32
+        self.generate_count = 0  # GenerateReqs read (SchedulerStats.requests_received)
         self.output_fn: Callable[[GenerateReq], list[int]] | None = None
         self.drafts = self.accepted = 0
         self._stop = threading.Event()
@@ -85,7 +88,7 @@ class FakeEngine:
     def send_info(self) -> None:
         self.outputs.send(EngineInfo(
             max_context=self.max_context, vocab_size=self.vocab_size, page_size=16, num_pages=64,
-            max_running_requests=32, device="cpu", dtype="float32", architecture="FakeForCausalLM",
+            max_running_requests=self.max_running, device="cpu", dtype="float32", architecture="FakeForCausalLM",
             speculative_num_steps=3, eos_token_ids=(self.eos_id,),
         ))
 
@@ -132,6 +135,7 @@ class FakeEngine:
     def _handle(self, msg) -> None:
         with self._lock:
             if isinstance(msg, GenerateReq):
+                self.generate_count += 1
                 self._admit(msg)
             elif isinstance(msg, AbortReq):
                 req = self.running.pop(msg.rid, None)
@@ -176,7 +180,7 @@ class FakeEngine:
 
     def _step(self) -> None:
         outs = []
-        for rid, req in list(self.running.items()):
+        for rid, req in list(self.running.items())[: self.max_running]:
             new = req.tokens[req.emitted : req.emitted + self.tokens_per_step]
             kept, reason, matched = self._cut(req, new)
             start = req.emitted
@@ -203,7 +207,9 @@ class FakeEngine:
     def _stats(self) -> SchedulerStats:
         steps = self.tokens_per_step - 1
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=0, kv_pages_used=len(self.running), kv_pages_total=64,
+            num_running=min(len(self.running), self.max_running),
+            num_waiting=max(0, len(self.running) - self.max_running), kv_pages_used=len(self.running),
+            kv_pages_total=64, requests_received=self.generate_count,
             prefix_queries=100, prefix_hits=40, spec_num_drafts=self.drafts,
             spec_num_draft_tokens=self.drafts * max(steps, 0),
             spec_num_accepted_tokens=self.accepted, spec_accepted_per_pos=tuple([self.drafts] * max(steps, 0)),

@@ -18,7 +18,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def stack():
-    s = start_stack()
+    s = start_stack(max_request_body_bytes=64 << 20)  # past the body limit: the text-length guard
     yield s
     s.close()
 

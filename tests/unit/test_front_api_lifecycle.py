@@ -64,18 +64,49 @@ def test_not_ready_until_engine_info_and_warmup():
         stack.close()
 
 
-def test_overload_returns_503_with_retry_after():
+def test_overload_counts_waiting_not_running():
+    """--max-queued-requests 2: one running + two waiting are admitted, the next gets 503."""
     stack = start_stack(max_queued_requests=2)
     try:
-        stack.fake.paused = True
-        held = [Background(stack.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 3}) for _ in range(2)]
-        assert stack.fake.wait_for(lambda: stack.engine.num_inflight == 2)
+        stack.fake.paused, stack.fake.max_running = True, 1
+        stack.fake.send_info()
+        assert stack.fake.wait_for(lambda: stack.engine.info.max_running_requests == 1)
+        held = [Background(stack.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 3})]
+        assert stack.fake.wait_for(lambda: stack.engine.num_running == 1 and stack.engine.num_waiting == 0)
+        held += [Background(stack.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 3}) for _ in range(2)]
+        assert stack.fake.wait_for(lambda: stack.engine.num_inflight == 3)
         with httpx.Client(base_url=stack.base_url, timeout=10) as c:
+            assert stack.fake.wait_for(lambda: c.get("/load").json()["num_requests_waiting"] == 2)
+            load = c.get("/load").json()
+            assert load["num_requests_running"] == 1 and load["server_load"] == 3 and load["max_queued_requests"] == 2
             r = c.post("/v1/completions", json={"prompt": "x", "n": 1})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
-            assert "overloaded" in r.json()["error"]["message"]
+            err = r.json()["error"]
+            assert "overloaded" in err["message"] and err["code"] == 503 and err["type"] == "ServiceUnavailableError"
+            assert 'tandem:request_rejected_total{model_name="fake-model",reason="overload"} 1.0' in c.get("/metrics").text
         stack.fake.paused = False
         assert all(b.result()[0] == 200 for b in held)
+    finally:
+        stack.close()
+
+
+def test_overload_burst_never_overshoots():
+    """A burst arrives faster than the scheduler's stats: requests in transit count as waiting,
+    so the engine never holds more than running + N; every request gets 200 or 503."""
+    stack = start_stack(max_queued_requests=4)
+    try:
+        stack.fake.paused, stack.fake.max_running = True, 2
+        stack.fake.send_info()  # the engine's slot count, as the front uses it for admission
+        assert stack.fake.wait_for(lambda: stack.engine.info.max_running_requests == 2)
+        burst = [Background(stack.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 2}) for _ in range(24)]
+        # Every request of the burst was either refused or is held by the paused engine.
+        assert stack.fake.wait_for(lambda: sum(b.out is not None for b in burst) + stack.engine.num_inflight == 24,
+                                   timeout=20)
+        time.sleep(0.2)  # anything still in transit lands
+        assert len(stack.fake.running) == 2 + 4  # exactly the free slots plus the queue
+        stack.fake.paused = False
+        codes = [b.result()[0] for b in burst]
+        assert set(codes) <= {200, 503} and codes.count(200) == 6
     finally:
         stack.close()
 

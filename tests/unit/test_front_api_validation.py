@@ -85,9 +85,20 @@ CHAT_CASES = [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({}, "messages"),
-    ({"messages": [{"content": "no role"}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0]"),
+    ({"messages": [{"content": "no role"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+    # OpenAI's per-role rules: a user/system/tool message needs content, roles are a closed set.
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": None}]}, "messages[1].content"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "assistant"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]}, "messages[1].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
+    (["not", "an", "object"], None),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
@@ -101,6 +112,22 @@ CHAT_CASES = [
 @pytest.mark.parametrize("body,param", CHAT_CASES, ids=[str(c[0])[:60] for c in CHAT_CASES])
 def test_chat_field_errors(http, body, param):
     assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_chat_missing_content_message_names_the_field(http):
+    err = assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user"}]}), 400)
+    assert err["message"] == "Missing required parameter: 'messages[0].content'."
+
+
+def test_chat_roles_openai_accepts(http):
+    """Assistant turns with tool calls may omit content; developer and tool roles are valid."""
+    messages = [{"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                       "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize",

@@ -1,0 +1,116 @@
+"""CURVE on tcp:// channels: only peers holding the keys exchange frames; others are refused and
+logged, and a plain tcp channel cannot even be opened."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import time
+
+import pytest
+import zmq
+
+from proto import transport
+from proto.curve import CurveKeyError, generate_keys, load_keys
+from proto.messages import AbortReq, FlushCache
+from proto.transport import PullChannel, PushChannel
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def keys(tmp_path):
+    k = generate_keys(str(tmp_path / "keys"))
+    transport.use_curve(k)
+    yield k
+    transport.use_curve(None)
+
+
+def _recv_all(pull: PullChannel, wait_s: float) -> list:
+    got, deadline = [], time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        msg = pull.recv(timeout_ms=50)
+        if msg is not None:
+            got.append(msg)
+    return got
+
+
+def test_generated_key_files(tmp_path, keys):
+    d = tmp_path / "keys"
+    for name in ("server.key_secret", "client.key_secret"):
+        assert stat.S_IMODE(os.stat(d / name).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    assert load_keys(str(d)) == keys and keys.authorized == frozenset({keys.client_public})
+    with pytest.raises(CurveKeyError, match="not overwriting"):
+        generate_keys(str(d))
+    with pytest.raises(CurveKeyError, match="missing key file"):
+        load_keys(str(tmp_path / "nowhere"))
+
+
+def test_plain_tcp_is_refused_without_keys():
+    transport.use_curve(None)
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(RuntimeError, match="needs CURVE"):
+            PullChannel(ctx, "requests", f"tcp://127.0.0.1:{_port()}")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_keyed_peer_passes_rogues_are_refused_and_logged(keys, caplog):
+    addr = f"tcp://127.0.0.1:{_port()}"
+    ctx = zmq.Context()
+    pull = PullChannel(ctx, "requests", addr)
+    legit = PushChannel(ctx, "requests", addr)
+    legit.send(AbortReq("good", "client_disconnect"))
+    assert [m.rid for m in _recv_all(pull, 1.0)] == ["good"]
+
+    caplog.set_level(logging.WARNING, logger="tandem.security")
+    plain = ctx.socket(zmq.PUSH)  # no CURVE at all: raw msgpack frames
+    plain.connect(addr)
+    wrong_pub, wrong_sec = zmq.curve_keypair()  # CURVE, but a key nobody authorized
+    wrong = ctx.socket(zmq.PUSH)
+    wrong.curve_secretkey, wrong.curve_publickey, wrong.curve_serverkey = wrong_sec, wrong_pub, keys.server_public
+    wrong.connect(addr)
+    frame = legit.encoder.encode(FlushCache())
+    for _ in range(3):
+        plain.send(frame, zmq.NOBLOCK)
+        wrong.send(frame, zmq.NOBLOCK)
+    assert _recv_all(pull, 1.5) == []  # nothing reached the decoder
+    text = caplog.text
+    assert "unknown CURVE key " + wrong_pub.decode() in text
+    assert "CURVE handshake failed" in text and "requests channel" in text
+    for s in (plain, wrong):
+        s.close(linger=0)
+    legit.close()
+    pull.close()
+    ctx.term()  # returns: the ZAP handler and monitors were released with the last server socket
+
+
+def test_connector_never_talks_to_a_server_without_the_secret(keys):
+    """A rogue that binds a channel's port first (to read outputs) cannot complete the handshake:
+    the connector checks the server's public key."""
+    addr = f"tcp://127.0.0.1:{_port()}"
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.PULL)
+    pub, sec = zmq.curve_keypair()
+    rogue.curve_secretkey, rogue.curve_publickey, rogue.curve_server = sec, pub, True
+    rogue.bind(addr)
+    plain_rogue_addr = f"tcp://127.0.0.1:{_port()}"
+    plain_rogue = ctx.socket(zmq.PULL)
+    plain_rogue.bind(plain_rogue_addr)
+    pushes = [PushChannel(ctx, "outputs", addr), PushChannel(ctx, "outputs", plain_rogue_addr)]
+    for p in pushes:
+        p.send(FlushCache())
+    assert rogue.poll(1000) == 0 and plain_rogue.poll(200) == 0
+    for p in pushes:
+        p.close()
+    rogue.close(linger=0)
+    plain_rogue.close(linger=0)
+    ctx.term()

@@ -1,0 +1,135 @@
+"""Front operations against the fake engine: API key, body size limit, /load, restart counter,
+and the CLI side of the new flags."""
+
+from __future__ import annotations
+
+import hmac
+
+import httpx
+import pytest
+
+from proto.args import ArgError, parse_server_args
+from tests.unit.front_harness import start_stack
+from tests.unit.test_front_api_validation import assert_error
+from tokenizer_proc import auth
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    s = start_stack(api_key=KEY, max_request_body_bytes=4096)
+    yield s
+    s.close()
+
+
+def test_key_required_on_the_api_not_on_probes(keyed):
+    with httpx.Client(base_url=keyed.base_url, timeout=10) as c:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Token {KEY}"},
+                        {"Authorization": "Bearer"}, {"Authorization": f"Bearer {KEY}x"}):
+            for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                                 ("POST", "/generate"), ("GET", "/server_info"), ("POST", "/tokenize")):
+                r = c.request(method, path, json={"prompt": "x"}, headers=headers)
+                assert r.status_code == 401, (path, headers, r.text)
+                err = r.json()["error"]
+                assert err["type"] == "AuthenticationError" and err["code"] == 401 and err["param"] is None
+                assert r.headers["www-authenticate"] == "Bearer"
+        ok = {"Authorization": f"Bearer {KEY}"}
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=ok).status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                      headers={"authorization": f"bearer {KEY}"}).status_code == 200  # scheme is case-insensitive
+        for path in ("/health", "/metrics", "/load"):
+            assert c.get(path).status_code == 200
+        assert c.get("/server_info", headers=ok).json()["api_key"] == "<redacted>"
+
+
+def test_constant_time_compare_is_used(monkeypatch):
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    stack = start_stack(api_key=KEY)
+    try:
+        r = httpx.get(stack.base_url + "/v1/models", headers={"Authorization": "Bearer guess"})
+        assert r.status_code == 401 and calls == [(b"guess", KEY.encode())]
+    finally:
+        stack.close()
+
+
+def test_metrics_require_key():
+    stack = start_stack(api_key=KEY, metrics_require_key=True)
+    try:
+        with httpx.Client(base_url=stack.base_url, timeout=10) as c:
+            for path in ("/health", "/metrics", "/load"):
+                assert c.get(path).status_code == 401
+                assert c.get(path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    finally:
+        stack.close()
+
+
+def test_body_limit_413(keyed):
+    ok = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    big = b'{"prompt": "' + b"a" * 5000 + b'"}'
+    with httpx.Client(base_url=keyed.base_url, timeout=10) as c:
+        r = c.post("/v1/completions", content=big, headers=ok)
+        assert r.status_code == 413 and "retry-after" not in r.headers
+        err = r.json()["error"]
+        assert err["code"] == 413 and "--max-request-body-bytes" in err["message"] and set(err) >= {"type", "param"}
+
+        def chunked():  # no Content-Length: counted while it streams in
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000]
+
+        r = c.post("/v1/chat/completions", content=chunked(), headers=ok)
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413
+        assert c.post("/v1/completions", json={"prompt": "a" * 100, "max_tokens": 2},
+                      headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_restart_counter_and_counts_reset():
+    stack = start_stack()
+    try:
+        with httpx.Client(base_url=stack.base_url, timeout=10) as c:
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+            stack.fake.send_dead("worker process died (exit code -9); restarting the engine")
+            assert stack.fake.wait_for(lambda: c.get("/health").status_code == 503)
+            assert "restarting" in c.post("/v1/completions", json={"prompt": "x"}).json()["error"]["message"]
+            stack.fake.generate_count = 0  # a fresh engine has read nothing yet
+            stack.fake.send_info()
+            assert stack.fake.wait_for(lambda: c.get("/health").status_code == 200)
+            assert 'tandem:engine_restarts_total{model_name="fake-model"} 1.0' in c.get("/metrics").text
+            assert stack.engine.num_waiting == 0
+    finally:
+        stack.close()
+
+
+def test_ops_flags(monkeypatch):
+    assert parse_server_args([]).shutdown_timeout == 30.0
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    args = parse_server_args([])
+    assert args.api_key == "from-env" and "from-env" not in repr(args)
+    assert parse_server_args(["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("TANDEM_API_KEY")
+    for argv, flag in ((["--metrics-require-key"], "--metrics-require-key"), (["--api-key", " "], "--api-key"),
+                       (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
+                       (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+                       (["--max-engine-restarts", "-1"], "--max-engine-restarts"),
+                       (["--transport", "tcp", "--curve-keys-dir", "/nonexistent"], "--curve-keys-dir")):
+        with pytest.raises(ArgError, match=flag):
+            parse_server_args(argv)
+
+
+def test_n_choices_may_use_free_slots():
+    """An idle engine with 4 free slots and --max-queued-requests 1 takes n=4 (all start at
+    once); n beyond running + queued can never fit: 400 naming n."""
+    stack = start_stack(max_queued_requests=1)
+    try:
+        stack.fake.max_running = 4
+        stack.fake.send_info()
+        assert stack.fake.wait_for(lambda: stack.engine.info.max_running_requests == 4)
+        with httpx.Client(base_url=stack.base_url, timeout=10) as c:
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 5})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 5
+            assert stack.fake.wait_for(lambda: stack.engine.num_waiting == 0)  # the stats caught up
+            assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 6}), 400, "n")
+    finally:
+        stack.close()

@@ -1,0 +1,104 @@
+"""Chat ``messages`` checked the way the OpenAI API checks them, each error naming its field.
+
+Per role (OpenAI's chat-completions reference):
+- ``system`` / ``developer`` / ``user``: ``content`` required, a string or a non-empty array of
+  parts (text parts only here: we serve text models);
+- ``assistant``: ``content`` may be absent or null only when ``tool_calls`` / ``function_call``
+  is given;
+- ``tool``: ``content`` and ``tool_call_id`` required;
+- ``function`` (deprecated): ``name`` required, ``content`` may be null.
+Any other role is refused. Every failure is a 400 whose ``param`` is the path, e.g.
+``messages[0].content``, never a 422. Keys we do not know pass through to the template.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizer_proc.errors import APIError, bad_request
+
+ROLES = ("system", "assistant", "user", "function", "tool", "developer")
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _missing(path: str) -> APIError:
+    return bad_request(f"Missing required parameter: '{path}'.", path)
+
+
+def _check_parts(parts: list, path: str) -> None:
+    if not parts:
+        raise bad_request(f"Invalid '{path}': empty array. Expected an array with minimum length 1.", path)
+    for j, part in enumerate(parts):
+        where = f"{path}[{j}]"
+        if not isinstance(part, dict):
+            raise bad_request(f"Invalid type for '{where}': expected an object, but got {_type_name(part)} instead.",
+                              where)
+        kind = part.get("type")
+        if kind is None:
+            raise _missing(f"{where}.type")
+        if kind != "text":
+            raise bad_request(f"Invalid value for '{where}.type': only 'text' parts are supported by this "
+                              f"text model, got {kind!r}.", f"{where}.type")
+        if "text" not in part:
+            raise _missing(f"{where}.text")
+        if not isinstance(part["text"], str):
+            raise bad_request(f"Invalid type for '{where}.text': expected a string, but got "
+                              f"{_type_name(part['text'])} instead.", f"{where}.text")
+
+
+def _check_content(message: dict, role: str, path: str) -> None:
+    content = message.get("content")
+    nullable = role == "function" or (role == "assistant" and bool(message.get("tool_calls")
+                                                                   or message.get("function_call")))
+    if content is None:
+        if nullable:
+            return
+        if "content" not in message:
+            raise _missing(f"{path}.content")
+        raise bad_request(f"Invalid value for '{path}.content': expected a string, got null.", f"{path}.content")
+    if isinstance(content, list):
+        _check_parts(content, f"{path}.content")
+    elif not isinstance(content, str):
+        raise bad_request(f"Invalid type for '{path}.content': expected one of a string or array of objects, "
+                          f"but got {_type_name(content)} instead.", f"{path}.content")
+
+
+def _check_string(message: dict, key: str, path: str, required: bool) -> None:
+    value = message.get(key)
+    if value is None:
+        if required:
+            raise _missing(f"{path}.{key}")
+        return
+    if not isinstance(value, str):
+        raise bad_request(f"Invalid type for '{path}.{key}': expected a string, but got {_type_name(value)} "
+                          "instead.", f"{path}.{key}")
+
+
+def validate_messages(messages: list) -> None:
+    if not messages:
+        raise bad_request("Invalid 'messages': empty array. Expected an array with minimum length 1.", "messages")
+    for i, message in enumerate(messages):
+        path = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"Invalid type for '{path}': expected an object, but got {_type_name(message)} "
+                              "instead.", path)
+        role = message.get("role")
+        if role is None:
+            raise _missing(f"{path}.role")
+        if role not in ROLES:
+            supported = ", ".join(f"'{r}'" for r in ROLES[:-1]) + f", and '{ROLES[-1]}'"
+            raise bad_request(f"Invalid value: {role!r}. Supported values are: {supported}.", f"{path}.role")
+        _check_content(message, role, path)
+        _check_string(message, "name", path, required=role == "function")
+        if role == "tool":
+            _check_string(message, "tool_call_id", path, required=True)
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None and not isinstance(tool_calls, list):
+            raise bad_request(f"Invalid type for '{path}.tool_calls': expected an array, but got "
+                              f"{_type_name(tool_calls)} instead.", f"{path}.tool_calls")
