@@ -24,14 +24,18 @@ def _linux_prctl(role: str) -> None:
         pass
 
 
-def child_main(role: str, args, endpoints, status_conn) -> None:
+def child_main(role: str, args, endpoints, status_conn, **worker_kw) -> None:
+    """``worker_kw``: the TP rank and rendezvous of a worker process (``rank``, ``init_method``)."""
     os.setpgrp()  # Ctrl-C reaches the supervisor only; it stops children in order
     _linux_prctl(role)
     if os.getppid() == 1:  # the supervisor died before we armed the death signal
         os._exit(1)
-    if role == "worker":
-        from gpu_worker.main import run
-    elif role == "scheduler":
+    if role.startswith("worker"):  # "worker" = rank 0, "worker1".. = TP followers
+        from gpu_worker.tp_worker import run_rank
+
+        run_rank(args, endpoints, status_conn, **worker_kw)
+        return
+    if role == "scheduler":
         from scheduler_proc.main import run
     elif role == "tokenizer":
         from tokenizer_proc.main import run

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import shutil
 import signal
 import time
+import uuid
 from multiprocessing.connection import wait
 
 import zmq
@@ -24,6 +25,11 @@ from tandem.child import child_main
 
 log = logging.getLogger("tandem")
 ROLES = ("worker", "scheduler", "tokenizer")
+
+
+def worker_roles(tp_size: int) -> list[str]:
+    """One worker process per TP rank: "worker" (rank 0, talks to the scheduler), "worker1".."""
+    return ["worker"] + [f"worker{r}" for r in range(1, tp_size)]
 
 
 class Supervisor:
@@ -40,9 +46,14 @@ class Supervisor:
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
-        for role in ROLES:
+        # TP ranks meet at a FileStore in the private run dir, fresh per start.
+        init_method = "file://" + f"{self.run_dir}/tp-{uuid.uuid4().hex}.store"
+        for role in [*worker_roles(self.args.tp_size), *ROLES[1:]]:
             parent_conn, child_conn = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=child_main, args=(role, self.args, self.endpoints, child_conn),
+            kw = {}
+            if role.startswith("worker"):
+                kw = {"rank": int(role[6:] or 0), "init_method": init_method}
+            proc = ctx.Process(target=child_main, args=(role, self.args, self.endpoints, child_conn), kwargs=kw,
                                name=f"tandem-{role}", daemon=False)
             proc.start()
             child_conn.close()
@@ -108,7 +119,7 @@ class Supervisor:
         if tok.is_alive() and not self.stopping:
             tok.terminate()
         tok.join(max(0.1, deadline - time.monotonic()))
-        for role in ("scheduler", "worker"):  # they exit on the Shutdown the front sent
+        for role in ("scheduler", *worker_roles(self.args.tp_size)):  # they exit on the front's Shutdown
             self.procs[role].join(max(0.1, min(2.0, deadline - time.monotonic())))
         for proc in self.procs.values():
             if proc.is_alive():
