@@ -18,14 +18,21 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there).
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """[..., n] per rank -> [..., tp * n], rank r's block at columns [r*n, (r+1)*n)."""
     if tp_size() == 1:
         return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(tp_size())]
-    dist.all_gather(parts, x, group=device_group())
-    return torch.cat(parts, dim=-1)
+    tp, n = tp_size(), x.shape[-1]
+    flat = x.reshape(-1, n).contiguous()
+    # One collective into one buffer (capturable with NCCL), then rank blocks side by side.
+    out = flat.new_empty(tp * flat.shape[0], n)
+    _gather_single(out, flat, group=device_group())
+    out = out.view(tp, flat.shape[0], n).permute(1, 0, 2).reshape(*x.shape[:-1], tp * n)
+    return out
 
 
 def warmup() -> None:
