@@ -21,12 +21,12 @@ NEW_TOKENS = 12
 SAMPLED = dict(temperature=0.9, top_p=0.9, seed=1234)  # seeded: every rank must draw alike
 
 
-def _child(rank: int, n: int, init: str, fn, args, out) -> None:
+def _child(rank: int, n: int, init: str, device: str, fn, args, out) -> None:
     try:
         from gpu_worker.parallel.state import destroy_tp, init_tp
 
         torch.set_num_threads(1)
-        init_tp(rank, n, init, torch.device("cpu"))
+        init_tp(rank, n, init, torch.device(device))  # NCCL on CUDA (rank r on cuda:r), gloo on CPU
         try:
             out.put((rank, "ok", fn(rank, *args)))
         finally:
@@ -35,12 +35,12 @@ def _child(rank: int, n: int, init: str, fn, args, out) -> None:
         out.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, n: int, *args, timeout: float = 240.0) -> list:
+def run_ranks(fn, n: int, *args, timeout: float = 240.0, device: str = "cpu") -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(r, n, init, fn, args, out), daemon=True) for r in range(n)]
+        procs = [ctx.Process(target=_child, args=(r, n, init, device, fn, args, out), daemon=True) for r in range(n)]
         for p in procs:
             p.start()
         results: dict[int, object] = {}
@@ -63,12 +63,14 @@ def run_ranks(fn, n: int, *args, timeout: float = 240.0) -> list:
 # ------------------------------------------------------------------ what each rank computes
 
 
-def engine_tokens(model: str, draft: str | None = None) -> dict[str, list[int]]:
+def engine_tokens(model: str, draft: str | None = None, device: str = "cpu") -> dict[str, list[int]]:
     """Greedy continuations of PROMPTS (plus one seeded sampled request) through the scheduler
-    core and the worker's runner, overlap depth 2, chunked prefill below the longest prompt."""
+    core and the worker's runner, overlap depth 2, chunked prefill below the longest prompt.
+    Every rank runs its own scheduler core: deterministic, so each gets the same plans."""
     from tests.helpers.inproc import InProcEngine
 
-    eng = InProcEngine(model, draft=draft, steps=3, chunked_prefill_size=16, max_total_tokens=4096)
+    eng = InProcEngine(model, draft=draft, steps=3, chunked_prefill_size=16, max_total_tokens=4096,
+                       device=device, dtype="float32")
     for i, p in enumerate(PROMPTS):
         eng.submit(f"g{i}", p, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     eng.submit("s0", PROMPTS[0], max_new_tokens=NEW_TOKENS, ignore_eos=True, **SAMPLED)
@@ -92,6 +94,15 @@ def model_logits(model_dir: str) -> tuple[np.ndarray, list[int]]:
     return logits, [s.num_kv_heads for s in model.kv_shapes]
 
 
+def rank_tokens(rank: int, ckpts: dict, device: str) -> dict:
+    """Only the engine cases (the GPU test)."""
+    return {case: engine_tokens(ckpts[m], ckpts[d] if d else None, device) for case, (m, d) in ENGINE_CASES.items()}
+
+
+ENGINE_CASES = {"llama": ("llama", None), "qwen3": ("qwen3", None), "gemma4": ("gemma4", None),
+                "gemma4-mtp": ("gemma4", "assistant"), "gemma4-mtp-ordered": ("gemma4", "assistant_ordered")}
+
+
 def rank_workload(rank: int, ckpts: dict) -> dict:
     """Everything a rank computes for the TP tests (one spawn serves them all)."""
     from tests.helpers import tp_layers
@@ -99,11 +110,5 @@ def rank_workload(rank: int, ckpts: dict) -> dict:
     return {
         "layers": tp_layers.check_layers(),
         "logits": {k: model_logits(ckpts[k]) for k in ("llama", "qwen3", "gemma4")},
-        "tokens": {
-            "llama": engine_tokens(ckpts["llama"]),
-            "qwen3": engine_tokens(ckpts["qwen3"]),
-            "gemma4": engine_tokens(ckpts["gemma4"]),
-            "gemma4-mtp": engine_tokens(ckpts["gemma4"], ckpts["assistant"]),
-            "gemma4-mtp-ordered": engine_tokens(ckpts["gemma4"], ckpts["assistant_ordered"]),
-        },
+        "tokens": rank_tokens(rank, ckpts, "cpu"),
     }

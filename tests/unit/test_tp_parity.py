@@ -15,15 +15,11 @@ import numpy as np
 import pytest
 
 from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama, build_qwen3
-from tests.helpers.tp import engine_tokens, model_logits, rank_workload, run_ranks
-
-ENGINE_CASES = {"llama": ("llama", None), "qwen3": ("qwen3", None), "gemma4": ("gemma4", None),
-                "gemma4-mtp": ("gemma4", "assistant"), "gemma4-mtp-ordered": ("gemma4", "assistant_ordered")}
+from proto.args import ArgError, parse_server_args
+from tests.helpers.tp import ENGINE_CASES, engine_tokens, model_logits, rank_workload, run_ranks
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_ckpts")
+def tp_checkpoints(root) -> dict:
     g = build_gemma4(os.path.join(root, "gemma4"))
     return {
         "llama": build_llama(os.path.join(root, "llama")),
@@ -32,6 +28,11 @@ def ckpts(tmp_path_factory):
         "assistant": build_assistant(os.path.join(root, "assistant"), g),
         "assistant_ordered": build_assistant(os.path.join(root, "assistant_ordered"), g, ordered=True),
     }
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return tp_checkpoints(tmp_path_factory.mktemp("tp_ckpts"))
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,12 @@ def test_tp2_greedy_tokens_equal_tp1(ckpts, ranks, case):
     greedy = {rid: t for rid, t in ref.items() if rid.startswith("g")}
     assert {rid: got0[rid] for rid in greedy} == greedy
     assert all(len(t) == 12 for t in got0.values())
+
+
+def test_tp_size_flag():
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "models", "tiny-shakespeare", "target")
+    assert parse_server_args(["--tp-size", "2"]).tp_size == 2
+    assert parse_server_args(["--tensor-parallel-size", "2"]).tp_size == 2
+    assert parse_server_args([]).tp_size == 1
+    with pytest.raises(ArgError, match="--tp-size"):
+        parse_server_args(["--model-path", model, "--tp-size", "0"])
