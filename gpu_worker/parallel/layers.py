@@ -22,6 +22,7 @@ from torch import nn
 from gpu_worker.models.layers import MergedLinear
 from gpu_worker.parallel.comm import all_gather_last, all_reduce
 from gpu_worker.parallel.shard import Rows
+from gpu_worker.parallel.state import tp_size
 
 
 def _narrow_rows(src: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
@@ -98,7 +99,7 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> to
     before softcap and sampling so every rank samples the same tokens from the same logits.
     Each logit is one rank's full-length dot product: no cross-rank sum, so no reordering."""
     local = F.linear(hidden, weight)
-    if local.shape[-1] == vocab_size:
+    if tp_size() == 1:
         return local
     return all_gather_last(local)[..., :vocab_size]
 
