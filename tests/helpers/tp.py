@@ -103,12 +103,15 @@ ENGINE_CASES = {"llama": ("llama", None), "qwen3": ("qwen3", None), "gemma4": ("
                 "gemma4-mtp": ("gemma4", "assistant"), "gemma4-mtp-ordered": ("gemma4", "assistant_ordered")}
 
 
+LOGIT_CASES = ("llama", "qwen3", "gemma4", "llama_bias_tied", "gemma4_ple_shared")
+
+
 def rank_workload(rank: int, ckpts: dict) -> dict:
     """Everything a rank computes for the TP tests (one spawn serves them all)."""
     from tests.helpers import tp_layers
 
     return {
         "layers": tp_layers.check_layers(),
-        "logits": {k: model_logits(ckpts[k]) for k in ("llama", "qwen3", "gemma4")},
+        "logits": {k: model_logits(ckpts[k]) for k in LOGIT_CASES},
         "tokens": rank_tokens(rank, ckpts, "cpu"),
     }

@@ -14,9 +14,9 @@ import os
 import numpy as np
 import pytest
 
-from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama, build_qwen3
+from tests.helpers.checkpoints import VOCAB, build_assistant, build_gemma4, build_llama, build_qwen3
 from proto.args import ArgError, parse_server_args
-from tests.helpers.tp import ENGINE_CASES, engine_tokens, model_logits, rank_workload, run_ranks
+from tests.helpers.tp import ENGINE_CASES, LOGIT_CASES, engine_tokens, model_logits, rank_workload, run_ranks
 
 
 def tp_checkpoints(root) -> dict:
@@ -27,6 +27,14 @@ def tp_checkpoints(root) -> dict:
         "gemma4": g,
         "assistant": build_assistant(os.path.join(root, "assistant"), g),
         "assistant_ordered": build_assistant(os.path.join(root, "assistant_ordered"), g, ordered=True),
+        # logits only: row-parallel biases and a tied head; Gemma 4 PLE + KV-shared layers
+        "llama_bias_tied": build_llama(os.path.join(root, "llama_bias_tied"), attention_bias=True, mlp_bias=True,
+                                       tie_word_embeddings=True),
+        "gemma4_ple_shared": build_gemma4(
+            os.path.join(root, "gemma4_ple_shared"), num_hidden_layers=5, num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                         "full_attention"],
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, use_double_wide_mlp=True),
     }
 
 
@@ -49,7 +57,7 @@ def test_parallel_layers_match_unsharded(ranks):
             assert layers[name] < 1e-5, (rank, name, layers[name])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma4"])
+@pytest.mark.parametrize("arch", LOGIT_CASES)
 def test_tp2_logits_match_tp1(ckpts, ranks, arch):
     ref, ref_heads = model_logits(ckpts[arch])
     for rank, res in enumerate(ranks):
