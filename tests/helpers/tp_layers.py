@@ -15,9 +15,10 @@ from gpu_worker.parallel.layers import lm_logits, vocab_rows_logits
 from gpu_worker.parallel.state import tp_size
 
 
-def _load(mod, full: dict[str, torch.Tensor], part: str | None = None, prefix: str = "") -> None:
+def _load(mod, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's shard of each full tensor, as the loader does."""
     for leaf, src in full.items():
-        getattr(mod, leaf).data.copy_(mod.checkpoint_shard(leaf, src, part) if hasattr(mod, "checkpoint_shard") else src)
+        getattr(mod, leaf).data.copy_(mod.checkpoint_shard(leaf, src))
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
