@@ -187,7 +187,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank (CPU runs)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--write-config", default=None, metavar="DIR",
+                    help="only write the --shape config.json into DIR (for offline.py --load-format dummy)")
     a = ap.parse_args()
+    if a.write_config:
+        os.makedirs(a.write_config, exist_ok=True)
+        print(os.path.join(write_config(a.shape, a.write_config), "config.json"))
+        return
     with tempfile.TemporaryDirectory() as model:
         opts = dict(device=a.device, dtype=a.dtype, model=write_config(a.shape, model), batch=a.batch,
                     input_len=a.input_len, output_len=a.output_len, profile_steps=a.profile_steps,
