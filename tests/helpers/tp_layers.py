@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from gpu_worker.parallel import factory, shard
 from gpu_worker.parallel.layers import lm_logits, vocab_rows_logits
-from gpu_worker.parallel.state import tp_size
+from gpu_worker.parallel.state import agree_min, tp_rank, tp_size
 
 
 def _load(mod, full: dict[str, torch.Tensor]) -> None:
@@ -70,4 +70,6 @@ def check_layers() -> dict[str, float]:
         sel = torch.randint(0, 11, (4, 6), generator=g)
         full_pick = (h.unsqueeze(-2) @ emb_w[sel].transpose(-1, -2)).squeeze(-2)
         out["vocab_rows"] = _err(vocab_rows_logits(h, emb.weight, shard.vocab(11), sel), full_pick)
+    # start-up agreement: every rank sizes its pool to the smallest budget
+    out["agree_min"] = float(agree_min(1000 + 7 * tp_rank()) != 1000)
     return out

@@ -53,6 +53,7 @@ def test_parallel_layers_match_unsharded(ranks):
         layers = res["layers"]
         assert layers["embedding_exact"] == 0.0, rank  # one non-zero term per id: exact
         assert layers["kv1_replicated"] == 0.0, rank
+        assert layers["agree_min"] == 0.0, rank  # ranks agree on the smallest KV budget
         for name in ("column", "row", "merged_kv2", "merged_kv1", "lm_logits", "vocab_rows"):
             assert layers[name] < 1e-5, (rank, name, layers[name])
 
