@@ -14,8 +14,9 @@ no cost, and the step's collectives pace the ranks anyway. Overlap depth 2 holds
 rank: each launches plan N+1 before waiting on step N.
 
 Failure: a rank that dies (or fails at start-up) is a dead child of the supervisor, which
-fails in-flight requests and stops every process; peers blocked in a collective are killed
-with the rest (and gloo peers see the closed connection and exit by themselves).
+fails in-flight requests and stops every process; peers blocked in a collective or a socket
+wait are stopped with the rest (SIGTERM, then SIGKILL after the grace period). A restart must
+restart every rank together: they form one process group.
 """
 
 from __future__ import annotations
