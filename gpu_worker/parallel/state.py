@@ -12,7 +12,6 @@ the same plans through the same code), so no collective ever pairs with a differ
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +106,3 @@ def all_gather_object(obj) -> list:
     dist.all_gather_object(out, obj, group=cpu_group())
     return out
 
-
-def file_init_method(run_dir: str, tag: str) -> str:
-    """A FileStore rendezvous inside the private run dir (no port to pick or to race for)."""
-    return "file://" + os.path.join(run_dir, f"tp-{tag}.store")
