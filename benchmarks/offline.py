@@ -32,13 +32,17 @@ from proto.args import parse_server_args  # noqa: E402
 from proto.messages import EngineInfo, GenerateReq, SamplingParams, SchedulerStats, Shutdown, StepOutputs  # noqa: E402
 from proto.transport import AsyncPullChannel, PullChannel, PushChannel, ipc_endpoints, make_run_dir  # noqa: E402,F401
 from tandem.child import child_main  # noqa: E402
+from tandem.supervisor import worker_roles  # noqa: E402
 
 
 def start_engine(server_argv: list[str]):
     args = parse_server_args(server_argv)
     ep = ipc_endpoints(make_run_dir())
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=child_main, args=(role, args, ep, None)) for role in ("worker", "scheduler")]
+    init = "file://" + os.path.join(make_run_dir(), "tp.store")  # TP ranks' rendezvous (--tp-size)
+    procs = [ctx.Process(target=child_main, args=(role, args, ep, None), kwargs={"rank": r, "init_method": init})
+             for r, role in enumerate(worker_roles(args.tp_size))]
+    procs.append(ctx.Process(target=child_main, args=("scheduler", args, ep, None)))
     for p in procs:
         p.start()
     return args, ep, procs

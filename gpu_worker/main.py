@@ -24,6 +24,7 @@ from gpu_worker.kernels import enable_cpu_kernels
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.models.config import read_eos_token_ids
 from gpu_worker.models.loader import load_model
+from gpu_worker.parallel.state import rank_device, tp_size
 from gpu_worker.runner import ModelRunner
 from gpu_worker.slots import SlotState
 from gpu_worker.sizing import plan_capacity
@@ -50,9 +51,9 @@ def max_positions(model_dir: str) -> int:
 
 def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     """Load the models, size the pool and build the step runner (no sockets)."""
-    device = torch.device(args.resolved_device())
-    if device.type == "cpu":
-        torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
+    device = rank_device(torch.device(args.resolved_device()))  # TP: this rank's GPU
+    if device.type == "cpu":  # TP ranks on one host share its cores
+        torch.set_num_threads(args.num_threads or max(1, ((os.cpu_count() or 2) - 1) // tp_size()))
     elif device.index is not None:
         torch.cuda.set_device(device)
     dtype = resolve_dtype(args, device)
@@ -195,10 +196,10 @@ class Worker:
         self.ctx.term()
 
 
-def run(args: ServerArgs, endpoints: Endpoints, status_conn=None) -> None:
-    """Process entry point (spawned by the supervisor)."""
+def run(args: ServerArgs, endpoints: Endpoints, status_conn=None, worker: Worker | None = None) -> None:
+    """Process entry point (spawned by the supervisor); ``worker``: TP rank 0's subclass."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    worker = Worker(args, endpoints)
+    worker = worker or Worker(args, endpoints)
     try:
         try:
             ready = worker.setup()

@@ -4,6 +4,9 @@ GPU: like SGLang's --mem-fraction-static, weights + KV pool take that fraction o
 memory; what the loaded weights left of it, minus an activation reserve, becomes KV pages.
 CPU: a bounded share of RAM, at most what the context needs several times over, so tests on a
 small machine do not allocate gigabytes of zeros.
+Tensor parallelism: sizes are per rank (each pool holds only the rank's KV heads, so
+bytes/token shrinks with --tp-size); CPU ranks share the host's RAM share; all ranks then
+agree on the smallest page count, since one plan addresses the same pages on every rank.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.kv_pool import KVPool
+from gpu_worker.parallel.state import agree_min, tp_size
 
 log = logging.getLogger("tandem.worker")
 
@@ -44,7 +48,7 @@ def _budget_tokens(args, device: torch.device, bpt: int, want: int, vocab: int) 
         budget = total * args.mem_fraction_static - (total - free) - reserve
         return max(int(budget // bpt), 0)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return min(int(ram * CPU_RAM_SHARE // bpt), max(CPU_DEFAULT_TOKENS, want))
+    return min(int(ram * CPU_RAM_SHARE / tp_size() // bpt), max(CPU_DEFAULT_TOKENS, want))
 
 
 def plan_capacity(args, target, device: torch.device, dtype, t: int, model_max_pos: int) -> Capacity:
@@ -52,7 +56,7 @@ def plan_capacity(args, target, device: torch.device, dtype, t: int, model_max_p
     max_context = args.context_length or model_max_pos
     bpt = KVPool.bytes_per_token(target.kv_shapes, dtype)
     slack = 2 * t + ps  # the in-flight worst case on top of a full context
-    tokens = _budget_tokens(args, device, bpt, max_context + slack, target.vocab_size)
+    tokens = agree_min(_budget_tokens(args, device, bpt, max_context + slack, target.vocab_size))
     num_pages = tokens // ps + 1
     if (num_pages - 1) * ps < max_context + slack:
         capped = (num_pages - 1) * ps - slack

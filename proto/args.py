@@ -47,6 +47,7 @@ class ServerArgs:
     log_level: str = "info"
     num_threads: int | None = None  # worker torch threads on CPU; default all cores but one
     random_seed: int = 0
+    tp_size: int = 1  # tensor parallelism: one worker process per rank (GPU)
     disable_overlap_schedule: bool = False
     disable_prefix_cache: bool = False
     max_queued_requests: int = 4096
@@ -138,6 +139,7 @@ def validate(args: ServerArgs) -> ServerArgs:
         ("--max-queued-requests", args.max_queued_requests),
         ("--cuda-graph-max-bs", args.cuda_graph_max_bs),
         ("--max-request-body-bytes", args.max_request_body_bytes),
+        ("--tp-size", args.tp_size),
     ):
         _positive(flag, val)
     if not 0.0 < args.mem_fraction_static < 1.0:
@@ -243,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-level", default="info")
     a("--num-threads", type=int, default=None, help="worker CPU threads (default: all cores but one)")
     a("--random-seed", type=int, default=0)
+    a("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1,
+      help="tensor parallelism: shard the models over this many GPUs, one worker process each")
     a("--disable-overlap-schedule", action="store_true")
     a("--disable-prefix-cache", "--disable-radix-cache", action="store_true")
     a("--max-queued-requests", type=int, default=4096,

@@ -24,7 +24,8 @@ def _linux_prctl(role: str) -> None:
         pass
 
 
-def child_main(role: str, args, endpoints, status_conn, parent_pid: int | None = None) -> None:
+def child_main(role: str, args, endpoints, status_conn, parent_pid: int | None = None, **worker_kw) -> None:
+    """``worker_kw``: the TP rank and rendezvous of a worker process (``rank``, ``init_method``)."""
     os.setpgrp()  # Ctrl-C reaches the supervisor only; it stops children in order
     _linux_prctl(role)
     # The supervisor died before we armed the death signal. (Compared with its pid, not 1: in a
@@ -34,9 +35,12 @@ def child_main(role: str, args, endpoints, status_conn, parent_pid: int | None =
     from proto.transport import use_endpoint_security  # noqa: PLC0415
 
     use_endpoint_security(endpoints)  # tcp:// channels: this process's CURVE keys
-    if role == "worker":
-        from gpu_worker.main import run
-    elif role == "scheduler":
+    if role.startswith("worker"):  # "worker" = rank 0, "worker1".. = TP followers
+        from gpu_worker.tp_worker import run_rank
+
+        run_rank(args, endpoints, status_conn, **worker_kw)
+        return
+    if role == "scheduler":
         from scheduler_proc.main import run
     elif role == "tokenizer":
         from tokenizer_proc.main import run

@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import time
+import uuid
 from multiprocessing.connection import wait
 from typing import Callable
 
@@ -37,7 +38,6 @@ from tandem.child import child_main
 
 log = logging.getLogger("tandem")
 ROLES = ("worker", "scheduler", "tokenizer")
-ENGINE_ROLES = ("worker", "scheduler")
 STABLE_S = 60.0  # an engine that ran this long before dying starts the back-off from scratch
 BACKOFF_S = (1.0, 30.0)  # first and largest wait before a restart
 
@@ -46,6 +46,11 @@ def restart_backoff(failures: int) -> float:
     """Seconds to wait before restart number ``failures`` of a row (1, 2, 4, ... capped)."""
     first, cap = BACKOFF_S
     return min(cap, first * 2 ** max(0, failures - 1))
+
+
+def worker_roles(tp_size: int) -> list[str]:
+    """One worker process per TP rank: "worker" (rank 0, talks to the scheduler), "worker1".."""
+    return ["worker"] + [f"worker{r}" for r in range(1, tp_size)]
 
 
 class Supervisor:
@@ -71,17 +76,27 @@ class Supervisor:
         self.engine_started = 0.0
 
     # ------------------------------------------------------------------ children
+    @property
+    def engine_roles(self) -> list[str]:
+        return [*worker_roles(self.args.tp_size), "scheduler"]
+
+    def _new_engine(self) -> None:
+        """TP ranks meet at a FileStore in the private run dir, fresh per engine start."""
+        self.init_method = "file://" + f"{self.run_dir}/tp-{uuid.uuid4().hex}.store"
+
     def _spawn(self, role: str) -> None:
         parent_conn, child_conn = self.ctx.Pipe(duplex=False)
+        kw = {"rank": int(role[6:] or 0), "init_method": self.init_method} if role.startswith("worker") else {}
         proc = self.ctx.Process(target=self.entry, args=(role, self.args, self.endpoints, child_conn, os.getpid()),
-                                name=f"tandem-{role}", daemon=False)
+                                kwargs=kw, name=f"tandem-{role}", daemon=False)
         proc.start()
         child_conn.close()
         self.procs[role] = proc
         self.status[role] = parent_conn
 
     def start(self) -> None:
-        for role in ROLES:
+        self._new_engine()
+        for role in [*self.engine_roles, "tokenizer"]:
             self._spawn(role)
         self.engine_started = time.monotonic()
 
@@ -165,7 +180,8 @@ class Supervisor:
             time.sleep(0.05)
         if self.stopping:
             return True  # watch() sees it and stops in order
-        for r in ENGINE_ROLES:
+        self._new_engine()
+        for r in self.engine_roles:
             self._spawn(r)
         self.engine_started = time.monotonic()
         self.death_announced = False
@@ -173,7 +189,7 @@ class Supervisor:
 
     def _stop_engine(self) -> None:
         """Scheduler and worker, whichever is left: SIGTERM, then SIGKILL; all joined (no orphan)."""
-        procs = [self.procs[r] for r in ENGINE_ROLES]
+        procs = [self.procs[r] for r in self.engine_roles]
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
@@ -182,7 +198,7 @@ class Supervisor:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
-        for r in ENGINE_ROLES:
+        for r in self.engine_roles:
             conn = self.status.pop(r, None)
             if conn is not None:
                 conn.close()
@@ -212,7 +228,7 @@ class Supervisor:
         if tok.is_alive() and not self.stopping:
             tok.terminate()
         self._wait_front(deadline)
-        for role in ENGINE_ROLES:  # they exit on the Shutdown the front sent
+        for role in self.engine_roles:  # they exit on the Shutdown the front sent
             self.procs[role].join(max(0.1, min(2.0, deadline - time.monotonic())))
         for proc in self.procs.values():
             if proc.is_alive():
@@ -231,9 +247,9 @@ class Supervisor:
         still draining end with an error now rather than at the shutdown timeout."""
         tok = self.procs["tokenizer"]
         while tok.is_alive() and time.monotonic() < deadline:
-            engine = [self.procs[r] for r in ENGINE_ROLES if r in self.procs and self.procs[r].is_alive()]
+            engine = [self.procs[r] for r in self.engine_roles if r in self.procs and self.procs[r].is_alive()]
             wait([tok.sentinel, *(p.sentinel for p in engine)], timeout=max(0.0, min(0.5, deadline - time.monotonic())))
-            for r in ENGINE_ROLES:
+            for r in self.engine_roles:
                 proc = self.procs.get(r)
                 if self.death_announced or proc is None or proc.is_alive() or proc.exitcode in (0, None):
                     continue

@@ -22,7 +22,8 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4Spec, LayerSpec
-from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, MergedLinear, Rotary, gated, rope_attention, softcap
+from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, Rotary, gated, rope_attention, softcap
+from gpu_worker.parallel import factory, shard
 
 _SCALE_CACHE: dict[tuple[float, torch.dtype], float] = {}
 
@@ -40,20 +41,21 @@ class Gemma4Attention(nn.Module):
     def __init__(self, spec: Gemma4Spec, layer: LayerSpec):
         super().__init__()
         h, d, eps = spec.hidden_size, layer.head_dim, spec.rms_norm_eps
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, layer.num_kv_heads, d
+        # This rank's heads (all at TP=1). KV-reading layers (sharing, the assistant) split
+        # their queries by the same rule, so they read only this rank's KV heads.
+        parts = factory.qkv_parts(spec.num_heads, layer.num_kv_heads, d, with_v=not layer.k_eq_v)
+        self.num_heads, self.num_kv_heads = parts["q_proj"].size // d, parts["k_proj"].size // d
+        self.head_dim = d
         self.owns_kv = layer.owns_kv
         self.attn: AttnLayer | None = None  # set by the model: it knows the physical KV layout
         self.q_norm = GemmaRMSNorm(d, eps)
         if self.owns_kv:  # shared layers have no k/v weights at all (HF drops them on load)
-            parts = {"q_proj": spec.num_heads * d, "k_proj": layer.num_kv_heads * d}
-            if not layer.k_eq_v:
-                parts["v_proj"] = layer.num_kv_heads * d
-            self.qkv_proj = MergedLinear(h, parts, bias=spec.attention_bias)
+            self.qkv_proj = factory.merged(h, parts, bias=spec.attention_bias)
             self.k_norm = GemmaRMSNorm(d, eps)
             self.v_norm = GemmaRMSNorm(d, eps, with_scale=False)
         else:
-            self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.attention_bias)
+            self.q_proj = factory.column(h, parts["q_proj"], bias=spec.attention_bias)
+        self.o_proj = factory.row(parts["q_proj"], h, bias=spec.attention_bias)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
         t = x.shape[0]
@@ -109,7 +111,7 @@ class Gemma4Backbone(nn.Module):
         super().__init__()
         self.spec = spec
         h = spec.hidden_size
-        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.embed_tokens = factory.embedding(spec.vocab_size, h)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(spec, layer) for layer in spec.layers)
         self.norm = GemmaRMSNorm(h, spec.rms_norm_eps)
         # One RoPE per layer type: each type has its own head_dim and frequencies.
@@ -130,7 +132,7 @@ class Gemma4Backbone(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
-        return F.embedding(ids, w) * dtype_rounded(self.spec.hidden_size**0.5, w.dtype)
+        return self.embed_tokens(ids) * dtype_rounded(self.spec.hidden_size**0.5, w.dtype)
 
     def per_layer_inputs(self, ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """PLE: (norm(proj(embeds) / sqrt(H)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2) -> [T, L, P]."""
@@ -159,13 +161,15 @@ class Gemma4ForCausalLM(CausalLM):
         self.vocab_size = spec.vocab_size
         self.tie_word_embeddings = spec.tie_word_embeddings
         self.model = Gemma4Backbone(spec)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.kv_shapes: list[KVLayerShape] = []
+        self.lm_head = None if spec.tie_word_embeddings else factory.lm_head(spec.hidden_size, spec.vocab_size)
+        self.kv_shapes: list[KVLayerShape] = []  # per rank: only this rank's KV heads
+        self.kv_heads_total: list[int] = []  # the checkpoint's KV heads per pool layer
         self._physical: dict[int, int] = {}  # decoder layer owning KV -> pool layer
         for i, layer in enumerate(spec.layers):
             if layer.owns_kv:
                 self._physical[i] = len(self.kv_shapes)
-                self.kv_shapes.append(KVLayerShape(layer.num_kv_heads, layer.head_dim))
+                self.kv_shapes.append(KVLayerShape(shard.local_kv_heads(layer.num_kv_heads), layer.head_dim))
+                self.kv_heads_total.append(layer.num_kv_heads)
         for i, (layer, mod) in enumerate(zip(spec.layers, self.model.layers)):
             mod.self_attn.attn = AttnLayer(
                 kv_layer=self.physical_kv_layer(i),
@@ -216,7 +220,8 @@ class Gemma4ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Softcap in float32 (HF does it in the model dtype; identical in float32, finer in bf16).
-        return softcap(F.linear(hidden, self.lm_head_weight()).float(), self.spec.final_logit_softcapping)
+        logits = factory.logits(hidden, self.lm_head_weight(), self.vocab_size)  # gathered: full vocab
+        return softcap(logits.float(), self.spec.final_logit_softcapping)
 
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):

@@ -13,13 +13,15 @@ either head, so neither do we.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4AssistantSpec
 from gpu_worker.models.gemma4 import Gemma4Backbone
+from gpu_worker.parallel import factory, shard
+from gpu_worker.parallel.layers import vocab_rows_logits
+from gpu_worker.parallel.state import tp_size
 
 
 class Gemma4AssistantMaskedEmbedder(nn.Module):
@@ -49,8 +51,11 @@ class Gemma4AssistantMaskedEmbedder(nn.Module):
         top = torch.topk(self.centroids(h), k=self.top_k, dim=-1).indices  # [R, k]
         clusters = self.token_ordering.view(self.num_centroids, self.per_centroid)
         sel = clusters[top].reshape(r, self.top_k * self.per_centroid)  # canonical ids [R, k*Vc]
-        emb = lm_head_weight[sel]  # [R, k*Vc, Ha]
-        picked = (h.unsqueeze(-2) @ emb.transpose(-1, -2)).squeeze(-2)  # [R, k*Vc]
+        if tp_size() == 1:
+            emb = lm_head_weight[sel]  # [R, k*Vc, Ha]
+            picked = (h.unsqueeze(-2) @ emb.transpose(-1, -2)).squeeze(-2)  # [R, k*Vc]
+        else:  # the head is vocabulary-split: each rank scores the ids it holds
+            picked = vocab_rows_logits(h, lm_head_weight, shard.vocab(self.vocab_size), sel)
         filler = picked.amin(dim=-1, keepdim=True) - 1.0
         out = filler.expand(r, self.vocab_size).contiguous()
         return out.scatter_(-1, sel, picked)
@@ -74,7 +79,7 @@ class Gemma4AssistantForCausalLM(CausalLM):
         self.kv_shapes = []
         self.sliding_windows = tuple(sorted({w for layer in text.layers if (w := layer.sliding_window)}))
         self.model = Gemma4Backbone(text)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_word_embeddings else factory.lm_head(text.hidden_size, text.vocab_size)
         self.pre_projection = nn.Linear(2 * spec.backbone_hidden_size, text.hidden_size, bias=False)
         self.post_projection = nn.Linear(text.hidden_size, spec.backbone_hidden_size, bias=False)
         self.masked_embedding = Gemma4AssistantMaskedEmbedder(spec) if spec.use_ordered_embeddings else None
@@ -96,11 +101,12 @@ class Gemma4AssistantForCausalLM(CausalLM):
         for i, (layer, mod) in enumerate(zip(self.spec.text.layers, self.model.layers)):
             owner = target.kv_owner_for_type(layer.layer_type)
             shape = target.kv_shapes[owner]
-            if (shape.num_kv_heads, shape.head_dim) != (layer.num_kv_heads, layer.head_dim):
+            total = target.kv_heads_total[owner]
+            if (total, shape.head_dim) != (layer.num_kv_heads, layer.head_dim):
                 raise ValueError(
                     f"draft layer {i} ({layer.layer_type}) expects KV heads/head_dim "
                     f"{layer.num_kv_heads}/{layer.head_dim}, the target's layer has "
-                    f"{shape.num_kv_heads}/{shape.head_dim}"
+                    f"{total}/{shape.head_dim}"
                 )
             mod.self_attn.attn = AttnLayer(
                 kv_layer=owner, sliding_window=layer.sliding_window, scaling=1.0, writes_kv=False
@@ -142,7 +148,7 @@ class Gemma4AssistantForCausalLM(CausalLM):
         """Post-norm draft hidden [R, Ha] -> float32 logits [R, V] (no softcap, as HF)."""
         if self.masked_embedding is not None:
             return self.masked_embedding(hidden, self.lm_head_weight()).float()
-        return F.linear(hidden, self.lm_head_weight()).float()
+        return factory.logits(hidden, self.lm_head_weight(), self.vocab_size).float()
 
     def init_dummy_(self, seed: int = 0) -> None:
         super().init_dummy_(seed)

@@ -200,8 +200,11 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        from gpu_worker.parallel import factory, shard  # here: parallel.layers subclasses MergedLinear
+
+        # TP: gate/up split by columns, down by rows (one all-reduce); TP=1: the plain modules.
+        self.gate_up_proj = factory.merged(hidden, factory.gate_up_parts(intermediate), bias=bias)
+        self.down_proj = factory.row(shard.even(intermediate, "intermediate_size"), hidden, bias=bias)
         self.act_name = act
         activation(act)  # fail at build time on an unsupported activation
 

@@ -8,26 +8,27 @@ use_sliding_window), llama3 RoPE scaling, tied embeddings.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import LayerSpec, LlamaSpec
-from gpu_worker.models.layers import GatedMLP, MergedLinear, RMSNorm, Rotary, rope_attention
+from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, rope_attention
+from gpu_worker.parallel import factory, shard
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, spec: LlamaSpec, layer: LayerSpec, attn: AttnLayer):
         super().__init__()
         h, d = spec.hidden_size, layer.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, layer.num_kv_heads, d
+        # This rank's heads (all of them at TP=1): queries split, KV heads split or replicated.
+        parts = factory.qkv_parts(spec.num_heads, layer.num_kv_heads, d)
+        self.num_heads, self.num_kv_heads = parts["q_proj"].size // d, parts["k_proj"].size // d
+        self.head_dim = d
         self.attn = attn
-        kv = layer.num_kv_heads * d
-        self.qkv_proj = MergedLinear(h, {"q_proj": spec.num_heads * d, "k_proj": kv, "v_proj": kv},
-                                     bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.o_bias)
+        self.qkv_proj = factory.merged(h, parts, bias=spec.qkv_bias)
+        self.o_proj = factory.row(parts["q_proj"], h, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
@@ -71,7 +72,7 @@ class LlamaBackbone(nn.Module):
 
     def __init__(self, spec: LlamaSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = factory.embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
                 spec,
@@ -92,10 +93,12 @@ class LlamaForCausalLM(CausalLM):
         self.hidden_size = spec.hidden_size
         self.vocab_size = spec.vocab_size
         self.tie_word_embeddings = spec.tie_word_embeddings
-        self.kv_shapes = [KVLayerShape(layer.num_kv_heads, layer.head_dim) for layer in spec.layers]
+        # Per rank: the pool holds only this rank's KV heads.
+        self.kv_shapes = [KVLayerShape(shard.local_kv_heads(layer.num_kv_heads), layer.head_dim)
+                          for layer in spec.layers]
         self.sliding_windows = tuple(sorted({w for layer in spec.layers if (w := layer.sliding_window)}))
         self.model = LlamaBackbone(spec)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_word_embeddings else factory.lm_head(spec.hidden_size, spec.vocab_size)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
@@ -110,4 +113,4 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight()).float()
+        return factory.logits(hidden, self.lm_head_weight(), self.vocab_size).float()

@@ -56,17 +56,29 @@ def merged_targets(model) -> dict[str, tuple[str, int, int]]:
     return out
 
 
-def _destination(targets: dict, merged: dict, name: str) -> tuple[str, torch.Tensor] | None:
-    """(the name we count as loaded, the tensor to copy into) for our name of a checkpoint key."""
+def _destination(targets: dict, merged: dict, name: str) -> tuple[str, torch.Tensor, str, str | None] | None:
+    """(the name we count as loaded, the tensor to copy into, its module path, the merged part
+    or None) for our name of a checkpoint key."""
     if name in targets:
-        return name, targets[name]
+        return name, targets[name], name.rpartition(".")[0], None
     module, _, leaf = name.rpartition(".")
     if module in merged:
         path, offset, rows = merged[module]
         dst = targets.get(f"{path}.{leaf}")
         if dst is not None:
-            return name, dst.narrow(0, offset, rows)
+            return name, dst.narrow(0, offset, rows), path, module.rpartition(".")[2]
     return None
+
+
+def _rank_shard(model, module_path: str, leaf: str, part: str | None, src: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a full checkpoint tensor (tensor parallelism); the whole tensor for
+    every module that is not split (all of them at TP=1)."""
+    try:
+        mod = model.get_submodule(module_path) if module_path else model
+    except AttributeError:
+        return src
+    cut = getattr(mod, "checkpoint_shard", None)
+    return src if cut is None else cut(leaf, src, part)
 
 
 def load_weights(model, model_dir: Path) -> None:
@@ -88,8 +100,8 @@ def load_weights(model, model_dir: Path) -> None:
                     if not model.ignored_checkpoint_key(name):
                         unexpected.append(key)
                     continue
-                name, dst = found
-                src = f.get_tensor(key)
+                name, dst, module_path, part = found
+                src = _rank_shard(model, module_path, name.rpartition(".")[2], part, f.get_tensor(key))
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
                 with torch.no_grad():

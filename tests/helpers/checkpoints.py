@@ -66,11 +66,11 @@ def _common(**kw) -> dict:
     return base
 
 
-def build_llama(out_dir: str, seed: int = 0) -> str:
+def build_llama(out_dir: str, seed: int = 0, **kw) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**_common(tie_word_embeddings=False))
+    cfg = LlamaConfig(**_common(**{"tie_word_embeddings": False, **kw}))
     return _save(LlamaForCausalLM(cfg).eval(), out_dir)
 
 
