@@ -6,7 +6,7 @@
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
-PARTS=${PARTS:-"tests profile llama qwen gemma pair attn"}
+PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
 export TANDEM_HOST_TIMING=${TANDEM_HOST_TIMING:-1}  # worker logs host ms/step by loop phase
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -40,16 +40,16 @@ if has llama; then
   off llama_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
     --max-running-requests 64
 fi
-if has qwen; then
-  echo "== (c) Qwen3-0.6B shape, nano-vllm recipe (256 requests, lengths U[100, 1024]) + HF generate"
-  off qwen_nano 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
-    --output-len-range 100 1024 --max-running-requests 256 --hf --hf-output-len 64
-fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"
   MTPG=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3)
   off gemma_plain 150 --model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8
   off gemma_mtp 150 --model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 "${MTPG[@]}"
+fi
+if has qwen; then
+  echo "== (c) Qwen3-0.6B shape, nano-vllm recipe (256 requests, lengths U[100, 1024]) + HF generate"
+  off qwen_nano 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
+    --output-len-range 100 1024 --max-running-requests 256 --hf --hf-output-len 64
 fi
 if has pair; then
   echo "== (e) bundled pair, MTP on / off, 1 and 8 requests"

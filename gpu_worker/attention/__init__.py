@@ -1,6 +1,7 @@
 """Attention backends, chosen by name (--attention-backend).
 
-``auto`` (the default) resolves to flashinfer, else triton, on CUDA and to torch on the CPU.
+``auto`` (the default) resolves to flashinfer (once this build has that backend), else triton,
+on CUDA and to torch on the CPU.
 On the CPU ``triton`` runs our kernels in Triton's interpreter (``TRITON_INTERPRET=1``: slow,
 for tests); ``flashinfer`` needs CUDA.
 """
@@ -51,6 +52,8 @@ def resolve_backend(name: str, device_type: str) -> str:
         return "triton" if triton_available() else "torch"
     if name == "flashinfer" and device_type != "cuda":
         raise ValueError("--attention-backend flashinfer: needs a CUDA device (use triton or torch on the CPU)")
+    if name == "flashinfer" and not _has_module("flashinfer"):
+        raise ValueError("--attention-backend flashinfer: not in this build yet; use triton (the default on CUDA)")
     if name == "flashinfer" and not flashinfer_available():
         raise ValueError("--attention-backend flashinfer: flashinfer is not installed (pip install flashinfer-python)")
     if name == "triton" and not triton_available():

@@ -10,7 +10,7 @@ import os
 import time
 
 
-def fake_child(role, args, endpoints, status_conn, parent_pid=None):
+def fake_child(role, args, endpoints, status_conn, parent_pid=None, **worker_kw):
     crash = os.environ.get("TANDEM_TEST_CRASH", "worker").split(",")
     if role == "tokenizer":
         status_conn.send(("ready", None))

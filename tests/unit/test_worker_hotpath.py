@@ -1,0 +1,64 @@
+"""Bookkeeping of the GPU hot path that CI can check without a GPU: the staging batch, graph
+buckets, split counts and backend resolution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.attention import resolve_backend
+from gpu_worker.cuda_graphs import DEFAULT_BUCKETS, graph_buckets
+from gpu_worker.staging import Staging, _padded
+
+
+def test_staging_round_trips_ints_and_floats():
+    st = Staging(torch.device("cpu"))
+    b = st.batch()
+    b.put("slots", np.array([3, 1, 2], dtype=np.int32))
+    b.put("temp", np.array([0.5, 1.25]))
+    b.put("flags", np.array([True, False]))
+    b.upload()
+    assert b["slots"].dtype == torch.int64 and b["slots"].tolist() == [3, 1, 2]
+    assert b["temp"].dtype == torch.float64 and b["temp"].tolist() == [0.5, 1.25]
+    assert b["flags"].tolist() == [1, 0]
+    assert "slots" in b and "missing" not in b and b.get("missing") is None
+
+
+def test_staged_arrays_start_16_byte_aligned():
+    # Triton specialises kernels on pointer alignment: odd-length arrays must not shift the next.
+    assert [_padded(n) for n in (0, 1, 2, 3, 8)] == [0, 2, 2, 4, 8]
+
+
+def test_graph_buckets_cover_the_largest_batch():
+    assert graph_buckets(None, 256, 64)[-1] == 64
+    assert graph_buckets(None, 100, 300)[-1] == 100
+    assert set(graph_buckets(None, None, 256)) <= set(DEFAULT_BUCKETS) | {256}
+    assert graph_buckets((1, 3, 500), None, 64) == [1, 3]  # explicit list, capped by the slots
+    assert graph_buckets(None, 5, 64) == [1, 2, 4, 5]
+
+
+def test_decode_split_count_depends_on_the_batch_only():
+    pytest.importorskip("triton")
+    from gpu_worker.attention.triton_backend import decode_splits
+
+    assert decode_splits(1, 8, 132) == 16
+    assert decode_splits(64, 8, 132) == 1
+    assert all(decode_splits(b, 8, 132) & (decode_splits(b, 8, 132) - 1) == 0 for b in range(1, 300))
+
+
+@pytest.mark.parametrize("name,device,expect", [
+    ("auto", "cpu", "torch"), ("torch", "cuda", "torch"), ("flashinfer", "cpu", None), ("triton", "cpu", "interp"),
+])
+def test_backend_resolution(name, device, expect, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if expect is None:
+        with pytest.raises(ValueError, match="--attention-backend flashinfer"):
+            resolve_backend(name, device)
+    elif expect == "interp":
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            resolve_backend(name, device)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert resolve_backend(name, device) == "triton"
+    else:
+        assert resolve_backend(name, device) == expect
