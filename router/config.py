@@ -57,7 +57,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     policy: str = "cache_aware"
-    request_timeout_s: float = 1800.0  # whole upstream request; streams too
+    request_timeout_s: float = 1800.0  # whole upstream exchange, to a stream's last byte
     connect_timeout_s: float = 5.0
     health_check_interval_s: float = 5.0
     health_check_timeout_s: float = 5.0

@@ -37,39 +37,37 @@ class _WorkerCollector(Collector):
 
     def collect(self) -> Iterable:
         ws = self._workers()
-        fams = {
-            "requests_active": GaugeMetricFamily(P + "worker_requests_active", "Requests this router has open on the worker", labels=["worker"]),
-            "running": GaugeMetricFamily(P + "worker_num_requests_running", "Engine-reported running requests (polled)", labels=["worker"]),
-            "waiting": GaugeMetricFamily(P + "worker_num_requests_waiting", "Engine-reported waiting requests (polled)", labels=["worker"]),
-            "kv": GaugeMetricFamily(P + "worker_kv_cache_usage_perc", "Engine-reported KV usage, 0-1 (polled)", labels=["worker"]),
-            "load": GaugeMetricFamily(P + "worker_load", "Load used for routing: max(router in-flight, engine running+waiting)", labels=["worker"]),
-            "healthy": GaugeMetricFamily(P + "worker_healthy", "1 if the worker is in rotation", labels=["worker"]),
-            "cb": GaugeMetricFamily(P + "worker_cb_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", labels=["worker"]),
-        }
-        cb_trans = CounterMetricFamily(P + "worker_cb_transitions", "Circuit breaker state changes", labels=["worker"])
-        tree = GaugeMetricFamily(P + "cache_tree_size_chars", "Characters in the worker's approximate prefix tree", labels=["worker"])
-        for w in ws:
-            lbl = [w.url]
-            fams["requests_active"].add_metric(lbl, w.inflight)
-            fams["running"].add_metric(lbl, w.running)
-            fams["waiting"].add_metric(lbl, w.waiting)
-            fams["kv"].add_metric(lbl, w.kv_usage)
-            fams["load"].add_metric(lbl, w.load())
-            fams["healthy"].add_metric(lbl, 1.0 if w.healthy else 0.0)
-            fams["cb"].add_metric(lbl, w.breaker.code)
-            cb_trans.add_metric(lbl, w.breaker.transitions)
-            if self._tree_size is not None:
-                tree.add_metric(lbl, self._tree_size(w.url))
-        yield from fams.values()
-        yield cb_trans
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(P + name, doc, labels=["worker"])
+
+        per_worker = [
+            (gauge("worker_requests_active", "Requests this router has open on the worker"), lambda w: w.inflight),
+            (gauge("worker_num_requests_running", "Engine-reported running requests (polled)"), lambda w: w.running),
+            (gauge("worker_num_requests_waiting", "Engine-reported waiting requests (polled)"), lambda w: w.waiting),
+            (gauge("worker_kv_cache_usage_perc", "Engine-reported KV usage, 0-1 (polled)"), lambda w: w.kv_usage),
+            (gauge("worker_load", "Routing load: max(router in-flight, engine running + waiting)"),
+             lambda w: w.load()),
+            (gauge("worker_healthy", "1 if the worker is in rotation"), lambda w: 1.0 if w.healthy else 0.0),
+            (gauge("worker_cb_state", "Circuit breaker: 0 closed, 1 open, 2 half-open"), lambda w: w.breaker.code),
+            (CounterMetricFamily(P + "worker_cb_transitions", "Circuit breaker state changes", labels=["worker"]),
+             lambda w: w.breaker.transitions),
+        ]
+        if self._tree_size is not None:
+            size = self._tree_size
+            per_worker.append((gauge("cache_tree_size_chars", "Characters in the worker's approximate prefix tree"),
+                               lambda w: size(w.url)))
+        for fam, value in per_worker:
+            for w in ws:
+                fam.add_metric([w.url], value(w))
+            yield fam
         pool = GaugeMetricFamily(P + "workers", "Workers by state", labels=["state"])
         pool.add_metric(["total"], len(ws))
         pool.add_metric(["healthy"], sum(1 for w in ws if w.healthy))
         yield pool
-        if self._tree_size is not None:
-            yield tree
         if self._decisions is not None:
-            dec = CounterMetricFamily(P + "cache_aware_decisions", "Why cache_aware picked a worker", labels=["decision"])
+            dec = CounterMetricFamily(P + "cache_aware_decisions", "Why cache_aware picked a worker",
+                                      labels=["decision"])
             for why, n in sorted(self._decisions().items()):
                 dec.add_metric([why], n)
             yield dec
@@ -94,24 +92,19 @@ class RouterMetrics:
                  decisions: Callable[[], dict[str, int]] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = _Children(Counter(P + "requests", "Requests answered by the router", ["route", "status"], registry=r))
-        self.worker_requests = _Children(Counter(P + "worker_requests", "Upstream attempts per worker and outcome",
-                                       ["worker", "outcome"], registry=r))
-        self.duration = _Children(Histogram(P + "request_duration_seconds", "Router arrival to last byte sent",
-                                  ["route"], buckets=DURATION_BUCKETS, registry=r))
-        self.ttft = _Children(Histogram(P + "ttft_seconds", "Router arrival to first upstream body byte",
-                              ["route"], buckets=DURATION_BUCKETS, registry=r))
-        self.retries = _Children(Counter(P + "retries", "Upstream attempts retried on another try", ["route"], registry=r))
-        self.retries_exhausted = _Children(Counter(P + "retries_exhausted", "Requests that failed after every retry",
-                                         ["route"], registry=r))
-        self.errors = _Children(Counter(P + "request_errors", "Requests that ended in a router-made error",
-                              ["route", "reason"], registry=r))
-        self.stream_errors = _Children(Counter(P + "stream_errors", "Streams broken after the first byte (SSE error sent)",
-                                     ["route"], registry=r))
-        self.disconnects = _Children(Counter(P + "client_disconnects", "Client went away; upstream request aborted",
-                                   ["route"], registry=r))
-        self.health_checks = _Children(Counter(P + "worker_health_checks", "Health checks by result", ["worker", "result"],
-                                     registry=r))
+        c = lambda name, doc, labels: _Children(Counter(P + name, doc, labels, registry=r))  # noqa: E731
+        h = lambda name, doc: _Children(  # noqa: E731
+            Histogram(P + name, doc, ["route"], buckets=DURATION_BUCKETS, registry=r))
+        self.requests = c("requests", "Requests answered by the router", ["route", "status"])
+        self.worker_requests = c("worker_requests", "Upstream attempts per worker and outcome", ["worker", "outcome"])
+        self.duration = h("request_duration_seconds", "Router arrival to last byte sent")
+        self.ttft = h("ttft_seconds", "Router arrival to first upstream body byte")
+        self.retries = c("retries", "Upstream attempts retried on another try", ["route"])
+        self.retries_exhausted = c("retries_exhausted", "Requests that failed after every retry", ["route"])
+        self.errors = c("request_errors", "Requests that ended in a router-made error", ["route", "reason"])
+        self.stream_errors = c("stream_errors", "Streams broken after the first byte (SSE error sent)", ["route"])
+        self.disconnects = c("client_disconnects", "Client went away; upstream request aborted", ["route"])
+        self.health_checks = c("worker_health_checks", "Health checks by result", ["worker", "result"])
         r.register(_WorkerCollector(workers, tree_size, decisions))
 
     def render(self) -> bytes:

@@ -33,8 +33,9 @@ class Monitor:
         self._wake_health = asyncio.Event()
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._loop(self.cfg.health_check_interval_s, self.check_all, self._wake_health)),
-                       asyncio.create_task(self._loop(self.cfg.load_poll_interval_s, self.poll_all))]
+        cfg = self.cfg
+        self._tasks = [asyncio.create_task(self._loop(cfg.health_check_interval_s, self.check_all, self._wake_health)),
+                       asyncio.create_task(self._loop(cfg.load_poll_interval_s, self.poll_all))]
         if self._evict is not None:
             self._tasks.append(asyncio.create_task(self._loop(self.cfg.cache.eviction_interval_s, self._evict_once)))
 
@@ -77,7 +78,8 @@ class Monitor:
         cfg = self.cfg
         ok, reason = False, ""
         try:
-            async with self.client.get(w.url + cfg.health_check_endpoint, timeout=self._timeout(cfg.health_check_timeout_s)) as r:
+            url, timeout = w.url + cfg.health_check_endpoint, self._timeout(cfg.health_check_timeout_s)
+            async with self.client.get(url, timeout=timeout) as r:
                 ok = r.status == 200
                 reason = "" if ok else f"{cfg.health_check_endpoint} returned {r.status}"
                 await r.read()
@@ -98,7 +100,8 @@ class Monitor:
 
     async def _learn_models(self, w: Worker) -> None:
         try:
-            async with self.client.get(w.url + "/v1/models", timeout=self._timeout(self.cfg.health_check_timeout_s)) as r:
+            timeout = self._timeout(self.cfg.health_check_timeout_s)
+            async with self.client.get(w.url + "/v1/models", timeout=timeout) as r:
                 data = (await r.json(content_type=None)).get("data", []) if r.status == 200 else []
             models = tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
             if models:

@@ -133,7 +133,8 @@ class Proxy:
                 await asyncio.sleep(self._backoff(n))
             worker = self._pick(ctx, failed)
             if worker is None:
-                if ctx.facts.model is not None and self.registry.available() and not self.registry.available(ctx.facts.model):
+                model = ctx.facts.model
+                if model is not None and self.registry.available() and not self.registry.available(model):
                     return self._final(ctx, error_response(404, f"The model `{ctx.facts.model}` does not exist.",
                                                            ctx.rid, "model"), "model_not_found")
                 last = _Retry("no healthy worker is available", 503)

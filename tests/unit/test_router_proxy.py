@@ -172,7 +172,8 @@ def test_no_worker_means_503_and_probes(stack):
 def test_workers_api(stack):
     base = stack.url
     assert httpx.post(base + "/workers", json={"url": "not a url"}).status_code == 400
-    assert httpx.post(base + "/workers", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
+    bad_json = httpx.post(base + "/workers", content=b"{oops", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400
     assert httpx.post(base + "/workers", json={}).status_code == 400
     extra = ServerThread(FakeEngine("m").app)
     try:
