@@ -109,6 +109,7 @@ class Proxy:
             attempt.cancel()
             await asyncio.gather(attempt, return_exceptions=True)
             self.metrics.disconnects.labels(route).inc()
+            self.metrics.requests.labels(route, "499").inc()
             return Response(status_code=499)
         response = attempt.result()
         response.headers["x-request-id"] = rid
