@@ -103,6 +103,9 @@ class Proxy:
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({attempt, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is stopping: take the upstream request down too
+            attempt.cancel()
+            raise
         finally:
             gone.cancel()
         if attempt not in done:  # the client left before the answer started

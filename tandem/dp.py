@@ -121,6 +121,8 @@ class DataParallel:
                "--port", str(port)]
         if cpu and a.num_threads is None:
             cmd += ["--num-threads", str(max(1, ((os.cpu_count() or 2) - 1) // self.n))]
+        if not cpu:
+            cmd += ["--device", "cuda"]  # its one visible GPU (CUDA_VISIBLE_DEVICES), whatever cuda:N was asked
         if a.run_dir:
             cmd += ["--run-dir", os.path.join(a.run_dir, f"dp{i}")]
         if a.transport == "tcp":

@@ -68,3 +68,23 @@ def test_split_dp_args():
     assert split_dp_args(["--port", "1"]) == (None, ["--port", "1"], [])
     with pytest.raises(ArgError, match="--dp-size"):
         split_dp_args(["--dp-size", "x"])
+
+
+def test_dp_engine_commands(monkeypatch, tmp_path):
+    from proto.args import parse_server_args
+    from tandem.dp import DataParallel, _gpu_ids
+
+    argv = ["--run-dir", str(tmp_path), "--port", "9000"]
+    dp = DataParallel(2, parse_server_args(argv), argv, [])
+    monkeypatch.setattr("os.cpu_count", lambda: 9)
+    cmd = dp._engine_cmd(1, 4321, cpu=True)
+    assert cmd[cmd.index("serve") + 1:cmd.index("serve") + 1 + len(argv)] == argv
+    last = lambda flag: cmd[len(cmd) - cmd[::-1].index(flag)]  # noqa: E731 - the value after its last use
+    assert (last("--port"), last("--host"), last("--num-threads")) == ("4321", "127.0.0.1", "4")
+    assert last("--run-dir") == str(tmp_path / "dp1") and "--device" not in cmd
+    gpu = dp._engine_cmd(0, 1, cpu=False)
+    assert gpu[gpu.index("--device") + 1] == "cuda" and "--num-threads" not in gpu
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    assert _gpu_ids(2) == ["3", "5"]
+    with pytest.raises(ArgError, match="--dp-size: 4 engines need 4 GPUs, 3 visible"):
+        _gpu_ids(4)
