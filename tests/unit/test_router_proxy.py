@@ -228,3 +228,17 @@ def test_engine_load_is_polled_and_exported(stack):
     for name in ("tandem_router_requests_total", "tandem_router_request_duration_seconds_bucket",
                  "tandem_router_ttft_seconds_bucket"):
         assert f"\n{name}{{" in text, name
+
+
+def test_stream_cut_before_its_first_byte_is_retried_elsewhere():
+    s = Stack(2, "--policy", "round_robin")
+    try:
+        s.fakes[0].break_after = 0  # accepts, sends headers, dies before any event
+        for i in range(2):  # round robin: one of these starts on the broken engine
+            with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": f"p{i}", "stream": True}) as r:
+                events = sse_payloads(r)
+            assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+            assert {e["server"] for e in events[:-1]} == {"m"} and len(events) == 5
+        assert len(s.fakes[0].seen) >= 1 and len(s.fakes[1].seen) == 2
+    finally:
+        s.stop()
