@@ -37,12 +37,14 @@ class FakeEngine:
         self.running = 0
         self.waiting = 0
         self.kv = 0.0
+        self.vllm_like = False  # no /load; the gauges on /metrics under vLLM's names instead
         self.seen: list[tuple[str, dict, dict]] = []
         self.disconnects = 0
         self.lock = threading.Lock()
         self.app = Starlette(routes=[
             Route("/health", self._health),
             Route("/load", self._load),
+            Route("/metrics", self._metrics),
             Route("/v1/models", self._models),
             Route("/v1/completions", self._generate, methods=["POST"]),
             Route("/v1/chat/completions", self._generate, methods=["POST"]),
@@ -53,7 +55,15 @@ class FakeEngine:
     async def _health(self, _: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
 
+    async def _metrics(self, _: Request) -> Response:
+        lines = ["# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{model_name="x"}} {self.running}',
+                 "# TYPE vllm:num_requests_waiting gauge", f'vllm:num_requests_waiting{{model_name="x"}} {self.waiting}',
+                 "# TYPE vllm:kv_cache_usage_perc gauge", f'vllm:kv_cache_usage_perc{{model_name="x"}} {self.kv}']
+        return Response("\n".join(lines) + "\n", media_type="text/plain")
+
     async def _load(self, _: Request) -> Response:
+        if self.vllm_like:
+            return Response(status_code=404)
         return JSONResponse({"server_load": self.running, "num_running_reqs": self.running,
                              "num_waiting_reqs": self.waiting, "kv_cache_usage_perc": self.kv})
 

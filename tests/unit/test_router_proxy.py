@@ -242,3 +242,12 @@ def test_stream_cut_before_its_first_byte_is_retried_elsewhere():
         assert len(s.fakes[0].seen) >= 1 and len(s.fakes[1].seen) == 2
     finally:
         s.stop()
+
+
+def test_engine_without_load_route_is_read_from_its_prometheus_gauges(stack):
+    f = stack.fakes[1]
+    f.vllm_like = True
+    f.running, f.waiting, f.kv = 4, 7, 0.25
+    w = stack.router.registry.all()[1]
+    until(lambda: w.load_source == "metrics" and w.load() == 11)
+    assert w.kv_usage == 0.25
