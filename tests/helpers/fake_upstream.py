@@ -4,8 +4,8 @@
 deterministic echo. Knobs (read per request, change them at any time):
 ``status`` (answer every generation with this status), ``fail_next`` (the next N generation
 requests get 503), ``break_after`` (a stream sends this many chunks, then the connection is
-cut), ``chunk_delay_s``, ``healthy``, ``running`` / ``waiting`` / ``kv`` (what /load reports),
-``hold`` (an asyncio-free threading.Event a stream waits on between chunks).
+cut), ``chunk_delay_s``, ``chunks``, ``healthy``, ``running`` / ``waiting`` / ``kv`` (what /load
+reports), ``vllm_like`` (no /load: the same gauges on /metrics under vLLM's names).
 Every generation request is recorded as (path, headers, body) in ``seen``.
 """
 
@@ -56,9 +56,10 @@ class FakeEngine:
         return Response(status_code=200 if self.healthy else 503)
 
     async def _metrics(self, _: Request) -> Response:
-        lines = ["# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{model_name="x"}} {self.running}',
-                 "# TYPE vllm:num_requests_waiting gauge", f'vllm:num_requests_waiting{{model_name="x"}} {self.waiting}',
-                 "# TYPE vllm:kv_cache_usage_perc gauge", f'vllm:kv_cache_usage_perc{{model_name="x"}} {self.kv}']
+        lines = []
+        for name, value in (("num_requests_running", self.running), ("num_requests_waiting", self.waiting),
+                            ("kv_cache_usage_perc", self.kv)):
+            lines += [f"# TYPE vllm:{name} gauge", f'vllm:{name}{{model_name="x"}} {value}']
         return Response("\n".join(lines) + "\n", media_type="text/plain")
 
     async def _load(self, _: Request) -> Response:
