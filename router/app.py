@@ -27,6 +27,7 @@ log = logging.getLogger("tandem.router")
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate")
 UNROUTED = ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize")  # any worker will do
+ENGINE_GETS = ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/version")
 
 
 class Router:
@@ -132,6 +133,23 @@ def build_app(router: Router) -> FastAPI:
         proxied(path, True)
     for path in UNROUTED:
         proxied(path, False)
+
+    async def from_any_worker(request: Request) -> Response:
+        """Engine-level GETs (server info, version) answered by the least loaded healthy worker."""
+        assert router.client is not None
+        ws = sorted(router.registry.available(), key=lambda w: w.load())
+        if not ws:
+            return error_response(503, "no healthy worker", "")
+        try:
+            timeout = aiohttp.ClientTimeout(total=router.cfg.health_check_timeout_s)
+            async with router.client.get(ws[0].url + request.url.path, timeout=timeout) as r:
+                ctype = r.headers.get("content-type", "application/json")
+                return Response(await r.read(), r.status, media_type=ctype)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return error_response(502, f"{ws[0].id}: {type(exc).__name__}", "")
+
+    for path in ENGINE_GETS:
+        app.add_api_route(path, from_any_worker, methods=["GET"], include_in_schema=False)
 
     @app.get("/liveness")
     async def liveness() -> Response:

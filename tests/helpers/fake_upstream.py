@@ -46,6 +46,7 @@ class FakeEngine:
             Route("/load", self._load),
             Route("/metrics", self._metrics),
             Route("/v1/models", self._models),
+            Route("/server_info", self._info),
             Route("/v1/completions", self._generate, methods=["POST"]),
             Route("/v1/chat/completions", self._generate, methods=["POST"]),
             Route("/generate", self._generate, methods=["POST"]),
@@ -70,6 +71,9 @@ class FakeEngine:
 
     async def _models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model"}]})
+
+    async def _info(self, _: Request) -> Response:
+        return JSONResponse({"server": self.name})
 
     async def _tokenize(self, request: Request) -> Response:
         body = json.loads(await request.body())

@@ -206,6 +206,7 @@ def test_models_are_aggregated_and_requests_follow_their_model():
                                                               "model": "gamma"})
         assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
         assert httpx.post(s.url + "/tokenize", json={"prompt": "ab"}).json()["tokens"] == [97, 98]
+        assert httpx.get(s.url + "/server_info").json()["server"] in ("alpha", "beta")  # any worker answers
     finally:
         s.stop()
 
