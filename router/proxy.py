@@ -296,13 +296,13 @@ class _Relay:
         finally:
             await self.finish()
 
-    async def finish(self, disconnected: bool = False) -> None:
+    async def finish(self) -> None:
         if self._done:
             return
         self._done = True
         p, ctx = self.proxy, self.ctx
         self.w.inflight -= 1
-        if disconnected and self.status < 400:
+        if not self.complete and self.status < 400:  # neither read to the end nor broken: the client left
             self.status = 499
             p.metrics.disconnects.labels(ctx.route).inc()
         if self.complete:
@@ -325,7 +325,7 @@ class _RelayResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await asyncio.shield(self._relay.finish(disconnected=True))
+            await asyncio.shield(self._relay.finish())
 
 
 def _forward_headers(request: Request, rid: str) -> dict[str, str]:

@@ -108,6 +108,22 @@ def test_streaming_passthrough_and_request_id(stack):
     assert len(r.headers["x-request-id"]) >= 16  # generated when the client sends none
 
 
+def test_client_disconnect_aborts_the_engine_request(stack):
+    router, engines = stack
+    body = {"prompt": "A long tale of the sea", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        worker = r.headers["x-tandem-worker"]
+        next(r.iter_lines())  # the stream is running on the engine
+    url = next(w["url"] for w in router.workers() if w["id"] == worker)
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/load", timeout=5).json()["server_load"] != 0:  # aborted, not run to 400 tokens
+        assert time.monotonic() < deadline, "the engine kept generating for a client that left"
+        time.sleep(0.05)
+    m = metrics(url)
+    assert metric(m, "tandem:request_success_total", finished_reason="abort") >= 1
+    assert metric(metrics(router.url), "tandem_router_client_disconnects_total", route="/v1/completions") >= 1
+
+
 def _prefix_counters(engines) -> tuple[float, float]:
     hits = queries = 0.0
     for e in engines:
