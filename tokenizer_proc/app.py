@@ -192,6 +192,7 @@ def load_body(front: Front) -> dict:
     kv = stats.kv_pages_used / stats.kv_pages_total if stats and stats.kv_pages_total else 0.0
     return {"server_load": engine.num_inflight, "num_requests_running": engine.num_running,
             "num_requests_waiting": engine.num_waiting, "num_inflight_requests": engine.num_inflight,
+            "num_running_reqs": engine.num_running, "num_waiting_reqs": engine.num_waiting,  # SGLang's names
             "max_queued_requests": front.args.max_queued_requests, "kv_cache_usage_perc": kv,
             "status": engine.phase}
 

@@ -340,7 +340,9 @@ def test_tokenize_detokenize_and_info(srv):
     assert httpx.get(u + "/get_server_info").json()["engine_info"] == info["engine_info"]
     assert httpx.get(u + "/health_generate", timeout=30).status_code == 200
     assert httpx.get(u + "/health").status_code == 200
-    assert httpx.get(u + "/load").json()["server_load"] == 0
+    load = httpx.get(u + "/load").json()  # what routers poll (tandem router reads the last three)
+    assert load["server_load"] == 0 and load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
+    assert 0.0 <= load["kv_cache_usage_perc"] <= 1.0
     models = OpenAI(base_url=s.base_url, api_key="none", max_retries=0).models.list()
     assert [m.id for m in models.data] == [path]
     card = httpx.get(u + "/v1/models").json()["data"][0]
