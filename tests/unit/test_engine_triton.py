@@ -54,3 +54,26 @@ def test_triton_backend_mtp_graph_path_is_lossless(ckpts, overlap, monkeypatch):
     got, eng = _run(ckpts["gemma4"], draft=ckpts["assistant"], overlap=overlap, cuda_graph_bs=(2, 4))
     assert eng.runner.graphs is not None and eng.runner.assistant is not None
     assert got == [hf_greedy(ckpts["gemma4"], p, NEW, ignore_eos=True) for p in PROMPTS]
+
+
+def test_graph_path_keeps_penalties_min_tokens_and_seeds(ckpts, monkeypatch):
+    """Token selection runs after the replay: the graph path gives the eager path's tokens for
+    penalised, min_tokens and seeded-sampling requests, with MTP and overlap."""
+    reqs = [dict(max_new_tokens=NEW, repetition_penalty=1.3, frequency_penalty=0.5, min_new_tokens=NEW),
+            dict(max_new_tokens=NEW, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)]
+
+    def run(graphs: bool):
+        if graphs:
+            monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
+        else:
+            monkeypatch.delenv("TANDEM_EMULATE_CUDA_GRAPHS", raising=False)
+        eng = InProcEngine(ckpts["gemma4"], draft=ckpts["assistant"], attention_backend="triton", page_size=4,
+                           cuda_graph_bs=(2,))
+        assert (eng.runner.graphs is not None) == graphs
+        for i, (p, kw) in enumerate(zip(PROMPTS, reqs)):
+            eng.submit(f"r{i}", p, **kw)
+        eng.run()
+        return [eng.tokens[f"r{i}"] for i in range(len(reqs))]
+
+    eager, graphed = run(False), run(True)
+    assert graphed == eager and all(len(t) == NEW for t in eager)
