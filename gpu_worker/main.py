@@ -20,7 +20,6 @@ import zmq
 
 from gpu_worker.attention import create_backend, resolve_backend
 from gpu_worker.cuda_graphs import graph_buckets
-from gpu_worker.kernels import enable_cpu_kernels
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.models.config import read_eos_token_ids
 from gpu_worker.models.loader import load_model
@@ -70,13 +69,13 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
     state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
     name = resolve_backend(args.attention_backend, device.type)
-    if name == "triton" and device.type != "cuda":
-        enable_cpu_kernels()  # the interpreter runs every kernel on the CPU tensors
     backend = create_backend(name, pool=pool, page_table=state.page_table)
     # An EOS id outside the vocabulary (a broken config) could never be sampled; dropping it
     # keeps the min_tokens mask from indexing out of range.
     eos = tuple(i for i in read_eos_token_ids(args.model_path) if 0 <= i < target.vocab_size)
     runner = ModelRunner(target, assistant, backend, state, t, device, eos)
+    # On the CPU, --attention-backend triton runs every kernel (norms, RoPE too) in the interpreter.
+    runner.cpu_kernels = name == "triton" and device.type != "cuda"
     _setup_graphs(args, runner, name, device, cap.max_slots)
     ready = WorkerReady(
         page_size=args.page_size,

@@ -15,6 +15,7 @@ import torch
 
 from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, stage_target_batch
 from gpu_worker.cuda_graphs import DecodeBody, DecodeGraphs
+from gpu_worker.kernels import enable_cpu_kernels
 from gpu_worker.processors import LogitProcessors
 from gpu_worker.prompt_logprobs import prompt_logprob_rows
 from gpu_worker.sampling import RowSampling, sample, token_logprobs
@@ -108,9 +109,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._last_timer: StepTimer | None = None
         self.tick = _no_tick  # HostClock.tick when TANDEM_HOST_TIMING=1 (worker main)
+        self.cpu_kernels = False  # CPU tensors through the Triton kernels (interpreter)
 
     def enable_graphs(self, buckets: list[int], emulate: bool = False) -> DecodeGraphs:
         """Decode steps of up to max(buckets) rows go through ``DecodeGraphs`` (captured here)."""
+        enable_cpu_kernels(self.cpu_kernels)
         body = DecodeBody(self.target, self.assistant, self.backend, self.state, self.t)
         self.graphs = DecodeGraphs(body, buckets, emulate=emulate)
         self.graphs.capture()
@@ -118,6 +121,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Pending:
+        # Process-wide switch, set per step: several runners share one test process.
+        enable_cpu_kernels(self.cpu_kernels)
         st = self.state
         st.free(plan.free)
         rows = PlanRows.from_plan(plan)
