@@ -7,7 +7,8 @@ import sys
 
 from proto.args import BUNDLED_MODEL_DIR, ArgError, parse_server_args
 
-USAGE = "usage: tandem serve [--model-path DIR] [options]   (tandem serve --help for all flags)"
+USAGE = ("usage: tandem serve [--model-path DIR] [--dp-size N] [options]   (tandem serve --help for all flags)\n"
+         "       tandem router --worker-urls URL... [--policy cache_aware] [options]   (tandem router --help)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "router":
+        from router.main import main as router_main
+
+        return router_main(argv[1:])
     if argv[0] != "serve":
         print(f"tandem: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
@@ -22,14 +27,24 @@ def main(argv: list[str] | None = None) -> int:
         from proto.args import build_parser
 
         build_parser().print_help()
+        from tandem.dp import DP_HELP
+
+        print(DP_HELP)
         return 0
+    from tandem.dp import split_dp_args
+
     try:
-        args = parse_server_args(argv[1:])
+        dp, engine_argv, router_argv = split_dp_args(argv[1:])
+        args = parse_server_args(engine_argv)
     except ArgError as exc:
         print(f"tandem serve: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _announce(args)
+    if dp is not None:
+        from tandem.dp import serve_dp
+
+        return serve_dp(dp, args, engine_argv, router_argv)
     from tandem.supervisor import serve
 
     return serve(args)

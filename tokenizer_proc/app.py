@@ -241,7 +241,11 @@ def build_app(front: Front) -> FastAPI:
 
     @app.get("/load")
     async def load() -> dict:
-        return {"server_load": front.engine.num_inflight}
+        # What a router needs to balance (SGLang's /get_load fields): queue, running, KV usage.
+        stats = front.engine.last_stats
+        kv = stats.kv_pages_used / stats.kv_pages_total if stats and stats.kv_pages_total else 0.0
+        return {"server_load": front.engine.num_inflight, "num_running_reqs": stats.num_running if stats else 0,
+                "num_waiting_reqs": stats.num_waiting if stats else 0, "kv_cache_usage_perc": kv}
 
     @app.post("/flush_cache", response_class=PlainTextResponse, responses={503: ERRORS[503]})
     async def flush_cache() -> Response:

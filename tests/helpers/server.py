@@ -22,8 +22,8 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, model_path: str | None, *extra: str, timeout: float = 180.0, env: dict | None = None,
-                 device: str = "cpu"):
-        self.port = free_port()
+                 device: str = "cpu", port: int | None = None, wait: bool = True):
+        self.port = port or free_port()
         args = [sys.executable, "-m", "tandem", "serve", "--device", device, "--port", str(self.port),
                 "--num-threads", "1", "--log-level", "warning"]
         if model_path:
@@ -35,7 +35,14 @@ class Server:
         full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
         self.url = f"http://127.0.0.1:{self.port}"
-        self._wait_ready(timeout)
+        self.timeout = timeout
+        if wait:
+            self._wait_ready(timeout)
+
+    def wait_ready(self) -> "Server":
+        """For ``wait=False``: start several servers at once, then wait for each."""
+        self._wait_ready(self.timeout)
+        return self
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
