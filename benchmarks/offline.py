@@ -6,6 +6,12 @@ With --hf it also times HF ``generate`` on the same model and workload in the sa
 
     python benchmarks/offline.py --model-path DIR --device cpu --num-prompts 32 \
         --input-len 128 --output-len 64 [--hf] [--speculative-draft-model-path DRAFT]
+
+``--num-prompts 1,64`` runs several workloads on one engine start (one JSON entry each, under
+``workloads``; the first is also ``engine``). ``--input-len-range LO HI`` / ``--output-len-range
+LO HI`` draw each request's lengths uniformly (nano-vllm's recipe: 256 requests, both in
+[100, 1024]). Per workload it reports tok/s, step timing, and the device's busy and idle time
+between steps (``gpu_idle_frac``: idle / (busy + idle)) from the worker's CUDA events.
 """
 
 from __future__ import annotations
@@ -38,45 +44,67 @@ def start_engine(server_argv: list[str]):
     return args, ep, procs
 
 
-def run_engine(ep, prompts: list[np.ndarray], output_len: int, temperature: float, procs, repeat: int = 1) -> dict:
+def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperature: float, procs,
+               repeat: int = 1) -> list[dict]:
     zctx = zmq.Context()
     outputs = PullChannel(zctx, "outputs", ep.outputs)
     requests = PushChannel(zctx, "requests", ep.requests)
     while not isinstance(outputs.recv(timeout_ms=1000), EngineInfo):
         if not all(p.is_alive() for p in procs):
             raise SystemExit("engine failed to start (see the log above)")
-    params = SamplingParams(max_new_tokens=output_len, temperature=temperature, ignore_eos=True)
-    # Warm-up request (not timed).
-    requests.send(GenerateReq("warmup", prompts[0][:8].astype(np.int32).tobytes(), params, time.time()))
-    _collect(outputs, {"warmup"})
-    walls = []
-    for k in range(repeat):  # rounds of the same workload; the median round is reported
-        t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            requests.send(GenerateReq(f"b{k}-{i}", p.astype(np.int32).tobytes(), params, time.time()))
-        n_tokens, stats = _collect(outputs, {f"b{k}-{i}" for i in range(len(prompts))})
-        walls.append(time.perf_counter() - t0)
-    wall = float(np.median(walls))
+    first = workloads[0][0][0]
+    warm = SamplingParams(max_new_tokens=8, temperature=temperature, ignore_eos=True)
+    requests.send(GenerateReq("warmup", first[:8].astype(np.int32).tobytes(), warm, time.time()))
+    _, stats = _collect(outputs, {"warmup"}, None)
+    results = []
+    for w, (prompts, out_lens) in enumerate(workloads):
+        walls, before = [], stats
+        for k in range(repeat):  # rounds of the same workload; the median round is reported
+            t0 = time.perf_counter()
+            for i, (p, n_out) in enumerate(zip(prompts, out_lens)):
+                params = SamplingParams(max_new_tokens=int(n_out), temperature=temperature, ignore_eos=True)
+                requests.send(GenerateReq(f"w{w}-b{k}-{i}", p.astype(np.int32).tobytes(), params, time.time()))
+            n_tokens, stats = _collect(outputs, {f"w{w}-b{k}-{i}" for i in range(len(prompts))}, stats)
+            walls.append(time.perf_counter() - t0)
+        results.append(_summary(walls, n_tokens, before, stats, repeat))
     requests.send(Shutdown("benchmark done"))
     time.sleep(0.5)
     outputs.close()
     requests.close()
     zctx.term()
+    return results
+
+
+def _summary(walls, n_tokens, before, stats, repeat) -> dict:
+    wall = float(np.median(walls))
     out = {"wall_s": wall, "output_tokens": n_tokens, "output_tok_s": n_tokens / wall,
            "round_tok_s": [round(n_tokens / w, 1) for w in walls]}
-    if stats is not None:
-        steps = max(stats.steps, 1)
-        out.update(steps=stats.steps, draft_ms_per_step=1e3 * stats.worker_draft_s / steps,
-                   forward_ms_per_step=1e3 * stats.worker_forward_s / steps,
-                   scheduler_ms_per_step=1e3 * stats.step_time_s / steps)
-        if stats.spec_num_drafts:
-            out["accept_length"] = 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
-            out["accepted_per_pos"] = [x / stats.spec_num_drafts for x in stats.spec_accepted_per_pos]
+    if stats is None:
+        return out
+
+    def d(attr):
+        return getattr(stats, attr) - (getattr(before, attr) if before is not None else 0)
+
+    steps = max(d("steps"), 1)
+    busy, gap = d("worker_busy_s"), d("worker_gap_s")
+    out.update(steps=d("steps") // repeat, draft_ms_per_step=1e3 * d("worker_draft_s") / steps,
+               forward_ms_per_step=1e3 * d("worker_forward_s") / steps,
+               scheduler_ms_per_step=1e3 * d("step_time_s") / steps,
+               busy_ms_per_step=1e3 * busy / steps, idle_ms_per_step=1e3 * gap / steps,
+               gpu_idle_frac=gap / (busy + gap) if busy + gap > 0 else 0.0)
+    drafts = d("spec_num_drafts")
+    if drafts:
+        out["accept_length"] = 1 + d("spec_num_accepted_tokens") / drafts
+        prev = before.spec_accepted_per_pos if before is not None else ()
+        out["accepted_per_pos"] = [(x - (prev[i] if i < len(prev) else 0)) / drafts
+                                   for i, x in enumerate(stats.spec_accepted_per_pos)]
     return out
 
 
-def _collect(outputs, rids: set[str]):
-    n, stats = 0, None
+def _collect(outputs, rids: set[str], stats):
+    """Tokens of ``rids`` until all finish, and the newest SchedulerStats (at least one after
+    the last finish, so the step counters cover the whole workload)."""
+    n = 0
     pending = set(rids)
     while pending:
         msg = outputs.recv()
@@ -88,16 +116,25 @@ def _collect(outputs, rids: set[str]):
                     n += len(o.token_ids) // 4
                     if o.finish_reason:
                         pending.discard(o.rid)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # the stats that follow the last step
+        msg = outputs.recv(timeout_ms=200)
+        if isinstance(msg, SchedulerStats):
+            return n, msg
     return n, stats
 
 
 def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: str, batch: int,
-           repeat: int = 1) -> dict:
+           repeat: int = 1, load_format: str = "auto") -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    if load_format == "dummy":  # random weights of the config's shapes, built on the device
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     gen = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
     if len({len(p) for p in prompts}) > 1:
         batch = 1  # no padding games: unequal prompts run one at a time
@@ -121,34 +158,61 @@ def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--num-prompts", default="32", help="comma list: one workload per entry, one engine start")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("LO", "HI"))
+    ap.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("LO", "HI"))
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed rounds; the median is reported")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--hf-batch", type=int, default=0, help="HF generate batch (default: all prompts at once)")
+    ap.add_argument("--hf-num-prompts", type=int, default=0, help="HF: only the first N prompts (bounds its time)")
+    ap.add_argument("--hf-output-len", type=int, default=0, help="HF: new tokens per prompt (default: as the engine)")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--prompts-file", default=None, help="text prompts, one per line (cycled); default random ids")
     bench, server_argv = ap.parse_known_args()
     args, ep, procs = start_engine(server_argv)
-    prompts = make_prompts(bench, args)
-    results = {"workload": vars(bench), "engine": run_engine(ep, prompts, bench.output_len, bench.temperature, procs, bench.repeat)}
+    counts = [int(x) for x in str(bench.num_prompts).split(",")]
+    workloads = [make_workload(bench, args, n, i) for i, n in enumerate(counts)]
+    runs = run_engine(ep, workloads, bench.temperature, procs, bench.repeat)
+    results = {"workload": vars(bench), "engine": runs[0],
+               "workloads": [{"num_prompts": n, **r} for n, r in zip(counts, runs)]}
     for p in procs:
         p.join(10)
         if p.is_alive():
             p.terminate()
     if bench.hf:
-        results["hf_transformers"] = run_hf(args.model_path, prompts, bench.output_len, args.resolved_device(),
-                                            bench.hf_batch or bench.num_prompts, bench.repeat)
+        prompts = workloads[0][0][: bench.hf_num_prompts or None]
+        if bench.input_len_range:  # HF batches equal lengths: use the mean length for all
+            prompts = [np.resize(p, (bench.input_len_range[0] + bench.input_len_range[1]) // 2) for p in prompts]
+        results["hf_transformers"] = run_hf(args.model_path, prompts, bench.hf_output_len or bench.output_len,
+                                            args.resolved_device(), bench.hf_batch or len(prompts), bench.repeat,
+                                            load_format=args.load_format)
     print(json.dumps(results, indent=2))
     if bench.json:
         with open(bench.json, "w") as f:
             json.dump(results, f, indent=2)
 
 
-def make_prompts(bench, args) -> list[np.ndarray]:
+def make_workload(bench, args, n: int, salt: int) -> tuple[list[np.ndarray], list[int]]:
+    rng = np.random.default_rng(bench.seed + salt)
+    if bench.input_len_range:
+        lo, hi = bench.input_len_range
+        vocab = _vocab(args.model_path)
+        prompts = [rng.integers(3, vocab, int(rng.integers(lo, hi + 1))) for _ in range(n)]
+    else:
+        prompts = make_prompts(bench, args, n, rng)
+    if bench.output_len_range:
+        lo, hi = bench.output_len_range
+        outs = [int(x) for x in rng.integers(lo, hi + 1, n)]
+    else:
+        outs = [bench.output_len] * n
+    return prompts, outs
+
+
+def make_prompts(bench, args, n: int, rng) -> list[np.ndarray]:
     if bench.prompts_file:
         from tokenizers import Tokenizer
 
@@ -156,10 +220,9 @@ def make_prompts(bench, args) -> list[np.ndarray]:
         with open(bench.prompts_file) as f:
             lines = [ln.rstrip("\n").replace("\\n", "\n") for ln in f if ln.strip()]
         ids = [np.array(tok.encode(t).ids[: bench.input_len], dtype=np.int64) for t in lines]
-        return [ids[i % len(ids)] for i in range(bench.num_prompts)]
-    rng = np.random.default_rng(bench.seed)
+        return [ids[i % len(ids)] for i in range(n)]
     vocab = _vocab(args.model_path)
-    return [rng.integers(3, vocab, bench.input_len) for _ in range(bench.num_prompts)]
+    return [rng.integers(3, vocab, bench.input_len) for _ in range(n)]
 
 
 def _vocab(model_dir: str) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from gpu_worker.attention.base import RowLayout
 from gpu_worker.forward_batch import ForwardBatch
-from gpu_worker.device import h2d
+from gpu_worker.staging import StageBatch
 from gpu_worker.slots import SlotState
 from proto.arrays import view_i32
 from proto.messages import StepPlan
@@ -48,12 +48,32 @@ class PlanRows:
     def num_ext_tokens(self) -> int:
         return int(self.ext_len.sum())
 
+    def q_lens(self, t: int) -> np.ndarray:
+        return np.concatenate([self.ext_len, np.full(len(self.dec_slots), t, dtype=np.int64)])
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.ext_slots) == 0 and len(self.dec_slots) > 0
+
     def sampled_ext_rows(self) -> np.ndarray:
         return np.nonzero(self.ext_sample)[0]
 
     def result_slots(self) -> np.ndarray:
         """Row order of the StepResult: sampled extend rows, then decode rows."""
         return np.concatenate([self.ext_slots[self.ext_sample], self.dec_slots])
+
+
+def stage_target_batch(rows: PlanRows, t: int, backend, b: StageBatch) -> None:
+    """Host half of ``build_target_batch``: every index array into the step's staging batch."""
+    offsets = np.cumsum(rows.ext_len) - rows.ext_len
+    b.put("ext_ids", rows.ext_tokens)
+    b.put("ext_pos", np.arange(rows.num_ext_tokens) + np.repeat(rows.ext_start - offsets, rows.ext_len))
+    b.put("ext_kv", rows.ext_start + rows.ext_len)
+    b.put("slots", np.concatenate([rows.ext_slots, rows.dec_slots]))
+    q_lens = rows.q_lens(t)
+    b.put("tok_slot", np.repeat(np.concatenate([rows.ext_slots, rows.dec_slots]), q_lens))
+    b.put("logit_rows", logits_rows(rows, t))
+    backend.stage(q_lens, b)
 
 
 def build_target_batch(
@@ -63,36 +83,23 @@ def build_target_batch(
     windows: tuple[int, ...],
     t: int,
     dec_tokens: torch.Tensor | None,
+    b: StageBatch,
 ) -> ForwardBatch:
-    """``dec_tokens`` [D, t]: bonus (+ drafts) per decode row, already on the device."""
+    """``dec_tokens`` [D, t]: bonus (+ drafts) per decode row, already on the device; every
+    host-known array comes from the uploaded staging batch ``b``."""
     dev, ps = state.device, backend.pool.page_size
-    d = len(rows.dec_slots)
-    offsets = np.cumsum(rows.ext_len) - rows.ext_len
-    ext_pos = np.arange(rows.num_ext_tokens) + np.repeat(rows.ext_start - offsets, rows.ext_len)
-    host = np.concatenate([rows.ext_tokens, ext_pos, rows.ext_start + rows.ext_len, rows.ext_slots, rows.dec_slots])
-    dev_host = h2d(host, dev)  # one transfer for everything the host knows
-    n_tok = rows.num_ext_tokens
-    e = len(rows.ext_slots)
-    ext_ids, ext_pos_t = dev_host[:n_tok], dev_host[n_tok : 2 * n_tok]
-    ext_kv = dev_host[2 * n_tok : 2 * n_tok + e]
-    slots_t = dev_host[2 * n_tok + e :]  # ext slots then dec slots
-    dec_slots_t = slots_t[e:]
-    dec_start = state.seq_len[dec_slots_t]
+    d, e = len(rows.dec_slots), len(rows.ext_slots)
+    slots_t = b["slots"]  # ext slots then dec slots
+    dec_start = state.seq_len[slots_t[e:]]
     dec_pos = (dec_start[:, None] + torch.arange(t, device=dev)[None, :]).reshape(-1)
-    input_ids = torch.cat([ext_ids, dec_tokens.reshape(-1)]) if d else ext_ids
-    positions = torch.cat([ext_pos_t, dec_pos])
-    q_lens = np.concatenate([rows.ext_len, np.full(d, t, dtype=np.int64)])
-    tok_slot = torch.repeat_interleave(slots_t, h2d(q_lens, dev), output_size=int(q_lens.sum()))
-    out_loc = state.page_table[tok_slot, positions // ps].long() * ps + positions % ps
+    input_ids = torch.cat([b["ext_ids"], dec_tokens.reshape(-1)]) if d else b["ext_ids"]
+    positions = torch.cat([b["ext_pos"], dec_pos])
+    out_loc = state.page_table[b["tok_slot"], positions // ps].long() * ps + positions % ps
+    q_lens = rows.q_lens(t)
     kv_bound = np.concatenate([rows.ext_start + rows.ext_len, state.num_pages[rows.dec_slots] * ps])
-    layout = RowLayout(
-        slots=slots_t,
-        q_lens=q_lens,
-        kv_lens=torch.cat([ext_kv, dec_start + t]),
-        kv_bound=kv_bound,
-        q_pos=positions,
-    )
-    return ForwardBatch(input_ids, positions, out_loc, backend.build(layout, windows), int(q_lens.sum()))
+    layout = RowLayout(slots=slots_t, q_lens=q_lens, kv_lens=torch.cat([b["ext_kv"], dec_start + t]),
+                       kv_bound=kv_bound, q_pos=positions)
+    return ForwardBatch(input_ids, positions, out_loc, backend.build(layout, windows, b), int(q_lens.sum()))
 
 
 def build_draft_batch(dec_slots_t: torch.Tensor, dec_slots: np.ndarray, state: SlotState, backend,

@@ -16,7 +16,9 @@ import msgspec
 import torch
 import zmq
 
-from gpu_worker.attention import create_backend
+from gpu_worker.attention import create_backend, resolve_backend
+from gpu_worker.cuda_graphs import graph_buckets
+from gpu_worker.kernels import enable_cpu_kernels
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.models.config import read_eos_token_ids
 from gpu_worker.models.loader import load_model
@@ -64,11 +66,15 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     cap = plan_capacity(args, target, device, dtype, t, max_positions(args.model_path))
     pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
     state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
-    backend = create_backend(args.attention_backend, pool=pool, page_table=state.page_table)
+    name = resolve_backend(args.attention_backend, device.type)
+    if name == "triton" and device.type != "cuda":
+        enable_cpu_kernels()  # the interpreter runs every kernel on the CPU tensors
+    backend = create_backend(name, pool=pool, page_table=state.page_table)
     # An EOS id outside the vocabulary (a broken config) could never be sampled; dropping it
     # keeps the min_tokens mask from indexing out of range.
     eos = tuple(i for i in read_eos_token_ids(args.model_path) if 0 <= i < target.vocab_size)
     runner = ModelRunner(target, assistant, backend, state, t, device, eos)
+    _setup_graphs(args, runner, name, device, cap.max_slots)
     ready = WorkerReady(
         page_size=args.page_size,
         num_pages=cap.num_pages,
@@ -84,6 +90,18 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
         kv_bytes_per_token=KVPool.bytes_per_token(target.kv_shapes, dtype),
     )
     return runner, ready
+
+
+def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: torch.device, max_slots: int):
+    """CUDA graphs for decode steps: on by default on CUDA with a graph-capable backend.
+    ``TANDEM_EMULATE_CUDA_GRAPHS=1`` runs the same bucket/padding path eagerly (CPU tests)."""
+    emulate = os.environ.get("TANDEM_EMULATE_CUDA_GRAPHS") == "1"
+    if args.disable_cuda_graph or (device.type != "cuda" and not emulate):
+        return
+    if not hasattr(runner.backend, "decode_meta"):
+        log.warning("CUDA graphs off: --attention-backend %s cannot be captured (use triton or flashinfer)", backend)
+        return
+    runner.enable_graphs(graph_buckets(args.cuda_graph_bs, args.cuda_graph_max_bs or 256, max_slots), emulate)
 
 
 class Worker:
@@ -159,9 +177,10 @@ def run(args: ServerArgs, endpoints: Endpoints, status_conn=None) -> None:
                 status_conn.send(("error", f"{type(exc).__name__}: {exc}"))
             raise SystemExit(1) from None
         worker.results.send(ready)
-        log.info("worker ready: %s on %s, %d KV pages of %d tokens, %d slots, context %d",
-                 ready.architecture, ready.device, ready.num_pages, ready.page_size, ready.max_slots,
-                 ready.max_context)
+        log.info("worker ready: %s on %s, %d KV pages of %d tokens, %d slots, context %d, attention %s, "
+                 "CUDA graphs %s", ready.architecture, ready.device, ready.num_pages, ready.page_size,
+                 ready.max_slots, ready.max_context, type(worker.runner.backend).__name__,
+                 worker.runner.graphs.sizes if worker.runner.graphs is not None else "off")
         worker.run()
     finally:
         worker.close()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gpu_worker.device import h2d
+from gpu_worker.staging import StageBatch
 from proto.messages import AdmitRow
 
 STOP_WIDTH = 8  # initial width of the per-slot stop-id table; grows on demand
@@ -41,7 +42,8 @@ class LogitProcessors:
         self.prompt_seen: torch.Tensor | None = None  # [slots, V] bool
 
     # ------------------------------------------------------------ per-request state
-    def admit(self, rows: list[AdmitRow]) -> None:
+    def stage_admit(self, rows: list[AdmitRow], b: StageBatch) -> None:
+        """Host flags now; device rows from ``apply_admit`` after the step's upload."""
         if not rows:
             return
         slots = np.array([r.slot for r in rows])
@@ -50,23 +52,37 @@ class LogitProcessors:
         self.has_penalty[slots] = pen
         self.has_min[slots] = [x.min_new_tokens > 0 for x in p]
         self.prompt_len[slots] = [r.prompt_len for r in rows]
-        idx = h2d(slots.astype(np.int64), self.device)
-        self.rep[idx] = h2d(np.array([x.repetition_penalty for x in p], dtype=np.float32), self.device)
-        self.freq[idx] = h2d(np.array([x.frequency_penalty for x in p], dtype=np.float32), self.device)
-        self.pres[idx] = h2d(np.array([x.presence_penalty for x in p], dtype=np.float32), self.device)
-        self.min_until[idx] = h2d(np.array([r.prompt_len + x.min_new_tokens for r, x in zip(rows, p)]), self.device)
+        b.put("pr_slot", slots)
+        b.put("pr_rep", np.array([x.repetition_penalty for x in p], dtype=np.float64))
+        b.put("pr_freq", np.array([x.frequency_penalty for x in p], dtype=np.float64))
+        b.put("pr_pres", np.array([x.presence_penalty for x in p], dtype=np.float64))
+        b.put("pr_min_until", [r.prompt_len + x.min_new_tokens for r, x in zip(rows, p)])
         ids = [list(x.stop_token_ids) + ([] if x.ignore_eos else list(self.eos)) for x in p]
         self._widen_stops(max(len(i) for i in ids))
         stops = np.zeros((len(rows), self.stop_ids.shape[1]), dtype=np.int64)
         valid = np.zeros_like(stops)
         for i, row in enumerate(ids):
             stops[i, : len(row)], valid[i, : len(row)] = row, 1
-        self.stop_ids[idx] = h2d(stops, self.device)
-        self.stop_valid[idx] = h2d(valid, self.device)
+        b.put("pr_stops", stops)
+        b.put("pr_valid", valid)
         if pen.any():
             self._ensure_tables()
-            self.counts[idx] = 0
-            self.prompt_seen[idx] = False
+            b.put("pr_pen_slot", slots[pen])
+
+    def apply_admit(self, b: StageBatch) -> None:
+        if "pr_slot" not in b:
+            return
+        idx = b["pr_slot"]
+        self.rep[idx] = b["pr_rep"].float()
+        self.freq[idx] = b["pr_freq"].float()
+        self.pres[idx] = b["pr_pres"].float()
+        self.min_until[idx] = b["pr_min_until"]
+        width = self.stop_ids.shape[1]
+        self.stop_ids[idx] = b["pr_stops"].view(-1, width)
+        self.stop_valid[idx] = b["pr_valid"].view(-1, width)
+        if "pr_pen_slot" in b:
+            self.counts[b["pr_pen_slot"]] = 0
+            self.prompt_seen[b["pr_pen_slot"]] = False
 
     def _widen_stops(self, width: int) -> None:
         """Every stop id of every request is masked: widen the table when a request has more."""

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, logits_rows
+from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, stage_target_batch
+from gpu_worker.cuda_graphs import DecodeBody, DecodeGraphs
 from gpu_worker.processors import LogitProcessors
 from gpu_worker.prompt_logprobs import prompt_logprob_rows
 from gpu_worker.sampling import RowSampling, sample, token_logprobs
-from gpu_worker.device import h2d
 from gpu_worker.slots import SlotState
 from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain, verify
+from gpu_worker.staging import StageBatch, Staging
 from proto.messages import Logprobs, StepPlan, StepResult
 
 
@@ -46,17 +47,23 @@ class Pending:
             top = 0 if ids is None else ids.shape[-1]
             lp = Logprobs(chosen.tobytes(), b"" if ids is None else ids.tobytes(),
                           b"" if vals is None else vals.tobytes(), top)
-        fwd, drf = self.timer.elapsed()
+        fwd, drf, busy, gap = self.timer.elapsed()
         return StepResult(self.step_id, self.slots.astype(np.int32).tobytes(), self.tokens.numpy().tobytes(),
-                          self.accept.numpy().tobytes(), lp, self.prompt_lps, fwd, drf)
+                          self.accept.numpy().tobytes(), lp, self.prompt_lps, fwd, drf, busy, gap)
 
 
 class StepTimer:
-    """Draft and forward time: CUDA events on GPU (read after the step's event), wall on CPU."""
+    """Step timing: CUDA events on GPU (read after the step's copy event), wall clock on CPU.
 
-    def __init__(self, device: torch.device):
+    Marks: start, after the draft, after the target forward + sampling, end (after the copy
+    out). busy = start -> end; gap = the previous step's end -> this start, i.e. device idle
+    between steps when this step was queued only after the previous one finished.
+    """
+
+    def __init__(self, device: torch.device, prev: "StepTimer | None"):
         self.cuda = device.type == "cuda"
         self.marks: list = []
+        self.prev_end = prev.marks[-1] if prev is not None and len(prev.marks) == 4 else None
 
     def mark(self) -> None:
         if self.cuda:
@@ -66,17 +73,23 @@ class StepTimer:
         else:
             self.marks.append(time.perf_counter())
 
-    def elapsed(self) -> tuple[float, float]:
-        """(forward_s, draft_s) from marks [start, after_draft, after_forward]."""
-        if len(self.marks) < 3:
-            return 0.0, 0.0
-        a, b, c = self.marks[:3]
-        if self.cuda:
-            return b.elapsed_time(c) / 1e3, a.elapsed_time(b) / 1e3
-        return c - b, b - a
+    def _dt(self, a, b) -> float:
+        return max(0.0, a.elapsed_time(b) / 1e3) if self.cuda else b - a
+
+    def elapsed(self) -> tuple[float, float, float, float]:
+        """(forward_s, draft_s, busy_s, gap_s)."""
+        if len(self.marks) < 4:
+            return 0.0, 0.0, 0.0, 0.0
+        a, b, c, d = self.marks[:4]
+        gap = self._dt(self.prev_end, a) if self.prev_end is not None else 0.0
+        return self._dt(b, c), self._dt(a, b), self._dt(a, d), gap
 
 
 class ModelRunner:
+    """Launches steps. Decode-only steps whose batch fits a bucket replay CUDA graphs
+    (``cuda_graphs.py``); steps with prefill chunks run eagerly. Either way the step's host data
+    crosses to the device in one staged copy (``staging.py``)."""
+
     def __init__(self, target, assistant, backend, state: SlotState, tokens_per_step: int, device,
                  eos_ids: tuple[int, ...] = ()):
         self.target = target
@@ -87,38 +100,80 @@ class ModelRunner:
         self.t = tokens_per_step
         self.device = device
         self.windows = tuple(sorted(set(target.sliding_windows) | set(getattr(assistant, "sliding_windows", ()))))
+        self.staging = Staging(device)
+        self.graphs: DecodeGraphs | None = None
+        self._last_timer: StepTimer | None = None
+
+    def enable_graphs(self, buckets: list[int], emulate: bool = False) -> DecodeGraphs:
+        """Decode steps of up to max(buckets) rows go through ``DecodeGraphs`` (captured here)."""
+        body = DecodeBody(self.target, self.assistant, self.backend, self.state, self.t)
+        self.graphs = DecodeGraphs(body, buckets, emulate=emulate)
+        self.graphs.capture()
+        return self.graphs
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Pending:
         st = self.state
         st.free(plan.free)
-        st.admit(plan.admit)
-        self.proc.admit(plan.admit)
-        st.append_pages(plan.pages)
         rows = PlanRows.from_plan(plan)
+        b = self.staging.batch()
+        st.stage_admit(plan.admit, b)
+        self.proc.stage_admit(plan.admit, b)
+        st.stage_pages(plan.pages, b)
+        bucket = self.graphs.bucket(len(rows.dec_slots)) if self.graphs is not None and rows.decode_only else None
+        self._stage_rows(rows, b, bucket)
+        b.upload()  # the step's one host-to-device copy
+        timer = self._last_timer = StepTimer(self.device, self._last_timer)
+        timer.mark()
+        st.apply_admit(b)
+        self.proc.apply_admit(b)
+        st.apply_pages(b)
         self.proc.observe_extend(rows)
-        timer = StepTimer(self.device)
-        timer.mark()
-        dec_slots_t = h2d(rows.dec_slots, self.device)
-        dec_tokens = self._decode_tokens(rows, dec_slots_t)
-        timer.mark()
-        fb = build_target_batch(rows, st, self.backend, self.windows, self.t, dec_tokens)
-        hidden = self.target.forward(fb, self.backend)
-        sel_hidden = hidden[h2d(logits_rows(rows, self.t), self.device)]
-        logits = self.target.compute_logits(sel_hidden)
-        out, accept, seed_rows = self._sample(rows, logits, fb, dec_slots_t, dec_tokens)
+        if bucket is not None:
+            dec_tokens, hidden, logits = self.graphs.run(len(rows.dec_slots), b["dec_pad"], timer.mark)
+            sel_hidden = hidden
+        else:
+            dec_tokens = self._decode_tokens(rows, b)
+            timer.mark()
+            fb = build_target_batch(rows, st, self.backend, self.windows, self.t, dec_tokens, b)
+            hidden = self.target.forward(fb, self.backend)
+            sel_hidden = hidden[b["logit_rows"]]
+            logits = self.target.compute_logits(sel_hidden)
+        out, accept, seed_rows = self._sample(rows, logits, b, dec_tokens)
         prompt_lps = prompt_logprob_rows(self.target, rows, st, hidden)
         timer.mark()
-        self._update_state(rows, out, accept, sel_hidden[seed_rows])
-        res_slots = rows.result_slots()
-        self.proc.observe_outputs(res_slots, h2d(res_slots, self.device), out, accept)
-        lps = self._logprobs(rows, logits, out)
+        self._update_state(rows, b, out, accept, sel_hidden[seed_rows])
+        self.proc.observe_outputs(rows.result_slots(), b["res_slots"], out, accept)
+        lps = self._logprobs(rows, b, logits, out)
         return self._copy_out(plan.step_id, rows, out, accept, lps, prompt_lps, timer)
 
     # ------------------------------------------------------------ pieces
-    def _decode_tokens(self, rows: PlanRows, dec_slots_t: torch.Tensor) -> torch.Tensor | None:
+    def _stage_rows(self, rows: PlanRows, b: StageBatch, bucket: int | None) -> None:
+        """Every host array the step's device work reads, into the staging batch."""
+        e_rows = rows.sampled_ext_rows()
+        b.put("samp_ext_slots", rows.ext_slots[e_rows])
+        b.put("samp_ext_pos", (rows.ext_start + rows.ext_len)[e_rows])
+        res = rows.result_slots()
+        b.put("res_slots", res)
+        if bucket is not None:
+            pad = np.zeros(bucket, dtype=np.int64)  # padding rows point at slot 0
+            pad[: len(rows.dec_slots)] = rows.dec_slots
+            b.put("dec_pad", pad)
+        else:
+            stage_target_batch(rows, self.t, self.backend, b)
+        if len(res) and self.state.logprobs[res].max(initial=-1) >= 0:
+            e, t = len(e_rows), self.t
+            # logits rows: one per sampled extend row, t per decode row; laid out as [R, t]
+            b.put("lp_idx", np.concatenate([np.arange(e) * t, e * t + np.arange(len(rows.dec_slots) * t)]))
+
+    def _dec_slots(self, rows: PlanRows, b: StageBatch) -> torch.Tensor:
+        n = len(rows.dec_slots)
+        return b["dec_pad"][:n] if "dec_pad" in b else b["slots"][len(rows.ext_slots):]
+
+    def _decode_tokens(self, rows: PlanRows, b: StageBatch) -> torch.Tensor | None:
         if len(rows.dec_slots) == 0:
             return None
+        dec_slots_t = self._dec_slots(rows, b)
         bonus = self.state.last_token[dec_slots_t]
         if self.assistant is None:
             return bonus[:, None]
@@ -127,28 +182,27 @@ class ModelRunner:
                              self.t - 1)
         return torch.cat([bonus[:, None], drafts], dim=1)
 
-    def _row_sampling(self, slots: np.ndarray) -> RowSampling:
+    def _row_sampling(self, slots: np.ndarray, slots_t: torch.Tensor) -> RowSampling:
         st = self.state
-        return RowSampling(st, h2d(slots, self.device), not bool(st.greedy[slots].all()),
-                           bool(st.filtered[slots].any()))
+        return RowSampling(st, slots_t, not bool(st.greedy[slots].all()), bool(st.filtered[slots].any()))
 
-    def _sample(self, rows: PlanRows, logits, fb, dec_slots_t, dec_tokens):
+    def _sample(self, rows: PlanRows, logits, b: StageBatch, dec_tokens):
         """-> out [R, T] tokens, accept [R], and per row the logits row of its seed hidden."""
         t, e_rows = self.t, rows.sampled_ext_rows()
         e = len(e_rows)
         parts_out, parts_acc, seeds = [], [], []
         if e:
-            ext_slots = rows.ext_slots[e_rows]
-            pos = h2d((rows.ext_start + rows.ext_len)[e_rows], self.device)
+            ext_slots, ext_slots_t, pos = rows.ext_slots[e_rows], b["samp_ext_slots"], b["samp_ext_pos"]
             lg = logits[:e]
             if self.proc.active(ext_slots):
-                lg = self.proc.apply(lg, ext_slots, h2d(ext_slots, self.device), pos)
-            tok = sample(lg, self._row_sampling(ext_slots), pos)
+                lg = self.proc.apply(lg, ext_slots, ext_slots_t, pos)
+            tok = sample(lg, self._row_sampling(ext_slots, ext_slots_t), pos)
             parts_out.append(torch.cat([tok[:, None], tok.new_zeros(e, t - 1)], dim=1))
             parts_acc.append(torch.ones(e, dtype=torch.int64, device=self.device))
             seeds.append(torch.arange(e, device=self.device))
         if len(rows.dec_slots):
-            rs = self._row_sampling(rows.dec_slots)
+            dec_slots_t = self._dec_slots(rows, b)
+            rs = self._row_sampling(rows.dec_slots, dec_slots_t)
             seq = self.state.seq_len[dec_slots_t]
             lg = logits[e:]
             if self.proc.active(rows.dec_slots):
@@ -166,13 +220,16 @@ class ModelRunner:
         if not parts_out:  # only non-final prefill chunks: nothing sampled this step
             z = torch.zeros(0, dtype=torch.int64, device=self.device)
             return z.view(0, t), z, z
+        if len(parts_out) == 1:
+            return parts_out[0], parts_acc[0], seeds[0]
         return torch.cat(parts_out), torch.cat(parts_acc), torch.cat(seeds)
 
-    def _update_state(self, rows: PlanRows, out, accept, seed_hidden) -> None:
+    def _update_state(self, rows: PlanRows, b: StageBatch, out, accept, seed_hidden) -> None:
         st = self.state
-        if len(rows.ext_slots):
-            st.seq_len[h2d(rows.ext_slots, self.device)] = h2d(rows.ext_start + rows.ext_len, self.device)
-        res_slots = h2d(rows.result_slots(), self.device)
+        n_ext = len(rows.ext_slots)
+        if n_ext:
+            st.seq_len[b["slots"][:n_ext]] = b["ext_kv"]
+        res_slots = b["res_slots"]
         if len(res_slots) == 0:
             return
         e = len(rows.sampled_ext_rows())
@@ -181,17 +238,13 @@ class ModelRunner:
         st.last_token[res_slots] = final
         st.hidden[res_slots] = seed_hidden.to(st.hidden.dtype)
 
-    def _logprobs(self, rows: PlanRows, logits, out):
-        slots = rows.result_slots()
-        want = self.state.logprobs[slots]
-        if len(slots) == 0 or want.max(initial=-1) < 0:
+    def _logprobs(self, rows: PlanRows, b: StageBatch, logits, out):
+        if "lp_idx" not in b:
             return None
-        e, t = len(rows.sampled_ext_rows()), self.t
-        # logits rows: one per sampled extend row, t per decode row; lay out as [R, t]
-        idx = np.concatenate([np.arange(e) * t, e * t + np.arange(len(rows.dec_slots) * t)])
-        full = logits.new_zeros(len(slots) * t, logits.shape[-1])
-        full[h2d(idx, self.device)] = logits
-        return token_logprobs(full, out.reshape(-1), int(want.max()))
+        slots = rows.result_slots()
+        full = logits.new_zeros(len(slots) * self.t, logits.shape[-1])
+        full[b["lp_idx"]] = logits
+        return token_logprobs(full, out.reshape(-1), int(self.state.logprobs[slots].max()))
 
     def _copy_out(self, step_id, rows, out, accept, lps, prompt_lps, timer) -> Pending:
         cuda = self.device.type == "cuda"
@@ -208,6 +261,7 @@ class ModelRunner:
         tokens = d2h(out.to(torch.int32))
         acc = d2h(accept.to(torch.int32))
         lp = tuple(d2h(x) for x in lps) if lps is not None else None
+        timer.mark()
         event = None
         if cuda:
             event = torch.cuda.Event()

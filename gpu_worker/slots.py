@@ -10,7 +10,8 @@ Row 0 of every table is the padding row. For a slot holding a request:
 
 A slot's rows are rewritten on admit; ``free`` only clears host-side bookkeeping. Both happen
 at the start of a plan, i.e. after the result of every step that referenced the old request
-(the scheduler guarantees it), so stream order makes reuse safe.
+(the scheduler guarantees it), so stream order makes reuse safe. Admits and page appends are
+staged (host mirrors at once, device rows from the step's one upload, ``staging.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.device import h2d
+from gpu_worker.staging import StageBatch
 from proto.arrays import view_i32
 from proto.messages import AdmitRow, PageAppend, SamplingParams
 
@@ -49,20 +50,20 @@ class SlotState:
             self.params.pop(s, None)
         self.num_pages[slots] = 0
 
-    def admit(self, rows: list[AdmitRow]) -> None:
+    def stage_admit(self, rows: list[AdmitRow], b: StageBatch) -> None:
+        """Host mirrors now; the device rows are written by ``apply_admit`` after the upload."""
         if not rows:
             return
-        idx = h2d(np.array([r.slot for r in rows], dtype=np.int64), self.device)
         p = [r.params for r in rows]
-        self.seed[idx] = h2d(np.array([r.seed & ((1 << 62) - 1) for r in rows], dtype=np.int64), self.device)
-        self.temperature[idx] = h2d(np.array([x.temperature for x in p], dtype=np.float32), self.device)
-        self.top_p[idx] = h2d(np.array([x.top_p for x in p], dtype=np.float32), self.device)
+        slots = np.array([r.slot for r in rows], dtype=np.int64)
+        b.put("adm_slot", slots)
+        b.put("adm_seed", [r.seed & ((1 << 62) - 1) for r in rows])
+        b.put("adm_temp", np.array([x.temperature for x in p], dtype=np.float64))
+        b.put("adm_top_p", np.array([x.top_p for x in p], dtype=np.float64))
         # top_k has no upper bound on the wire (up to 2**64-1); beyond the vocabulary it filters
         # nothing, so clamp it: an int64 overflow here killed the worker.
-        self.top_k[idx] = h2d(np.array([min(x.top_k, 1 << 62) for x in p], dtype=np.int64), self.device)
-        self.min_p[idx] = h2d(np.array([x.min_p for x in p], dtype=np.float32), self.device)
-        self.seq_len[idx] = 0
-        slots = np.array([r.slot for r in rows])
+        b.put("adm_top_k", [min(x.top_k, 1 << 62) for x in p])
+        b.put("adm_min_p", np.array([x.min_p for x in p], dtype=np.float64))
         self.num_pages[slots] = 0
         self.greedy[slots] = [x.greedy for x in p]
         self.filtered[slots] = [x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0.0 for x in p]
@@ -70,12 +71,28 @@ class SlotState:
         self.prompt_logprobs[slots] = [x.prompt_logprobs for x in p]
         self.params.update((r.slot, r.params) for r in rows)
 
-    def append_pages(self, appends: list[PageAppend]) -> None:
+    def apply_admit(self, b: StageBatch) -> None:
+        if "adm_slot" not in b:
+            return
+        idx = b["adm_slot"]
+        self.seed[idx] = b["adm_seed"]
+        self.temperature[idx] = b["adm_temp"].float()
+        self.top_p[idx] = b["adm_top_p"].float()
+        self.top_k[idx] = b["adm_top_k"]
+        self.min_p[idx] = b["adm_min_p"].float()
+        self.seq_len[idx] = 0
+
+    def stage_pages(self, appends: list[PageAppend], b: StageBatch) -> None:
         if not appends:
             return
         pages = [view_i32(a.pages) for a in appends]
         rows = np.concatenate([np.full(len(p), a.slot) for a, p in zip(appends, pages)])
         cols = np.concatenate([a.first_col + np.arange(len(p)) for a, p in zip(appends, pages)])
-        vals = np.concatenate(pages)
-        self.page_table[h2d(rows, self.device), h2d(cols, self.device)] = h2d(vals, self.device)
+        b.put("pt_rows", rows)
+        b.put("pt_cols", cols)
+        b.put("pt_vals", np.concatenate(pages))
         np.maximum.at(self.num_pages, rows, cols + 1)
+
+    def apply_pages(self, b: StageBatch) -> None:
+        if "pt_rows" in b:
+            self.page_table[b["pt_rows"], b["pt_cols"]] = b["pt_vals"].to(torch.int32)

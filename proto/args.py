@@ -16,7 +16,7 @@ BUNDLED_MODEL_DIR = os.path.join(
 )
 
 SPEC_ALGORITHMS = ("FROZEN-KV-MTP",)
-ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -40,7 +40,10 @@ class ServerArgs:
     context_length: int | None = None
     mem_fraction_static: float = 0.85
     load_format: str = "auto"  # auto | dummy
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: flashinfer, else triton, on CUDA; torch on the CPU
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # default: min(256, max running requests)
+    cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
     log_level: str = "info"
     num_threads: int | None = None  # worker torch threads on CPU; default all cores but one
     random_seed: int = 0
@@ -126,6 +129,7 @@ def validate(args: ServerArgs) -> ServerArgs:
         ("--context-length", args.context_length),
         ("--num-threads", args.num_threads),
         ("--max-queued-requests", args.max_queued_requests),
+        ("--cuda-graph-max-bs", args.cuda_graph_max_bs),
     ):
         _positive(flag, val)
     if not 0.0 < args.mem_fraction_static < 1.0:
@@ -137,6 +141,10 @@ def validate(args: ServerArgs) -> ServerArgs:
             f"--attention-backend: expected one of {', '.join(ATTENTION_BACKENDS)}, "
             f"got {args.attention_backend!r}"
         )
+    if args.cuda_graph_bs is not None and (not args.cuda_graph_bs or min(args.cuda_graph_bs) <= 0):
+        raise ArgError(f"--cuda-graph-bs: expected positive batch sizes, got {list(args.cuda_graph_bs or ())}")
+    if args.attention_backend == "flashinfer" and args.device == "cpu":
+        raise ArgError("--attention-backend flashinfer: needs a CUDA device (use triton or torch with --device cpu)")
     if args.log_level not in LOG_LEVELS:
         raise ArgError(f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
     if args.metrics_compat not in (None, "vllm"):
@@ -198,7 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--context-length", type=int, default=None)
     a("--mem-fraction-static", type=float, default=0.85)
     a("--load-format", default="auto")
-    a("--attention-backend", default="torch")
+    a("--attention-backend", default="auto", help="auto (flashinfer, else triton, on CUDA; torch on the CPU), "
+      "torch, triton, flashinfer")
+    a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
+    a("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured (default 256)")
+    a("--cuda-graph-bs", type=int, nargs="+", default=None, help="decode batch sizes to capture")
     a("--log-level", default="info")
     a("--num-threads", type=int, default=None, help="worker CPU threads (default: all cores but one)")
     a("--random-seed", type=int, default=0)
@@ -224,6 +236,7 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
     ns = build_parser().parse_args(argv)
     kw = {k: v for k, v in vars(ns).items() if k != "skip_warmup"}
     kw["warmup"] = not ns.skip_warmup
+    kw["cuda_graph_bs"] = tuple(kw["cuda_graph_bs"]) if kw["cuda_graph_bs"] else None
     if kw["model_path"] is None:
         kw.update(bundled_model_defaults(kw))
     kw["speculative_algorithm"] = (kw["speculative_algorithm"] or None) and kw["speculative_algorithm"].upper()

@@ -37,9 +37,14 @@ class AttentionBackend(ABC):
         self.pool = pool
         self.page_table = page_table  # [slots + 1, max_pages] int32, row 0 = padding
 
+    def stage(self, q_lens: np.ndarray, staged) -> None:
+        """Put host-built metadata for a forward with these query counts into the step's
+        staging batch (``staging.StageBatch``), before its one upload. Default: nothing."""
+
     @abstractmethod
-    def build(self, layout: RowLayout, windows: tuple[int, ...]) -> object:
-        """Per-forward metadata; ``windows`` lists the sliding windows the model uses."""
+    def build(self, layout: RowLayout, windows: tuple[int, ...], staged=None) -> object:
+        """Per-forward metadata; ``windows`` lists the sliding windows the model uses;
+        ``staged`` is the uploaded batch ``stage`` wrote into (None: build it all here)."""
 
     @abstractmethod
     def forward(

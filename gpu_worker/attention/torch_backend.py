@@ -39,7 +39,7 @@ class TorchMeta:
 
 @register("torch")
 class TorchAttentionBackend(AttentionBackend):
-    def build(self, layout: RowLayout, windows: tuple[int, ...] = ()) -> TorchMeta:
+    def build(self, layout: RowLayout, windows: tuple[int, ...] = (), staged=None) -> TorchMeta:
         q_lens = np.asarray(layout.q_lens, dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]) if len(q_lens) else q_lens
         total = int(q_lens.sum())

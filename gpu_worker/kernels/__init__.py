@@ -3,7 +3,8 @@
 Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (CI checks them
 that way at tiny sizes). ``use_triton(x)`` says whether a tensor should take the kernel path:
 on CUDA always (when Triton imports), on the CPU only when the interpreter is switched on and
-``TANDEM_TRITON_CPU=1`` asks for it, so the plain CPU path keeps the torch reference ops.
+``TANDEM_TRITON_CPU=1`` (or ``--attention-backend triton``) asks for it, so the plain CPU path
+keeps the torch reference ops.
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_CPU_KERNELS = [False]  # set by the worker when --attention-backend triton runs on the CPU
+
+
+def enable_cpu_kernels(on: bool = True) -> None:
+    """Route CPU tensors through the kernels too (needs the interpreter)."""
+    _CPU_KERNELS[0] = on
+
+
 def use_triton(x: torch.Tensor) -> bool:
     if not triton_available():
         return False
     if x.is_cuda:
         return True
-    return interpreting() and os.environ.get("TANDEM_TRITON_CPU") == "1"
+    return interpreting() and (_CPU_KERNELS[0] or os.environ.get("TANDEM_TRITON_CPU") == "1")
 
 
 def _fix_interpreter_index() -> None:

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Fill ./.whl with the wheels in benchmarks/gpu_requirements.txt for the GPU machine's Python
+# (CPython 3.12, x86_64 manylinux). Run from the repo root on a machine with registry access.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.whl/' >> .git/info/exclude; }
+mkdir -p .whl
+PLAT=()
+for n in 39 35 34 31 28 27 26 24 17; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
+PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+grep -vE '^\s*(#|$)' benchmarks/gpu_requirements.txt | \
+  xargs python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${PLAT[@]}" -d .whl
+ls .whl

@@ -1,0 +1,71 @@
+"""The table gpu_suite.sh prints last: each figure with its ceiling measured in the same run.
+
+    python benchmarks/gpu_report.py OUT_DIR DUMMY_MODELS_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.roofline import decode_ceiling_tok_s, model_shapes  # noqa: E402
+
+
+def load(out: str, name: str):
+    path = os.path.join(out, name + ".json")
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def main(out: str, dm: str) -> None:
+    bw = json.load(open(os.path.join(out, "hbm.json")))["hbm_copy_bandwidth_bytes_s"]
+    rows = [f"copy bandwidth (ceiling): {bw / 1e12:.2f} TB/s"]
+    llama = model_shapes(os.path.join(dm, "llama-3.1-8b"))
+    for name, label in (("llama_overlap", "overlap on"), ("llama_no_overlap", "overlap off")):
+        r = load(out, name)
+        if r is None:
+            rows.append(f"{name}: missing")
+            continue
+        for w in r["workloads"]:
+            n = w["num_prompts"]
+            ceil = decode_ceiling_tok_s(llama, n, 512, 256, bw)
+            ceil_all = decode_ceiling_tok_s(llama, n, 512, 256, bw, strict=False)
+            rows.append(f"8B {n:>3} req {label:11}: {w['output_tok_s']:9.1f} tok/s = {w['output_tok_s'] / ceil:6.1%} "
+                        f"of {ceil:8.1f} (all-weights ceiling {ceil_all:8.1f}: {w['output_tok_s'] / ceil_all:6.1%}); "
+                        f"step {w.get('busy_ms_per_step', 0):.2f} ms busy, idle {w.get('gpu_idle_frac', 0):.2%}")
+    q = load(out, "qwen_nano")
+    if q:
+        hf = q.get("hf_transformers", {}).get("output_tok_s", 0)
+        e = q["engine"]
+        rows.append(f"Qwen3-0.6B nano-vllm recipe: {e['output_tok_s']:9.1f} tok/s (goal 25,000); HF generate "
+                    f"{hf:.1f} tok/s; idle {e.get('gpu_idle_frac', 0):.2%}")
+    gp, gm = load(out, "gemma_plain"), load(out, "gemma_mtp")
+    if gp and gm:
+        p, m = gp["engine"], gm["engine"]
+        ratio = m["busy_ms_per_step"] / p["busy_ms_per_step"] if p.get("busy_ms_per_step") else float("nan")
+        rows.append(f"Gemma-4 9B: plain step {p['busy_ms_per_step']:.2f} ms, MTP S=3 step {m['busy_ms_per_step']:.2f} ms "
+                    f"(draft {m['draft_ms_per_step']:.2f}) = {ratio:.2f}x (goal <= 1.25)")
+    for mode in ("plain", "mtp"):
+        r = load(out, f"pair_{mode}")
+        if r:
+            for w in r["workloads"]:
+                rows.append(f"bundled pair {mode:5} c{w['num_prompts']}: {w['output_tok_s']:8.1f} tok/s, "
+                            f"accept {w.get('accept_length', 1.0):.2f}, idle {w.get('gpu_idle_frac', 0):.2%}")
+    a = load(out, "attention")
+    if a:
+        for r in a["rows"]:
+            if "error" in r:
+                rows.append(f"attn {r['backend']:10} ctx {r['ctx']} bs {r['bs']}: {r['error'][:80]}")
+            else:
+                rows.append(f"attn {r['backend']:10} ctx {r['ctx']:>5} bs {r['bs']:>3}: {r['us']:8.1f} us "
+                            f"{r['gb_s']:7.0f} GB/s = {r['frac_of_copy_bw']:.1%} of copy bw")
+    text = "\n".join(rows)
+    print(text)
+    with open(os.path.join(out, "summary.txt"), "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,79 @@
+"""Where a decode step's time goes: torch.profiler over the in-process engine (scheduler core +
+worker runner, no sockets) on a dummy-weight model, one request.
+
+    python benchmarks/profile_step.py --model-path DIR [--steps 32] [--trace OUT.json.gz] [server flags]
+
+Prints per step: host API calls that launch work (kernels, graph replays, copies), GPU kernel
+time, and the top operators by self CUDA and self CPU time. Re-run it after every change to the
+hot path (the numbers it prints go into the notes beside BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.helpers.inproc import InProcEngine  # noqa: E402
+
+LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
+               "cudaMemcpyAsync")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--trace", default=None)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    a = ap.parse_args()
+    eng = InProcEngine(a.model_path, draft=a.draft, device="cuda", load_format="dummy",
+                       attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
+                       max_running_requests=max(8, a.batch), context_length=4096)
+    vocab = eng.ready.vocab_size
+    prompt = [(17 * i) % (vocab - 10) + 5 for i in range(a.input_len)]
+
+    def batch(tag, n_new):
+        for r in range(a.batch):
+            eng.submit(f"{tag}{r}", prompt, max_new_tokens=n_new, ignore_eos=True)
+        eng.run()
+
+    batch("warm", 8)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        batch("p", a.steps)  # one prefill step, then steps - 1 decode steps
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    report(prof, a.steps, wall)
+    if a.trace:
+        prof.export_chrome_trace("/tmp/_trace.json")
+        with open("/tmp/_trace.json", "rb") as f, gzip.open(a.trace, "wb") as g:
+            g.write(f.read())
+
+
+def report(prof, steps: int, wall: float) -> None:
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in LAUNCH_APIS)
+    gpu_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    out = {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "launch_calls_per_step": launches / steps,
+           "gpu_kernel_ms_per_step": gpu_us / 1e3 / steps}
+    print(json.dumps(out, indent=2))
+    print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Bytes a decode step must move, from a model's shapes alone (no weights loaded).
+
+    weights read  = every parameter, except an untied input-embedding table (a step reads only
+                    its rows; a tied table is read whole by the LM head)
+    KV read       = for each row, every layer's keys+values over its context (sliding layers:
+                    at most the window), written KV is counted once too
+    step floor    = (weights read + KV read) / copy bandwidth  (HBM, measured in the same run)
+
+``all_weight_bytes`` (every parameter) is the looser figure the issue's 266 tok/s quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gpu_worker.models import model_class  # noqa: E402
+from gpu_worker.models.config import architecture_of, load_config, parse_config  # noqa: E402
+
+
+def model_shapes(model_dir: str, dtype_bytes: int = 2) -> dict:
+    cfg = load_config(model_dir)
+    spec = parse_config(cfg)
+    with torch.device("meta"):
+        model = model_class(architecture_of(cfg))(spec)
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.model.embed_tokens.weight.numel()
+    read = total - (embed if not model.tie_word_embeddings else 0)
+    layers = []  # (kv bytes per token, window or None) per physical KV layer
+    for i, shape in enumerate(model.kv_shapes):
+        window = _window_of(spec, model, i)
+        layers.append((shape.num_kv_heads * (shape.head_dim + shape.v_dim) * dtype_bytes, window))
+    return {"params": total, "all_weight_bytes": total * dtype_bytes, "weight_bytes_read": read * dtype_bytes,
+            "kv_layers": layers}
+
+
+def _window_of(spec, model, pool_layer: int):
+    for i, layer in enumerate(spec.layers):
+        phys = model.physical_kv_layer(i) if hasattr(model, "physical_kv_layer") else i
+        if phys == pool_layer:
+            return layer.sliding_window
+    return None
+
+
+def kv_bytes(shapes: dict, contexts: list[int]) -> int:
+    return sum(bpt * (min(c, w) if w else c) for c in contexts for bpt, w in shapes["kv_layers"])
+
+
+def step_floor_s(shapes: dict, contexts: list[int], bandwidth: float, strict: bool = True) -> float:
+    w = shapes["weight_bytes_read"] if strict else shapes["all_weight_bytes"]
+    return (w + kv_bytes(shapes, contexts)) / bandwidth
+
+
+def decode_ceiling_tok_s(shapes: dict, batch: int, input_len: int, output_len: int, bandwidth: float,
+                         strict: bool = True) -> float:
+    """Output tok/s of a bandwidth-bound decode of ``batch`` rows from input_len to
+    input_len + output_len (prefill not counted: it is compute, and short here)."""
+    total = sum(step_floor_s(shapes, [input_len + k] * batch, bandwidth, strict) for k in range(output_len))
+    return batch * output_len / total
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_path")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--bandwidth", type=float, default=4.27e12)
+    a = ap.parse_args()
+    s = model_shapes(a.model_path)
+    print(json.dumps({"params": s["params"], "all_weight_bytes": s["all_weight_bytes"],
+                      "weight_bytes_read": s["weight_bytes_read"],
+                      "ceiling_tok_s": decode_ceiling_tok_s(s, a.batch, a.input_len, a.output_len, a.bandwidth),
+                      "ceiling_tok_s_all_weights": decode_ceiling_tok_s(s, a.batch, a.input_len, a.output_len,
+                                                                        a.bandwidth, strict=False)}, indent=2))

@@ -1,0 +1,131 @@
+"""Our Triton backend: paged decode / verify / draft reads and paged extend, no gathers.
+
+Per forward ``build`` splits the rows in two groups by the host-known query counts: rows with
+at most ``DECODE_MAX_Q`` queries that all share one count (decode T=1, MTP verify T=S+1, the
+draft's Q-only read) go to the split-KV decode kernel; every other row (prefill chunks) goes to
+the extend kernel. Rows are token-contiguous and the plan puts extend rows first, so each group
+is one contiguous token range. Per layer there are at most two launches.
+
+The decode metadata can also be built from device tensors alone (``decode_meta``): that is what
+CUDA graphs capture, with the split count a function of the batch size only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_worker.attention import register
+from gpu_worker.attention.base import AttentionBackend, RowLayout
+from gpu_worker.device import h2d
+from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.kernels.attention_decode import paged_decode
+from gpu_worker.kernels.attention_extend import extend_block_m, extend_blocks, paged_extend
+
+DECODE_MAX_Q = 16
+CPU_SMS = 2  # under the interpreter every program is Python: split little, but still split
+
+
+@dataclass
+class DecodePart:
+    tok0: int  # first flat token of the group
+    t: int  # queries per row
+    slots: torch.Tensor  # [B]
+    kv_lens: torch.Tensor  # [B]
+    q_pos: torch.Tensor  # [B*t]
+    num_splits: int
+
+
+@dataclass
+class ExtendPart:
+    tok_end: int  # the group is tokens [0, tok_end)
+    slots: torch.Tensor
+    kv_lens: torch.Tensor
+    q_pos: torch.Tensor
+    blocks: torch.Tensor  # [3, NB]
+    block_m: int
+
+
+@dataclass
+class TritonMeta:
+    decode: DecodePart | None
+    extend: ExtendPart | None
+
+
+def decode_splits(batch: int, kv_heads: int, sms: int) -> int:
+    """Split-KV pieces so that batch x heads x splits fills the SMs about twice (a power of 2).
+    A function of the batch size only, so a graph replay launches what its capture did."""
+    want = max(1, (2 * sms) // max(1, batch * kv_heads))
+    return min(16, 1 << (want.bit_length() - 1))
+
+
+def _decode_start(q_lens: np.ndarray) -> int:
+    """First row of the decode group: the longest tail of rows sharing one small query count."""
+    b = len(q_lens)
+    first = b
+    if b and q_lens[-1] <= DECODE_MAX_Q:
+        while first > 0 and q_lens[first - 1] == q_lens[-1]:
+            first -= 1
+    return first
+
+
+@register("triton")
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, pool, page_table):
+        super().__init__(pool, page_table)
+        self.block_m = extend_block_m([s.head_dim for s in pool.shapes] + [s.v_dim for s in pool.shapes] or [64])
+        self.kv_heads = max([s.num_kv_heads for s in pool.shapes] or [1])
+        dev = page_table.device
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else CPU_SMS
+
+    # ------------------------------------------------------------ metadata
+    def decode_meta(self, slots: torch.Tensor, kv_lens: torch.Tensor, q_pos: torch.Tensor, t: int) -> TritonMeta:
+        """Device-only metadata for B rows of t queries each (graph-capturable)."""
+        splits = decode_splits(slots.shape[0], self.kv_heads, self.sms)
+        return TritonMeta(DecodePart(0, t, slots, kv_lens, q_pos, splits), None)
+
+    def stage(self, q_lens: np.ndarray, staged) -> None:
+        first_dec = _decode_start(q_lens)
+        if first_dec:
+            staged.put("ext_blocks", extend_blocks(q_lens[:first_dec], self.block_m))
+
+    def build(self, layout: RowLayout, windows: tuple[int, ...] = (), staged=None) -> TritonMeta:
+        q_lens = np.asarray(layout.q_lens, dtype=np.int64)
+        b = len(q_lens)
+        first_dec = _decode_start(q_lens)
+        tok_split = int(q_lens[:first_dec].sum())
+        dec = ext = None
+        if first_dec < b:
+            t = int(q_lens[-1])
+            sl = slice(first_dec, b)
+            dec = DecodePart(tok_split, t, layout.slots[sl], layout.kv_lens[sl], layout.q_pos[tok_split:],
+                             decode_splits(b - first_dec, self.kv_heads, self.sms))
+        if first_dec:
+            blocks = staged.get("ext_blocks") if staged is not None else None
+            if blocks is None:
+                blocks = h2d(extend_blocks(q_lens[:first_dec], self.block_m), layout.q_pos.device)
+            blocks = blocks.view(3, -1)
+            ext = ExtendPart(tok_split, layout.slots[:first_dec], layout.kv_lens[:first_dec],
+                             layout.q_pos[:tok_split], blocks, self.block_m)
+        return TritonMeta(dec, ext)
+
+    # ------------------------------------------------------------ per layer
+    def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch) -> torch.Tensor:
+        kc, vc = self.pool.k[layer.kv_layer], self.pool.v[layer.kv_layer]
+        if k is not None:
+            self.pool.write(layer.kv_layer, fb.out_loc, k, v)
+        meta: TritonMeta = fb.attn
+        out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
+        common = dict(page_size=self.pool.page_size, scale=layer.scaling, window=layer.sliding_window,
+                      softcap=layer.logit_softcap)
+        if meta.extend is not None:
+            e = meta.extend
+            paged_extend(q[: e.tok_end], kc, vc, self.page_table, e.slots, e.kv_lens, e.q_pos, e.blocks,
+                         block_m=e.block_m, out=out[: e.tok_end], **common)
+        if meta.decode is not None:
+            d = meta.decode
+            paged_decode(q[d.tok0:], kc, vc, self.page_table, d.slots, d.kv_lens, d.q_pos, t=d.t,
+                         num_splits=d.num_splits, out=out[d.tok0:], **common)
+        return out

@@ -1,0 +1,158 @@
+"""Decode steps from slot ids alone, and their CUDA graphs per batch bucket.
+
+A decode-only step needs nothing from the host but the slot ids: tokens, positions, KV write
+locations and attention lengths all come from per-slot device state (``slots.py``). So the
+step's device work is two functions of a static ``slots`` buffer:
+
+- ``draft``: the bonus token of each row and, with MTP, the whole draft loop (S assistant
+  forwards over the target's KV, each followed by its argmax) -> ``tokens`` [B, T];
+- ``target``: the target forward over those T tokens per row (decode T=1, verify T=S+1),
+  writing their KV, then the LM head -> ``hidden`` [B*T, H] and float32 ``logits`` [B*T, V].
+
+``DecodeGraphs`` captures both per batch bucket at start-up (largest first, one shared memory
+pool) and replays them; rows past the real batch point at slot 0, the padding row, whose
+length is 0 and whose pages are page 0, so they read nothing and write only page 0. Token
+selection that depends on per-request options (sampling, penalties, min_tokens, verify) runs
+after the replay, outside the graph, so graphs stay exact for every request mix.
+
+Invariant: a bucket's static outputs are rewritten by its next replay; every reader of a step's
+outputs is queued on the same stream before the next step's replay.
+On the CPU (and with ``emulate``) the same code runs eagerly on the same padded buffers: CI
+checks the padding and bucket logic that the graphs rely on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain
+
+log = logging.getLogger("tandem.worker")
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+
+
+def graph_buckets(requested: tuple[int, ...] | None, max_bs: int | None, max_slots: int) -> list[int]:
+    """Bucket sizes to capture: the requested list or the defaults, capped by the flags and the
+    slot count; the largest bucket always covers ``min(max_bs, max_slots)``."""
+    cap = min(max_bs or max_slots, max_slots)
+    base = sorted({b for b in (requested or DEFAULT_BUCKETS) if 0 < b <= cap})
+    if not requested and (not base or base[-1] < cap):
+        base.append(cap)
+    return base
+
+
+class DecodeBody:
+    """The device half of a decode-only step (graph-capturable: no host reads, fixed shapes)."""
+
+    def __init__(self, target, assistant, backend, state, t: int):
+        self.target, self.assistant, self.backend, self.state, self.t = target, assistant, backend, state, t
+        self.arange_t = torch.arange(t, device=state.device)
+
+    def draft(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        st = self.state
+        bonus = st.last_token[slots]
+        tokens[:, 0] = bonus
+        if self.assistant is None:
+            return
+        seq = st.seq_len[slots]
+        meta = self.backend.decode_meta(slots, seq, seq - 1, 1)  # exactly the committed keys
+        fb = ForwardBatch(None, seq + DRAFT_ROPE_OFFSET, None, meta, slots.shape[0])
+        tokens[:, 1:] = draft_chain(self.assistant, self.target, self.backend, fb, bonus, st.hidden[slots],
+                                    self.t - 1)
+
+    def forward(self, slots: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        st, t = self.state, self.t
+        ps = self.backend.pool.page_size
+        seq = st.seq_len[slots]
+        pos = (seq[:, None] + self.arange_t[None, :]).reshape(-1)
+        tok_slot = slots[:, None].expand(-1, t).reshape(-1)
+        out_loc = st.page_table[tok_slot, pos // ps].long() * ps + pos % ps
+        meta = self.backend.decode_meta(slots, seq + t, pos, t)
+        fb = ForwardBatch(tokens.reshape(-1), pos, out_loc, meta, slots.shape[0] * t)
+        hidden = self.target.forward(fb, self.backend)
+        return hidden, self.target.compute_logits(hidden)
+
+
+@dataclass
+class _Bucket:
+    size: int
+    slots: torch.Tensor  # [B] static input
+    tokens: torch.Tensor  # [B, T] draft output = target input
+    draft: object | None = None  # torch.cuda.CUDAGraph
+    target: object | None = None
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    def __init__(self, body: DecodeBody, buckets: list[int], emulate: bool = False):
+        self.body = body
+        self.device = body.state.device
+        self.capture_graphs = self.device.type == "cuda" and not emulate
+        self.buckets = {b: _Bucket(b, torch.zeros(b, dtype=torch.int64, device=self.device),
+                                   torch.zeros(b, body.t, dtype=torch.int64, device=self.device))
+                        for b in buckets}
+        self.sizes = sorted(buckets)
+
+    def bucket(self, n: int) -> int | None:
+        for b in self.sizes:
+            if b >= n:
+                return b
+        return None
+
+    def capture(self) -> None:
+        if not self.capture_graphs:
+            return
+        t0 = time.perf_counter()
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in sorted(self.buckets, reverse=True):
+                self._capture_one(self.buckets[size], pool)
+        torch.cuda.synchronize(self.device)
+        used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**20
+        log.info("CUDA graphs: captured decode%s for batch sizes %s in %.1f s, %.0f MiB",
+                 " + draft loop" if self.body.assistant is not None else "", self.sizes,
+                 time.perf_counter() - t0, used)
+
+    def _capture_one(self, b: _Bucket, pool) -> None:
+        body = self.body
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: compiles every kernel for this shape
+            for _ in range(2):
+                body.draft(b.slots, b.tokens)
+                body.forward(b.slots, b.tokens)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if body.assistant is not None:
+            b.draft = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(b.draft, pool=pool):
+                body.draft(b.slots, b.tokens)
+        b.target = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(b.target, pool=pool):
+            b.hidden, b.logits = body.forward(b.slots, b.tokens)
+
+    def run(self, n: int, padded_slots: torch.Tensor, mark) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay the bucket for ``n`` rows; ``padded_slots`` has the bucket's length (padding 0).
+        ``mark()`` is called between the draft and the target part (step timing).
+        -> (tokens [n, T], hidden [n*T, H], logits [n*T, V])."""
+        b = self.buckets[self.bucket(n)]
+        t = self.body.t
+        b.slots.copy_(padded_slots)
+        if b.draft is not None:
+            b.draft.replay()
+        else:
+            self.body.draft(b.slots, b.tokens)
+        mark()
+        if b.target is not None:
+            b.target.replay()
+            hidden, logits = b.hidden, b.logits
+        else:
+            hidden, logits = self.body.forward(b.slots, b.tokens)
+        return b.tokens[:n], hidden[: n * t], logits[: n * t]
