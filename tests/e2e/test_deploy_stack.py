@@ -42,8 +42,6 @@ ZERO_OK = {
     ("Running / waiting requests", "B"): "the queue may stay empty: each engine admits the whole batch",
     ("Retries", "B"): "retries never run out: two healthy engines take every retried request",
     ("Engine restarts", "A"): "no engine dies in this workload",
-    ("GPU busy", "A"): "gpu_worker does not fill StepResult.busy_s yet (lead's rewrite): the counter stays 0",
-    ("GPU busy", "B"): "same: gpu_worker does not report idle gaps yet",
 }
 # (panel title, refId) -> why it may return no series at all, and the condition that must hold.
 EMPTY_OK = {
