@@ -27,7 +27,7 @@ from openai import OpenAI
 
 from tests.helpers.deploy_stack import DEPLOY, FreshVenv, Prometheus, Proc, compose_config, localize, wait_until
 from tests.helpers.fake_upstream import FakeEngine, ServerThread
-from tests.helpers.server import free_port
+from tests.helpers.server import ROOT, free_port
 
 DASHBOARD = os.path.join(DEPLOY, "grafana", "dashboards", "tandem.json")
 ENGINES = ("engine-0-cpu", "engine-1-cpu")
@@ -52,18 +52,28 @@ EMPTY_OK = {
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def image(tmp_path_factory):
+    """The cpu image, as a fresh venv built by the Dockerfile's own steps."""
     prom_bin = shutil.which("prometheus")
     if prom_bin is None:
         if os.environ.get("CI"):
             pytest.fail("prometheus is not installed: `make test` installs it (apt, as root)")
         pytest.skip("prometheus not installed (make test installs Debian's package as root)")
-    tmp = str(tmp_path_factory.mktemp("deploy-stack"))
+    tmp = str(tmp_path_factory.mktemp("deploy-image"))
     t0 = time.monotonic()
     reuse = os.environ.get("TANDEM_DEPLOY_TEST_VENV")
     venv = FreshVenv(reuse or tmp, "cpu") if not (reuse and os.path.isdir(os.path.join(reuse, "venv"))) \
         else _reused(reuse)
-    install_s = time.monotonic() - t0
+    workdir = os.path.join(tmp, "home")  # like the image's WORKDIR: not the checkout
+    os.makedirs(workdir, exist_ok=True)
+    return {"venv": venv, "install_s": time.monotonic() - t0, "prometheus": prom_bin, "workdir": workdir,
+            "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def stack(image, tmp_path_factory):
+    venv, prom_bin, workdir = image["venv"], image["prometheus"], image["workdir"]
+    tmp = str(tmp_path_factory.mktemp("deploy-stack"))
     cfg = compose_config("cpu")
     services = cfg["services"]
     ports = {name: free_port() for name in (*ENGINES, "router")}
@@ -73,8 +83,6 @@ def stack(tmp_path_factory):
         for alias in (services[name].get("networks", {}).get("default") or {}).get("aliases", []):
             hosts[alias] = ports[name]
     procs: dict[str, Proc] = {}
-    workdir = os.path.join(tmp, "home")  # like the image's WORKDIR: not the checkout
-    os.makedirs(workdir, exist_ok=True)
     fake_threads: list[ServerThread] = []
     prom = None
     try:
@@ -100,7 +108,7 @@ def stack(tmp_path_factory):
             fake.status = 503
         fake_threads = [ServerThread(f.app) for f in fakes]
         yield {"venv": venv, "procs": procs, "router": router_url, "prom": prom,
-               "fake_url": fake_threads[0].url, "fake2_url": fake_threads[1].url, "ports": ports, "hosts": hosts, "install_s": install_s,
+               "fake_url": fake_threads[0].url, "fake2_url": fake_threads[1].url, "ports": ports, "hosts": hosts,
                "compose": services}
     finally:
         for p in procs.values():
@@ -228,19 +236,41 @@ def _grafana_expr(expr: str) -> str:
     return out
 
 
-def test_the_image_steps_installed_and_started_the_stack(stack):
-    venv = stack["venv"]
-    assert venv.entrypoint == ["tandem"]
-    # The replayed steps: a venv, CPU torch, the project. Only OS set-up was skipped.
-    print(f"fresh venv in {stack['install_s']:.0f}s:", *venv.log, "skipped:", *venv.skipped, sep="\n  ")
+def test_the_image_steps_install_and_its_default_command_serves(image):
+    """`docker run -p 8000:8000 tandem:cpu`: ENTRYPOINT + CMD with no volume serve the bundled
+    pair, the HEALTHCHECK command turns healthy, and SIGTERM (docker stop) exits 0."""
+    venv = image["venv"]
+    print(f"fresh venv in {image['install_s']:.0f}s:", *venv.log, "skipped:", *venv.skipped, sep="\n  ")
     if not venv.log[0].startswith("reused"):
         assert any("torch==2.13.0" in line for line in venv.log)
         assert any("pip install -e " in line for line in venv.log)
+    assert venv.entrypoint == ["tandem"] and venv.cmd[0] == "serve"
+    port = free_port()
+    proc = Proc("image-default", localize(venv.entrypoint + venv.cmd, port, {}), venv.env(), image["workdir"],
+                image["tmp"])
+    try:
+        env = venv.env(TANDEM_HEALTH_URL=f"http://127.0.0.1:{port}/health")
+        wait_until(lambda: subprocess.run(venv.healthcheck, env=env, capture_output=True, timeout=10).returncode == 0,
+                   240, "the image's HEALTHCHECK", proc, interval=0.5)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        assert model == "tiny-shakespeare"
+        out = client.completions.create(model=model, prompt="ROMEO:", max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8 and out.choices[0].text
+        info = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()
+        # The bundled pair, found next to the installed sources (the image's /opt/tandem), with MTP.
+        assert info["model_path"] == os.path.join(ROOT, "models", "tiny-shakespeare", "target")
+        assert info["speculative_algorithm"] == "FROZEN-KV-MTP"
+    finally:
+        rc = proc.stop(40)
+    assert rc == 0, proc.output()
+
+
+def test_the_stack_is_up(stack):
     for name in ("engine-0-cpu", "engine-1-cpu", "router"):
         assert stack["procs"][name].alive(), stack["procs"][name].output()
-    # The image's default command (no --model-path) serves the bundled pair with MTP.
-    info = httpx.get(f"http://127.0.0.1:{stack['ports']['engine-0-cpu']}/v1/models").json()
-    assert info["data"][0]["id"] == "tiny-shakespeare"
+    info = httpx.get(f"{stack['router']}/v1/models").json()
+    assert [m["id"] for m in info["data"]] == ["tiny-shakespeare"]
 
 
 def test_healthcheck_reports_a_dead_endpoint(stack):
