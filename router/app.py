@@ -7,12 +7,13 @@ import contextlib
 import logging
 import time
 
-import httpx
+import aiohttp
 import msgspec
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from proto.args import ArgError
 from router.config import RouterConfig, normalize_url
@@ -38,7 +39,7 @@ class Router:
         cache = self.policy if isinstance(self.policy, CacheAware) else None
         self.metrics = RouterMetrics(self.registry.all, cache.tree.size if cache else None,
                                      (lambda: dict(cache.decisions)) if cache else None)
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self.monitor: Monitor | None = None
         self.proxy: Proxy | None = None
         self.started_at = time.time()
@@ -47,10 +48,13 @@ class Router:
 
     async def start(self) -> None:
         cfg = self.cfg
-        limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections,
-                              keepalive_expiry=30.0)
-        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
-        self.client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+        # One pooled client for every upstream call. aiohttp, not httpx: on a 2-vCPU box httpx
+        # spent ~1.4 ms of CPU per proxied request, aiohttp ~0.4 ms (BENCHMARKS.md, router section).
+        connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0, keepalive_timeout=30.0,
+                                         ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s)
+        self.client = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                            trust_env=False)
         evict = self.policy.evict if isinstance(self.policy, CacheAware) else None
         self.monitor = Monitor(cfg, self.registry, self.client, self.metrics, evict)
         self.proxy = Proxy(cfg, self.registry, self.policy, self.client, self.metrics,
@@ -64,7 +68,7 @@ class Router:
         if self.monitor is not None:
             await self.monitor.stop()
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
 
     # ------------------------------------------------------------------ workers API
     async def add_worker(self, url: str) -> tuple[Worker, bool]:
@@ -118,7 +122,9 @@ def build_app(router: Router) -> FastAPI:
             return await router.proxy.handle(request, path, routed)
 
         endpoint.__name__ = "proxy" + path.replace("/", "_")
-        app.add_api_route(path, endpoint, methods=["POST"])
+        # A plain Starlette route: the body is forwarded as bytes, so FastAPI's per-request
+        # dependency solving would be pure cost on the hot path.
+        app.router.routes.insert(0, Route(path, endpoint, methods=["POST"]))  # matched first
 
     for path in ROUTED:
         proxied(path, True)
@@ -215,8 +221,9 @@ def build_app(router: Router) -> FastAPI:
 
         async def one(w: Worker) -> tuple[str, int | str]:
             try:
-                return w.url, (await router.client.post(w.url + "/flush_cache", timeout=10.0)).status_code
-            except httpx.HTTPError as exc:
+                async with router.client.post(w.url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=10.0)) as r:
+                    return w.url, r.status
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 return w.url, type(exc).__name__
 
         return {"results": dict(await asyncio.gather(*(one(w) for w in ws)))}

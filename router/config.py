@@ -9,11 +9,13 @@ A bad value raises ``ArgError`` whose message names the flag.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from proto.args import LOG_LEVELS, ArgError
 
+_HOST_RE = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+")
 POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "consistent_hash")
 
 
@@ -78,7 +80,7 @@ def normalize_url(url: str, flag: str = "--worker-urls") -> str:
     if "://" not in raw:
         raw = "http://" + raw
     parts = urlsplit(raw)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not parts.hostname or not _HOST_RE.fullmatch(parts.hostname):
         raise ArgError(f"{flag}: {url!r} is not an http(s) URL")
     try:
         port = parts.port

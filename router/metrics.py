@@ -75,29 +75,43 @@ class _WorkerCollector(Collector):
             yield dec
 
 
+class _Children:
+    """``metric.labels(...)`` with the children cached: it is called several times per request."""
+
+    def __init__(self, metric):
+        self._metric = metric
+        self._children: dict[tuple[str, ...], object] = {}
+
+    def labels(self, *values: str):
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
 class RouterMetrics:
     def __init__(self, workers: Callable[[], list[Worker]], tree_size: Callable[[str], int] | None = None,
                  decisions: Callable[[], dict[str, int]] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(P + "requests", "Requests answered by the router", ["route", "status"], registry=r)
-        self.worker_requests = Counter(P + "worker_requests", "Upstream attempts per worker and outcome",
-                                       ["worker", "outcome"], registry=r)
-        self.duration = Histogram(P + "request_duration_seconds", "Router arrival to last byte sent",
-                                  ["route"], buckets=DURATION_BUCKETS, registry=r)
-        self.ttft = Histogram(P + "ttft_seconds", "Router arrival to first upstream body byte",
-                              ["route"], buckets=DURATION_BUCKETS, registry=r)
-        self.retries = Counter(P + "retries", "Upstream attempts retried on another try", ["route"], registry=r)
-        self.retries_exhausted = Counter(P + "retries_exhausted", "Requests that failed after every retry",
-                                         ["route"], registry=r)
-        self.errors = Counter(P + "request_errors", "Requests that ended in a router-made error",
-                              ["route", "reason"], registry=r)
-        self.stream_errors = Counter(P + "stream_errors", "Streams broken after the first byte (SSE error sent)",
-                                     ["route"], registry=r)
-        self.disconnects = Counter(P + "client_disconnects", "Client went away; upstream request aborted",
-                                   ["route"], registry=r)
-        self.health_checks = Counter(P + "worker_health_checks", "Health checks by result", ["worker", "result"],
-                                     registry=r)
+        self.requests = _Children(Counter(P + "requests", "Requests answered by the router", ["route", "status"], registry=r))
+        self.worker_requests = _Children(Counter(P + "worker_requests", "Upstream attempts per worker and outcome",
+                                       ["worker", "outcome"], registry=r))
+        self.duration = _Children(Histogram(P + "request_duration_seconds", "Router arrival to last byte sent",
+                                  ["route"], buckets=DURATION_BUCKETS, registry=r))
+        self.ttft = _Children(Histogram(P + "ttft_seconds", "Router arrival to first upstream body byte",
+                              ["route"], buckets=DURATION_BUCKETS, registry=r))
+        self.retries = _Children(Counter(P + "retries", "Upstream attempts retried on another try", ["route"], registry=r))
+        self.retries_exhausted = _Children(Counter(P + "retries_exhausted", "Requests that failed after every retry",
+                                         ["route"], registry=r))
+        self.errors = _Children(Counter(P + "request_errors", "Requests that ended in a router-made error",
+                              ["route", "reason"], registry=r))
+        self.stream_errors = _Children(Counter(P + "stream_errors", "Streams broken after the first byte (SSE error sent)",
+                                     ["route"], registry=r))
+        self.disconnects = _Children(Counter(P + "client_disconnects", "Client went away; upstream request aborted",
+                                   ["route"], registry=r))
+        self.health_checks = _Children(Counter(P + "worker_health_checks", "Health checks by result", ["worker", "result"],
+                                     registry=r))
         r.register(_WorkerCollector(workers, tree_size, decisions))
 
     def render(self) -> bytes:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import RouterConfig
@@ -22,7 +22,7 @@ log = logging.getLogger("tandem.router")
 
 
 class Monitor:
-    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, client: httpx.AsyncClient,
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, client: aiohttp.ClientSession,
                  metrics: RouterMetrics, evict=None):
         self.cfg = cfg
         self.registry = registry
@@ -77,10 +77,11 @@ class Monitor:
         cfg = self.cfg
         ok, reason = False, ""
         try:
-            r = await self.client.get(w.url + cfg.health_check_endpoint, timeout=cfg.health_check_timeout_s)
-            ok = r.status_code == 200
-            reason = "" if ok else f"{cfg.health_check_endpoint} returned {r.status_code}"
-        except httpx.HTTPError as exc:
+            async with self.client.get(w.url + cfg.health_check_endpoint, timeout=self._timeout(cfg.health_check_timeout_s)) as r:
+                ok = r.status == 200
+                reason = "" if ok else f"{cfg.health_check_endpoint} returned {r.status}"
+                await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if w.removed:
             return False
@@ -97,13 +98,17 @@ class Monitor:
 
     async def _learn_models(self, w: Worker) -> None:
         try:
-            r = await self.client.get(w.url + "/v1/models", timeout=self.cfg.health_check_timeout_s)
-            data = r.json().get("data", []) if r.status_code == 200 else []
+            async with self.client.get(w.url + "/v1/models", timeout=self._timeout(self.cfg.health_check_timeout_s)) as r:
+                data = (await r.json(content_type=None)).get("data", []) if r.status == 200 else []
             models = tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
             if models:
                 w.models = models
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             pass
+
+    @staticmethod
+    def _timeout(seconds: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=seconds)
 
     # ------------------------------------------------------------------ load
     async def poll_all(self) -> None:
@@ -113,13 +118,14 @@ class Monitor:
         timeout = max(0.2, min(self.cfg.health_check_timeout_s, 2 * self.cfg.load_poll_interval_s))
         try:
             if w.load_source != "metrics":
-                r = await self.client.get(w.url + "/load", timeout=timeout)
-                if r.status_code == 200 and self._apply_load(w, r.json()):
+                async with self.client.get(w.url + "/load", timeout=self._timeout(timeout)) as r:
+                    body = await r.json(content_type=None) if r.status == 200 else None
+                if body is not None and self._apply_load(w, body):
                     return
-            r = await self.client.get(w.url + "/metrics", timeout=timeout)
-            if r.status_code == 200:
-                self._apply_metrics(w, r.text)
-        except (httpx.HTTPError, ValueError):
+            async with self.client.get(w.url + "/metrics", timeout=self._timeout(timeout)) as r:
+                if r.status == 200:
+                    self._apply_metrics(w, await r.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             pass  # stale load is kept; health checks decide about the worker
 
     @staticmethod

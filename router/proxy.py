@@ -22,7 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -79,7 +79,7 @@ class _Ctx:
 
 
 class Proxy:
-    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, policy: Policy, client: httpx.AsyncClient,
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, policy: Policy, client: aiohttp.ClientSession,
                  metrics: RouterMetrics, on_refused=None):
         self.cfg = cfg
         self.registry = registry
@@ -95,8 +95,9 @@ class Proxy:
         body = await request.body()
         rid = self._request_id(request)
         facts = read_facts(route, body, self.cfg.cache.max_prefix_chars)
-        key = next((request.headers[h] for h in self.cfg.routing_key_headers if h in request.headers), facts.user)
-        ctx = _Ctx(route, request.url.path, body, self._forward_headers(request, rid), rid, facts,
+        headers = _forward_headers(request, rid)
+        key = next((headers[h] for h in self.cfg.routing_key_headers if h in headers), facts.user)
+        ctx = _Ctx(route, request.scope["path"], body, headers, rid, facts,
                    RouteInfo(facts.text, key) if routed else None, t0)
         attempt = asyncio.ensure_future(self._with_retries(ctx))
         gone = asyncio.ensure_future(_wait_disconnect(request))
@@ -114,17 +115,11 @@ class Proxy:
         return response
 
     def _request_id(self, request: Request) -> str:
-        for h in self.cfg.request_id_headers:
-            value = request.headers.get(h)
-            if value:
-                return value[:256]
+        wanted = self.cfg.request_id_headers
+        for k, v in request.scope["headers"]:  # raw ASGI pairs: cheaper than request.headers
+            if v and k.decode("latin-1") in wanted:
+                return v.decode("latin-1")[:256]
         return uuid.uuid4().hex
-
-    @staticmethod
-    def _forward_headers(request: Request, rid: str) -> dict[str, str]:
-        out = {k: v for k, v in request.headers.items() if k not in _HOP_HEADERS}
-        out["x-request-id"] = rid
-        return out
 
     # ------------------------------------------------------------------ attempts
     async def _with_retries(self, ctx: _Ctx) -> Response:
@@ -180,24 +175,23 @@ class Proxy:
     async def _attempt(self, ctx: _Ctx, w: Worker) -> Response:
         w.inflight += 1
         handed_off = False
-        resp: httpx.Response | None = None
+        resp: aiohttp.ClientResponse | None = None
         try:
-            req = self.client.build_request("POST", w.url + ctx.path, content=ctx.body, headers=ctx.headers)
             try:
-                resp = await self.client.send(req, stream=True)
-            except httpx.ConnectError as exc:
+                resp = await self.client.post(w.url + ctx.path, data=ctx.body, headers=ctx.headers)
+            except aiohttp.ClientConnectorError as exc:
                 self._upstream_failed(w, "connect_error")
                 if w.eject(f"connection refused: {exc}"):
                     log.warning("worker %s refused a connection: out of rotation", w.url)
                 self._on_refused(w)
                 raise _Retry(f"cannot connect to {w.url}") from None
-            except httpx.TimeoutException:
+            except asyncio.TimeoutError:
                 self._upstream_failed(w, "timeout")
                 raise _Retry(f"{w.url} timed out", 504) from None
-            except httpx.HTTPError as exc:
+            except aiohttp.ClientError as exc:
                 self._upstream_failed(w, "transport_error")
                 raise _Retry(f"{w.url}: {type(exc).__name__}") from None
-            status = resp.status_code
+            status = resp.status
             if status in RETRYABLE_STATUS:
                 data = await self._read_quietly(resp)
                 self._upstream_failed(w, f"status_{status}")
@@ -215,34 +209,34 @@ class Proxy:
             if not handed_off:
                 w.inflight -= 1
                 if resp is not None:
-                    await resp.aclose()
+                    resp.close()  # drop the connection: an engine mid-request sees the disconnect
 
-    async def _whole(self, ctx: _Ctx, w: Worker, resp: httpx.Response) -> Response:
+    async def _whole(self, ctx: _Ctx, w: Worker, resp: aiohttp.ClientResponse) -> Response:
         try:
-            data = await resp.aread()
-        except httpx.HTTPError as exc:
+            data = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._upstream_failed(w, "read_error")
             raise _Retry(f"{w.url}: broken answer ({type(exc).__name__})") from None
-        await resp.aclose()
+        resp.release()
         w.inflight -= 1
         elapsed = time.perf_counter() - ctx.t0
         self.metrics.ttft.labels(ctx.route).observe(elapsed)
         self.metrics.duration.labels(ctx.route).observe(elapsed)
-        self.metrics.requests.labels(ctx.route, str(resp.status_code)).inc()
-        return Response(data, resp.status_code, self._response_headers(resp, w))
+        self.metrics.requests.labels(ctx.route, str(resp.status)).inc()
+        return Response(data, resp.status, self._response_headers(resp, w))
 
-    async def _stream(self, ctx: _Ctx, w: Worker, resp: httpx.Response) -> Response:
-        chunks = resp.aiter_raw()
+    async def _stream(self, ctx: _Ctx, w: Worker, resp: aiohttp.ClientResponse) -> Response:
+        chunks = resp.content.iter_any()
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = b""
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._upstream_failed(w, "read_error")
             raise _Retry(f"{w.url}: stream broke before its first byte ({type(exc).__name__})") from None
         self.metrics.ttft.labels(ctx.route).observe(time.perf_counter() - ctx.t0)
         relay = _Relay(self, ctx, w, resp)
-        return _RelayResponse(relay, relay.body(first, chunks), resp.status_code, self._response_headers(resp, w))
+        return _RelayResponse(relay, relay.body(first, chunks), resp.status, self._response_headers(resp, w))
 
     # ------------------------------------------------------------------ helpers
     def _upstream_failed(self, w: Worker, outcome: str) -> None:
@@ -250,15 +244,16 @@ class Proxy:
         self.metrics.worker_requests.labels(w.url, outcome).inc()
 
     @staticmethod
-    async def _read_quietly(resp: httpx.Response) -> bytes:
+    async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
         try:
-            return await asyncio.wait_for(resp.aread(), 5.0)
-        except (httpx.HTTPError, asyncio.TimeoutError):
+            return await asyncio.wait_for(resp.read(), 5.0)
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return b""
 
     @staticmethod
-    def _response_headers(resp: httpx.Response, w: Worker) -> dict[str, str]:
-        out = {k: v for k, v in resp.headers.items() if k not in _HOP_HEADERS and k not in ("date", "server")}
+    def _response_headers(resp: aiohttp.ClientResponse, w: Worker) -> dict[str, str]:
+        out = {k.lower(): v for k, v in resp.headers.items()}
+        out = {k: v for k, v in out.items() if k not in _HOP_HEADERS and k not in ("date", "server")}
         out["x-tandem-worker"] = w.id
         return out
 
@@ -266,9 +261,10 @@ class Proxy:
 class _Relay:
     """One upstream stream being relayed; ``finish`` runs exactly once however it ends."""
 
-    def __init__(self, proxy: Proxy, ctx: _Ctx, w: Worker, resp: httpx.Response):
+    def __init__(self, proxy: Proxy, ctx: _Ctx, w: Worker, resp: aiohttp.ClientResponse):
         self.proxy, self.ctx, self.w, self.resp = proxy, ctx, w, resp
-        self.status = resp.status_code
+        self.status = resp.status
+        self.complete = False
         self._done = False
 
     async def body(self, first: bytes, chunks):
@@ -281,7 +277,8 @@ class _Relay:
             async for chunk in chunks:
                 tail = chunk[-2:] if len(chunk) >= 2 else tail[-1:] + chunk
                 yield chunk
-        except httpx.HTTPError as exc:
+            self.complete = True
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # After the first byte there is no retry: tell the client explicitly.
             p._upstream_failed(w, "stream_broken")
             p.metrics.stream_errors.labels(ctx.route).inc()
@@ -303,7 +300,10 @@ class _Relay:
         if disconnected and self.status < 400:
             self.status = 499
             p.metrics.disconnects.labels(ctx.route).inc()
-        await self.resp.aclose()  # closing mid-stream drops the connection: the engine aborts
+        if self.complete:
+            self.resp.release()  # read to the end: the connection goes back to the pool
+        else:
+            self.resp.close()  # closing mid-stream drops the connection: the engine aborts
         p.metrics.requests.labels(ctx.route, str(self.status)).inc()
         p.metrics.duration.labels(ctx.route).observe(time.perf_counter() - ctx.t0)
 
@@ -321,6 +321,17 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await asyncio.shield(self._relay.finish(disconnected=True))
+
+
+def _forward_headers(request: Request, rid: str) -> dict[str, str]:
+    """The client's headers minus hop-by-hop ones, with the request id set."""
+    out = {}
+    for k, v in request.scope["headers"]:
+        name = k.decode("latin-1")
+        if name not in _HOP_HEADERS:
+            out[name] = v.decode("latin-1")
+    out["x-request-id"] = rid
+    return out
 
 
 async def _wait_disconnect(request: Request) -> None:

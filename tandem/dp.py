@@ -21,7 +21,8 @@ import subprocess
 import sys
 import time
 
-import httpx
+import urllib.error
+import urllib.request
 
 from proto.args import ArgError, ServerArgs
 
@@ -148,21 +149,21 @@ class DataParallel:
         """None once every engine and the router answer /health, else a reason."""
         pending = set(range(self.n))
         router_ok = False
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while pending or not router_ok:
-                if self.stopping:
-                    return "interrupted during start-up"
-                for i, p in enumerate(self.engines):
-                    if p.poll() is not None:
-                        return f"engine {i} exited with code {p.returncode} during start-up"
-                if self.router is not None and self.router.poll() is not None:
-                    return f"router exited with code {self.router.returncode} during start-up"
-                for i in list(pending):
-                    if _healthy(client, self.urls[i]):
-                        pending.discard(i)
-                if not pending:
-                    router_ok = _healthy(client, f"http://127.0.0.1:{self.args.port}")
-                time.sleep(_READY_POLL_S)
+        # Bounded by the children: each one either answers /health or exits.
+        while pending or not router_ok:
+            if self.stopping:
+                return "interrupted during start-up"
+            for i, p in enumerate(self.engines):
+                if p.poll() is not None:
+                    return f"engine {i} exited with code {p.returncode} during start-up"
+            if self.router is not None and self.router.poll() is not None:
+                return f"router exited with code {self.router.returncode} during start-up"
+            for i in list(pending):
+                if _healthy(self.urls[i]):
+                    pending.discard(i)
+            if not pending:
+                router_ok = _healthy(f"http://127.0.0.1:{self.args.port}")
+            time.sleep(_READY_POLL_S)
         return None
 
     def watch(self) -> int:
@@ -204,10 +205,14 @@ class DataParallel:
                 p.wait(5.0)
 
 
-def _healthy(client: httpx.Client, url: str) -> bool:
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _healthy(url: str) -> bool:
     try:
-        return client.get(url + "/health").status_code == 200
-    except httpx.HTTPError:
+        with _NO_PROXY.open(url + "/health", timeout=2.0) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
         return False
 
 

@@ -1,0 +1,367 @@
+"""Router benchmarks: (a) the latency the router adds, (b) cache_aware vs round_robin on a
+shared-prefix workload over several real engines.
+
+    python benchmarks/router.py overhead --out benchmarks/results/router-cpu/overhead.json
+    python benchmarks/router.py prefix --engines 2 --out benchmarks/results/router-cpu/prefix.json
+
+(a) ``overhead``: a fake upstream engine (a bare ASGI app on uvicorn + uvloop + httptools, in
+its own process, answering at once) isolates the router's own cost. Each round sends the
+same requests directly and through ``tandem router`` (separate process), alternating, at
+concurrency 1 and 100; added latency = p50(router) - p50(direct), for whole JSON answers and
+for the first SSE chunk of a stream. ``--real`` repeats the c=1 stream case against one real
+CPU engine (TTFT of a 1-token completion).
+(b) ``prefix``: N real engines, 16 long system prompts x Q questions in a seeded random order
+at a fixed concurrency, streamed through the router with each policy (caches flushed between
+runs), plus one engine alone with the cluster's whole KV budget (the hit-rate reference).
+Reported: the engines' prefix-cache hit rate (hits / queries, their Prometheus counters) and
+client-side TTFT p50 / p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+ENV = {**os.environ, "PYTHONPATH": ROOT}
+
+
+# ---------------------------------------------------------------------- the fake upstream
+_JSON = json.dumps({"id": "cmpl-x", "object": "text_completion", "model": "fake",
+                    "choices": [{"index": 0, "text": "hello", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}).encode()
+_EVENT = b'data: {"object":"text_completion","choices":[{"index":0,"text":"tok","finish_reason":null}]}\n\n'
+
+
+async def fake_app(scope, receive, send):
+    """Answers at once: /health 200, /load idle, /v1/models, completions as JSON or 8 SSE events."""
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            await send({"type": msg["type"] + ".complete"})
+            if msg["type"] == "lifespan.shutdown":
+                return
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    path = scope["path"]
+    ctype, data = b"application/json", b""
+    if path == "/load":
+        data = b'{"num_running_reqs":0,"num_waiting_reqs":0,"kv_cache_usage_perc":0.0}'
+    elif path == "/v1/models":
+        data = b'{"object":"list","data":[{"id":"fake","object":"model"}]}'
+    elif path == "/v1/completions" and (b'"stream": true' in body or b'"stream":true' in body):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for _ in range(8):
+            await send({"type": "http.response.body", "body": _EVENT, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        return
+    elif path == "/v1/completions":
+        data = _JSON
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def serve_fake(port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(fake_app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
+                access_log=False, backlog=4096)
+
+
+# ---------------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(url: str, timeout: float = 180.0, path: str = "/health") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not healthy in {timeout}s")
+
+
+class Proc:
+    def __init__(self, args: list[str], url: str, log_name: str):
+        self.url = url
+        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), log_name), "w")
+        self.p = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.log.close()
+
+
+def start_router(workers: list[str], policy: str, *extra: str) -> Proc:
+    port = free_port()
+    r = Proc([PY, "-m", "tandem", "router", "--worker-urls", *workers, "--port", str(port), "--policy", policy,
+              "--log-level", "warning", *extra], f"http://127.0.0.1:{port}", f"bench-router-{port}.log")
+    wait_health(r.url, 30)
+    return r
+
+
+def start_engine(model: str, *extra: str) -> Proc:
+    port = free_port()
+    e = Proc([PY, "-m", "tandem", "serve", "--model-path", model, "--device", "cpu", "--port", str(port),
+              "--num-threads", "1", "--log-level", "warning", *extra], f"http://127.0.0.1:{port}",
+             f"bench-engine-{port}.log")
+    return e
+
+
+# ---------------------------------------------------------------------- clients
+async def timed(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float]:
+    """(seconds to the first body byte, seconds to the end)."""
+    t0 = time.perf_counter()
+    first = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async for chunk in r.aiter_raw():
+            if first is None:
+                first = time.perf_counter()
+            if b'"error"' in chunk:
+                raise RuntimeError(chunk[:300])
+        if r.status_code != 200:
+            raise RuntimeError(f"status {r.status_code}")
+    end = time.perf_counter()
+    return (first or end) - t0, end - t0
+
+
+async def load(url: str, body: dict, concurrency: int, n: int) -> np.ndarray:
+    """n requests at the given concurrency; per request (first byte, end) seconds."""
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    out: list[tuple[float, float]] = []
+    async with httpx.AsyncClient(timeout=120, limits=limits, trust_env=False) as client:
+        for _ in range(min(concurrency, 20)):  # warm the connections
+            await timed(client, url, body)
+        todo = iter(range(n))
+
+        async def worker():
+            for _ in todo:
+                out.append(await timed(client, url, body))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return np.array(out)
+
+
+def pct(a, q) -> float:
+    return float(np.percentile(a, q)) * 1000.0  # ms
+
+
+def overhead(args) -> dict:
+    fport = free_port()
+    fake = Proc([PY, os.path.abspath(__file__), "fake-upstream", "--port", str(fport)], f"http://127.0.0.1:{fport}",
+                "bench-fake.log")
+    wait_health(fake.url, 30)
+    router = start_router([fake.url], "cache_aware")
+    rows = []
+    try:
+        for concurrency, n in ((1, args.requests), (100, args.requests * 5)):
+            for kind, body in (("json", {"prompt": "The quick brown fox " * 20, "max_tokens": 1}),
+                               ("stream", {"prompt": "The quick brown fox " * 20, "max_tokens": 8, "stream": True})):
+                res = {"direct": [], "router": []}
+                for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both alike
+                    for name, url in (("direct", fake.url), ("router", router.url)):
+                        res[name].append(asyncio.run(load(url, body, concurrency, n)))
+                d = np.concatenate(res["direct"])
+                r = np.concatenate(res["router"])
+                col = 0 if kind == "stream" else 1  # streams: first byte; JSON: whole answer
+                row = {"upstream": "fake", "concurrency": concurrency, "kind": kind, "requests": len(r),
+                       "direct_p50_ms": pct(d[:, col], 50), "router_p50_ms": pct(r[:, col], 50),
+                       "direct_p99_ms": pct(d[:, col], 99), "router_p99_ms": pct(r[:, col], 99)}
+                row["added_p50_ms"] = row["router_p50_ms"] - row["direct_p50_ms"]
+                row["added_p99_ms"] = row["router_p99_ms"] - row["direct_p99_ms"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        router.stop()
+        fake.stop()
+    if args.real:
+        rows.append(real_overhead(args))
+    return {"rows": rows}
+
+
+def real_overhead(args) -> dict:
+    eng = start_engine(args.model)
+    wait_health(eng.url)
+    router = start_router([eng.url], "cache_aware")
+    try:
+        body = {"prompt": "MACBETH.\nIs this a dagger which I see before me,", "max_tokens": 1, "stream": True,
+                "temperature": 0}
+        res = {"direct": [], "router": []}
+        for _ in range(args.rounds * 4):
+            for name, url in (("direct", eng.url), ("router", router.url)):
+                res[name].append(asyncio.run(load(url, body, 1, max(10, args.requests // 20))))
+        d, r = np.concatenate(res["direct"]), np.concatenate(res["router"])
+        row = {"upstream": "real CPU engine", "concurrency": 1, "kind": "stream (TTFT, 1 token)",
+               "requests": len(r), "direct_p50_ms": pct(d[:, 0], 50), "router_p50_ms": pct(r[:, 0], 50),
+               "direct_p99_ms": pct(d[:, 0], 99), "router_p99_ms": pct(r[:, 0], 99)}
+        row["added_p50_ms"] = row["router_p50_ms"] - row["direct_p50_ms"]
+        row["added_p99_ms"] = row["router_p99_ms"] - row["direct_p99_ms"]
+        print(json.dumps(row), flush=True)
+        return row
+    finally:
+        router.stop()
+        eng.stop()
+
+
+# ---------------------------------------------------------------------- shared prefix
+def system_prompts(n: int, lines: int) -> list[str]:
+    with open(os.path.join(ROOT, "benchmarks", "prompts_shakespeare_heldout.txt")) as f:
+        texts = [t.strip().replace("\\n", "\n") for t in f if t.strip()]
+    rng = random.Random(7)
+    out = []
+    for i in range(n):
+        body = "\n".join(rng.sample(texts, lines))
+        out.append(f"[Company {i}: you are player {i}, keep to your part.]\n{body}\n")
+    return out
+
+
+def counters(urls: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for u in urls:
+        for line in httpx.get(u + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("tandem:prefix_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("tandem:prefix_cache_queries_total"):
+                queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+async def prefix_run(url: str, prompts: list[str], concurrency: int, out_len: int) -> np.ndarray:
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    ttfts: list[float] = []
+    async with httpx.AsyncClient(timeout=600, limits=limits, trust_env=False) as client:
+        todo = iter(prompts)
+
+        async def worker():
+            for p in todo:
+                body = {"prompt": p, "max_tokens": out_len, "stream": True, "temperature": 0, "ignore_eos": True}
+                ttfts.append((await timed(client, url, body))[0])
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return np.array(ttfts)
+
+
+def prefix(args) -> dict:
+    systems = system_prompts(args.systems, args.lines)
+    rng = random.Random(0)
+    questions = [f"Q{q}: {w}?" for q, w in enumerate(rng.sample(
+        ["who speaks next", "what is the hour", "where is the king", "why so pale", "how fares the night",
+         "whose blade is this", "when shall we meet", "what news", "who knocks", "what say you",
+         "where goes the army", "who is the thane"], args.questions))]
+    work = [s + q for s in systems for q in questions]
+    rng.shuffle(work)
+    engine_flags = ["--max-total-tokens", str(args.kv_tokens), "--max-running-requests", str(args.concurrency)]
+    results: dict = {"config": vars(args) | {"func": None}, "runs": []}
+    engines = [start_engine(args.model, *engine_flags) for _ in range(args.engines)]
+    try:
+        for e in engines:
+            wait_health(e.url)
+        tok = httpx.post(engines[0].url + "/tokenize", json={"prompt": systems[0]}, timeout=10).json()["count"]
+        results["system_prompt_tokens"] = tok
+        print(f"system prompt: {tok} tokens; {len(work)} requests", flush=True)
+        for policy in args.policies:
+            for e in engines:
+                httpx.post(e.url + "/flush_cache", timeout=10)
+            router = start_router([e.url for e in engines], policy)
+            try:
+                h0, q0 = counters([e.url for e in engines])
+                t0 = time.perf_counter()
+                ttft = asyncio.run(prefix_run(router.url, work, args.concurrency, args.output_len))
+                wall = time.perf_counter() - t0
+                h1, q1 = counters([e.url for e in engines])
+            finally:
+                router.stop()
+            run = {"policy": policy, "engines": args.engines, "hit_rate": (h1 - h0) / max(1.0, q1 - q0),
+                   "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "wall_s": wall,
+                   "requests": len(ttft)}
+            results["runs"].append(run)
+            print(json.dumps(run), flush=True)
+    finally:
+        for e in engines:
+            e.stop()
+    single = start_engine(args.model, "--max-total-tokens", str(args.kv_tokens * args.engines),
+                          "--max-running-requests", str(args.concurrency))
+    try:
+        wait_health(single.url)
+        h0, q0 = counters([single.url])
+        t0 = time.perf_counter()
+        ttft = asyncio.run(prefix_run(single.url, work, args.concurrency, args.output_len))
+        wall = time.perf_counter() - t0
+        h1, q1 = counters([single.url])
+        run = {"policy": "single engine (direct, whole KV budget)", "engines": 1,
+               "hit_rate": (h1 - h0) / max(1.0, q1 - q0), "ttft_p50_ms": pct(ttft, 50),
+               "ttft_p99_ms": pct(ttft, 99), "wall_s": wall, "requests": len(ttft)}
+        results["runs"].append(run)
+        print(json.dumps(run), flush=True)
+    finally:
+        single.stop()
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fake-upstream")
+    f.add_argument("--port", type=int, required=True)
+    o = sub.add_parser("overhead")
+    o.add_argument("--requests", type=int, default=400, help="per round at c=1 (x5 at c=100)")
+    o.add_argument("--rounds", type=int, default=3)
+    o.add_argument("--real", action="store_true", help="also measure against one real CPU engine")
+    o.add_argument("--model", default=os.path.join(ROOT, "models", "tiny-shakespeare", "target"))
+    o.add_argument("--out")
+    x = sub.add_parser("prefix")
+    x.add_argument("--engines", type=int, default=2)
+    x.add_argument("--systems", type=int, default=16)
+    x.add_argument("--questions", type=int, default=8)
+    x.add_argument("--lines", type=int, default=6, help="held-out passages per system prompt")
+    x.add_argument("--concurrency", type=int, default=8)
+    x.add_argument("--output-len", type=int, default=4)
+    x.add_argument("--kv-tokens", type=int, default=4096, help="--max-total-tokens per engine")
+    x.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
+    x.add_argument("--model", default=os.path.join(ROOT, "models", "tiny-shakespeare", "target"))
+    x.add_argument("--out")
+    args = p.parse_args()
+    if args.cmd == "fake-upstream":
+        serve_fake(args.port)
+        return
+    result = overhead(args) if args.cmd == "overhead" else prefix(args)
+    result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

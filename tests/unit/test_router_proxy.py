@@ -1,0 +1,229 @@
+"""The router's HTTP behaviour against fake engines served in threads (no model, fast).
+
+Retries before the first byte, SSE error after it, ejection on a refused connection, the
+circuit breaker, client disconnects, the /workers API, model-aware routing and /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from router.app import Router, build_app
+from router.config import parse_router_args
+from tests.helpers.fake_upstream import FakeEngine, ServerThread
+from tests.helpers.server import free_port
+
+FAST = ["--health-check-interval-secs", "0.2", "--load-poll-interval-secs", "0.1", "--retry-initial-backoff-ms", "5",
+        "--health-failure-threshold", "1", "--health-success-threshold", "1"]
+
+
+class Stack:
+    def __init__(self, n: int = 2, *flags: str, names: list[str] | None = None):
+        self.fakes = [FakeEngine((names or ["m"] * n)[i]) for i in range(n)]
+        self.ups = [ServerThread(f.app) for f in self.fakes]
+        self.cfg = parse_router_args(["--worker-urls", *[u.url for u in self.ups], *FAST, *flags])
+        self.router = Router(self.cfg)
+        self.srv = ServerThread(build_app(self.router))
+        self.url = self.srv.url
+
+    def stop(self):
+        self.srv.stop()
+        for u in self.ups:
+            u.stop()
+
+
+@pytest.fixture
+def stack():
+    s = Stack(2)
+    yield s
+    s.stop()
+
+
+def until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def sse_payloads(r: httpx.Response) -> list:
+    return [p if p == "[DONE]" else json.loads(p) for p in
+            (line[6:] for line in r.iter_lines() if line.startswith("data: "))]
+
+
+def test_retry_on_503_moves_to_another_worker_and_propagates_request_id(stack):
+    stack.fakes[0].fail_next = stack.fakes[1].fail_next = 1  # whichever is tried first fails once
+    r = httpx.post(stack.url + "/v1/completions", json={"prompt": "hi"}, headers={"x-request-id": "rid-1"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "rid-1"
+    seen = [s for f in stack.fakes for s in f.seen]
+    # First try fails, the retry avoids that worker and fails too, the third try succeeds.
+    assert len(seen) == 3 and all(h["x-request-id"] == "rid-1" for _, h, _ in seen)
+    text = httpx.get(stack.url + "/metrics").text
+    assert 'tandem_router_retries_total{route="/v1/completions"} 2.0' in text
+
+
+def test_retries_exhausted_returns_the_engines_answer_in_bounded_time():
+    s = Stack(2, "--retry-max-retries", "3", "--disable-circuit-breaker")
+    try:
+        for f in s.fakes:
+            f.status = 503
+        t0 = time.monotonic()
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert time.monotonic() - t0 < 5
+        assert sum(len(f.seen) for f in s.fakes) == 4
+        assert "tandem_router_retries_exhausted_total" in httpx.get(s.url + "/metrics").text
+    finally:
+        s.stop()
+
+
+def test_client_errors_are_not_retried(stack):
+    for f in stack.fakes:
+        f.status = 400
+    r = httpx.post(stack.url + "/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 400 and sum(len(f.seen) for f in stack.fakes) == 1
+
+
+def test_stream_broken_after_first_byte_ends_with_sse_error(stack):
+    for f in stack.fakes:
+        f.break_after = 2
+    with httpx.stream("POST", stack.url + "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_payloads(r)
+    assert [e["choices"][0]["text"] for e in events[:2]] == ["hi:0", "hi:1"]
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 502
+    assert sum(len(f.seen) for f in stack.fakes) == 1  # no retry after the first byte
+    assert 'tandem_router_stream_errors_total{route="/v1/completions"} 1.0' in httpx.get(stack.url + "/metrics").text
+
+
+def test_stream_passes_chunks_through_in_order(stack):
+    with httpx.stream("POST", stack.url + "/generate", json={"text": "abc", "stream": True}) as r:
+        events = sse_payloads(r)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == [f"abc:{i}" for i in range(4)]
+    assert events[-1] == "[DONE]"
+
+
+def test_refused_connection_ejects_at_once_and_retries_elsewhere():
+    dead_url = f"http://127.0.0.1:{free_port()}"
+    s = Stack(1, "--health-check-interval-secs", "30", "--policy", "round_robin")
+    try:
+        r = httpx.post(s.url + "/workers", json={"url": dead_url})
+        assert r.status_code == 201 and not r.json()["is_healthy"]
+        dead = s.router.registry.find(dead_url)
+        dead.healthy = dead.ever_healthy = True  # as if it had just died
+        for i in range(4):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": f"p{i}"})
+            assert r.status_code == 200
+        assert not dead.healthy
+        text = httpx.get(s.url + "/metrics").text
+        assert f'tandem_router_worker_requests_total{{outcome="connect_error",worker="{dead_url}"}} 1.0' in text
+    finally:
+        s.stop()
+
+
+def test_circuit_breaker_opens_and_recovers():
+    s = Stack(2, "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "1.5", "--cb-success-threshold", "1")
+    try:
+        bad, good = s.fakes
+        bad.status = 500
+        for i in range(6):
+            assert httpx.post(s.url + "/v1/completions", json={"prompt": f"x{i}"}).status_code == 200
+        w_bad = s.router.registry.all()[0]
+        assert w_bad.breaker.state == "open"
+        assert f'tandem_router_worker_cb_state{{worker="{w_bad.url}"}} 1.0' in httpx.get(s.url + "/metrics").text
+        tried = len(bad.seen)
+        for i in range(4):
+            httpx.post(s.url + "/v1/completions", json={"prompt": f"y{i}"})
+        assert len(bad.seen) == tried  # open: no traffic
+        bad.status = 200
+        time.sleep(1.5)
+        until(lambda: httpx.post(s.url + "/v1/completions", json={"prompt": "z"}) and w_bad.breaker.state == "closed")
+    finally:
+        s.stop()
+
+
+def test_client_disconnect_aborts_upstream_stream(stack):
+    for f in stack.fakes:
+        f.chunks, f.chunk_delay_s = 1000, 0.02
+    with httpx.stream("POST", stack.url + "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+        it = r.iter_lines()
+        next(it)
+    until(lambda: sum(f.disconnects for f in stack.fakes) == 1)
+    until(lambda: all(w.inflight == 0 for w in stack.router.registry.all()))
+
+
+def test_no_worker_means_503_and_probes(stack):
+    for f in stack.fakes:
+        f.healthy = False
+    until(lambda: httpx.get(stack.url + "/health").status_code == 503)
+    assert httpx.get(stack.url + "/liveness").status_code == 200
+    assert httpx.get(stack.url + "/readiness").status_code == 503
+    r = httpx.post(stack.url + "/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "no healthy worker" in r.text
+    for f in stack.fakes:
+        f.healthy = True
+    until(lambda: httpx.get(stack.url + "/readiness").status_code == 200)
+
+
+def test_workers_api(stack):
+    base = stack.url
+    assert httpx.post(base + "/workers", json={"url": "not a url"}).status_code == 400
+    assert httpx.post(base + "/workers", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
+    assert httpx.post(base + "/workers", json={}).status_code == 400
+    extra = ServerThread(FakeEngine("m").app)
+    try:
+        r = httpx.post(base + "/workers", json={"url": extra.url + "/"})
+        assert r.status_code == 201 and r.json()["url"] == extra.url and r.json()["is_healthy"]
+        assert httpx.post(base + f"/add_worker?url={extra.url}").status_code == 200  # already there
+        listed = httpx.get(base + "/workers").json()
+        assert listed["total"] == 3 and listed["healthy"] == 3
+        wid = r.json()["id"]
+        assert httpx.get(base + f"/workers/{wid}").json()["url"] == extra.url
+        assert httpx.delete(base + f"/workers/{wid}").status_code == 200
+        assert httpx.delete(base + f"/workers/{wid}").status_code == 404
+        assert httpx.get(base + "/list_workers").json()["total"] == 2
+        assert httpx.post(base + f"/add_worker?url={extra.url}").status_code == 201
+        assert httpx.post(base + f"/remove_worker?url={extra.url}").status_code == 200
+    finally:
+        extra.stop()
+
+
+def test_models_are_aggregated_and_requests_follow_their_model():
+    s = Stack(2, names=["alpha", "beta"])
+    try:
+        until(lambda: all(w.models for w in s.router.registry.all()))
+        ids = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        assert ids == ["alpha", "beta"]
+        for _ in range(4):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "p", "model": "beta"})
+            assert r.json()["server"] == "beta"
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                              "model": "gamma"})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+        assert httpx.post(s.url + "/tokenize", json={"prompt": "ab"}).json()["tokens"] == [97, 98]
+    finally:
+        s.stop()
+
+
+def test_engine_load_is_polled_and_exported(stack):
+    f = stack.fakes[0]
+    f.running, f.waiting, f.kv = 3, 2, 0.5
+    w = stack.router.registry.all()[0]
+    until(lambda: w.load() == 5)
+    body = httpx.get(stack.url + "/workers").json()["workers"][0]
+    assert body["num_running_reqs"] == 3 and body["num_waiting_reqs"] == 2 and body["kv_cache_usage_perc"] == 0.5
+    text = httpx.get(stack.url + "/metrics").text
+    for name in ("tandem_router_worker_load", "tandem_router_worker_num_requests_waiting",
+                 "tandem_router_worker_kv_cache_usage_perc", "tandem_router_worker_healthy",
+                 "tandem_router_workers", "tandem_router_cache_tree_size_chars"):
+        assert f"\n{name}{{" in text, name
+    assert "_created" not in text
+    httpx.post(stack.url + "/v1/completions", json={"prompt": "hi", "stream": True})
+    text = httpx.get(stack.url + "/metrics").text
+    for name in ("tandem_router_requests_total", "tandem_router_request_duration_seconds_bucket",
+                 "tandem_router_ttft_seconds_bucket"):
+        assert f"\n{name}{{" in text, name
