@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import time
+import uuid
 
 import httpx
 import pytest
@@ -31,7 +32,8 @@ from tests.helpers.server import ROOT, free_port
 
 DASHBOARD = os.path.join(DEPLOY, "grafana", "dashboards", "tandem.json")
 ENGINES = ("engine-0-cpu", "engine-1-cpu")
-RATE_WINDOW = "4s"  # Grafana's $__rate_interval for a 1 s scrape interval: 4 x scrape
+RATE_WINDOW = "4s"
+N_REQUESTS = 48  # x 48 tokens, 8 at a time: a few seconds of work, several scrapes long  # Grafana's $__rate_interval for a 1 s scrape interval: 4 x scrape
 
 # (panel title, refId) -> why the query may return only zeros in this workload. Every other
 # query must return a finite value > 0 at some point of the workload.
@@ -162,22 +164,24 @@ def workload(stack):
 
     def one(i: int) -> int:
         prompt = systems[i % 4] + f"Question {i}: what say you?"
+        kw = {"model": model, "max_tokens": 48, "extra_body": {"ignore_eos": True}}
         if i % 3 == 0:
-            out = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
-            return out.usage.completion_tokens
+            return client.completions.create(prompt=prompt, temperature=0, **kw).usage.completion_tokens
         if i % 3 == 1:
             n = 0
-            for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=24, stream=True,
-                                                   stream_options={"include_usage": True}):
+            for chunk in client.completions.create(prompt=prompt, stream=True,
+                                                   stream_options={"include_usage": True}, **kw):
                 n = chunk.usage.completion_tokens if chunk.usage else n
             return n
-        out = client.chat.completions.create(model=model, max_tokens=24,
-                                             messages=[{"role": "user", "content": prompt}])
-        return out.usage.completion_tokens
+        return client.chat.completions.create(messages=[{"role": "user", "content": prompt}],
+                                              **kw).usage.completion_tokens
 
+    # rate() needs a sample from before the workload: wait for two scrapes of every target.
+    wait_until(lambda: _scalar(stack["prom"], "min(count_over_time(up[1m]))") >= 2, 20, "two scrapes of each target")
     t0 = time.time()
     with cf.ThreadPoolExecutor(8) as pool:
-        tokens = list(pool.map(one, range(32)))
+        tokens = list(pool.map(one, range(N_REQUESTS)))
+    assert tokens == [48] * N_REQUESTS
     prom = stack["prom"]
     # Keep sending small requests until the fake worker's breaker opens (bounded).
     extra = _until_open(client, model, stack["router"], fake_url)
@@ -191,7 +195,7 @@ def workload(stack):
     wait_until(lambda: _worker(stack["router"], second).get("is_healthy"), 20, "router admits the second fake")
     extra += _until_open(client, model, stack["router"], second)
     t1 = time.time()
-    n = 32 + extra
+    n = N_REQUESTS + extra
     wait_until(lambda: _scalar(prom, "sum(tandem:request_success_total)") >= n, 30,
                f"prometheus scraped {n} finished requests")
     time.sleep(2)  # two more scrapes: the rate windows see the workload's tail
@@ -205,11 +209,11 @@ def _worker(router: str, url: str) -> dict:
 
 def _until_open(client, model: str, router: str, url: str) -> int:
     """Send small requests until the router opens the breaker of worker ``url``; at most 40.
-    Each prompt is new text: cache_aware sends an unmatched prompt to the emptiest tree, the
-    new worker's."""
+    Each prompt starts with new random text, so it shares no prefix with earlier ones:
+    cache_aware sends an unmatched prompt to the smallest tree, the new worker's."""
     n = 0
     while n < 40 and _worker(router, url).get("circuit_state") != "open":
-        client.completions.create(model=model, prompt=f"{url} probe {n}: thou art a villain", max_tokens=2)
+        client.completions.create(model=model, prompt=f"{uuid.uuid4().hex} thou art a villain", max_tokens=2)
         n += 1
     return n
 
