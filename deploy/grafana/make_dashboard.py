@@ -78,7 +78,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
             (quantile(0.5, "tandem:e2e_request_latency_seconds"), "{{engine}} p50"),
             (quantile(0.99, "tandem:e2e_request_latency_seconds"), "{{engine}} p99"),
         ), "Arrival to the last token."),
-        Panel("Token throughput", "tokens/s", (  # Grafana has no tokens unit; the suffix reads well
+        Panel("Token throughput", "suffix: tok/s", (  # Grafana custom unit: a suffix after the value
             (f"sum by (engine) ({rate('tandem:prompt_tokens_total')})", "{{engine}} prompt"),
             (f"sum by (engine) ({rate('tandem:generation_tokens_total')})", "{{engine}} generation"),
         ), "Prompt tokens processed and tokens generated per second."),
