@@ -177,7 +177,7 @@ def workload(stack):
                                               **kw).usage.completion_tokens
 
     # rate() needs a sample from before the workload: wait for two scrapes of every target.
-    wait_until(lambda: _scalar(stack["prom"], "min(count_over_time(up[1m]))") >= 2, 20, "two scrapes of each target")
+    wait_until(lambda: _scalar(stack["prom"], "min(count_over_time(up[1m]))") >= 2, 40, "two scrapes of each target")
     t0 = time.time()
     with cf.ThreadPoolExecutor(8) as pool:
         tokens = list(pool.map(one, range(N_REQUESTS)))
@@ -188,7 +188,7 @@ def workload(stack):
     # The router creates tandem_router_retries_total{route} at the first retry, so rate() cannot
     # see the retries that created it: once Prometheus has the series, a second failing worker
     # makes retries that the Retries panel must show.
-    wait_until(lambda: prom.query("tandem_router_retries_total"), 10, "retries counter scraped")
+    wait_until(lambda: prom.query("tandem_router_retries_total"), 30, "retries counter scraped")
     time.sleep(1.5)
     second = stack["fake2_url"]
     assert httpx.post(stack["router"] + "/workers", json={"url": second}, timeout=10).status_code in (200, 201)
@@ -196,7 +196,7 @@ def workload(stack):
     extra += _until_open(client, model, stack["router"], second)
     t1 = time.time()
     n = N_REQUESTS + extra
-    wait_until(lambda: _scalar(prom, "sum(tandem:request_success_total)") >= n, 30,
+    wait_until(lambda: _scalar(prom, "sum(tandem:request_success_total)") >= n, 60,
                f"prometheus scraped {n} finished requests")
     time.sleep(2)  # two more scrapes: the rate windows see the workload's tail
     return {"start": t0 - 2, "end": time.time(), "requests": n, "tokens": tokens, "extra": extra,
@@ -363,25 +363,24 @@ def test_every_alert_rule_evaluates(stack, workload):
     assert sorted(names) == sorted(shipped)
 
 
-def test_circuit_open_alert_goes_pending_for_the_failing_worker(stack, workload):
-    prom, first, second = stack["prom"], stack["fake_url"], stack["fake2_url"]
-    # The first fake's breaker opened early and may be half-open again by now (30 s timeout):
-    # Prometheus must have seen it open. The second one opened seconds ago: its alert is pending.
-    assert _scalar(prom, f'max_over_time(tandem_router_worker_cb_state{{worker="{first}"}}[5m])') == 1
-    assert _worker(stack["router"], second)["circuit_state"] == "open"
-    alert = wait_until(lambda: next((a for a in _alerts(prom, "TandemCircuitOpen")
-                                     if a["labels"]["worker"] == second), None), 15,
-                       "TandemCircuitOpen pending for the second failing worker")
-    assert alert["state"] == "pending" and alert["labels"]["severity"] == "warning"  # for: 1m
-    engines = {f"http://127.0.0.1:{stack['hosts'][e]}" for e in ("engine-0", "engine-1")}
-    assert not [a for a in _alerts(prom, "TandemCircuitOpen") if a["labels"]["worker"] in engines]
+def test_circuit_open_alert_goes_pending_for_the_failing_workers(stack, workload):
+    prom, fakes = stack["prom"], (stack["fake_url"], stack["fake2_url"])
+    # Each fake's breaker opened during the workload (it half-opens again 30 s later, so the
+    # test reads Prometheus' history, not the current state): the rule's series and its
+    # ALERTS{alertstate="pending"} series (Prometheus records them) both show it.
+    for url in fakes:
+        assert _scalar(prom, f'max_over_time(tandem_router_worker_cb_state{{worker="{url}"}}[5m])') == 1, url
+    pending = 'max_over_time(ALERTS{alertname="TandemCircuitOpen",alertstate="pending"}[5m])'
+    series = wait_until(lambda: len(r := prom.query(pending)) == 2 and r, 15, "TandemCircuitOpen went pending")
+    assert sorted(s["metric"]["worker"] for s in series) == sorted(fakes)
+    assert all(s["metric"]["severity"] == "warning" for s in series)
 
 
 def test_engine_down_alert_goes_pending_when_an_engine_stops(stack, workload):
     # Last test of the module: it stops engine-1 (SIGTERM: the engine drains and exits 0).
     rc = stack["procs"]["engine-1-cpu"].stop(40)
     assert rc == 0, stack["procs"]["engine-1-cpu"].output()
-    alert = wait_until(lambda: _alert(stack["prom"], "TandemEngineDown"), 20, "TandemEngineDown pending")
+    alert = wait_until(lambda: _alert(stack["prom"], "TandemEngineDown"), 30, "TandemEngineDown pending")
     assert alert["labels"]["engine"] == "engine-1" and alert["labels"]["severity"] == "critical"
     assert _alert(stack["prom"], "TandemRouterDown") is None
 
