@@ -9,7 +9,7 @@ TORCH  ?= $(if $(HAS_GPU),torch,torch==2.13.0)
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-unit test-e2e test-gpu clean
+.PHONY: install tools serve test test-unit test-e2e test-gpu clean
 
 install: $(STAMP)
 
@@ -20,17 +20,25 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
+# Debian's prometheus package (prometheus + promtool) for the deploy/ tests, installed only when
+# missing and only where apt runs as root (CI). Elsewhere those tests skip (and fail under CI=true).
+tools:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else echo "note: prometheus not installed (needs apt as root): the deploy tests that run it skip"; fi; }
+
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(PY) -m pytest -q -p no:cacheprovider --junitxml=$(VENV)/junit.xml tests $(PYTEST_ARGS)
 	$(PY) tests/check_junit.py $(VENV)/junit.xml
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) tools
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-test-e2e: $(STAMP)
+test-e2e: $(STAMP) tools
 	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
 
 clean:
