@@ -12,6 +12,7 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 from tokenizers import Tokenizer
 
+from tests.e2e.ops_util import engine_children
 from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.server import Server
 
@@ -82,27 +83,12 @@ def test_prompt_longer_than_context_is_an_error(gemma):
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
-def _child_pid(parent: int, name: str) -> int:
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:
-            continue
-        if ppid == parent and comm == name:
-            return int(pid)
-    raise LookupError(name)
-
 
 def test_killing_the_worker_fails_inflight_and_exits_nonzero(ckpts):
     path = ckpts["gemma4"]
     srv = Server(path)
     try:
-        worker = _child_pid(srv.proc.pid, "tandem-worker")
+        worker = engine_children(srv.proc.pid)["tandem-worker"]
 
         async def main():
             client = AsyncOpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)

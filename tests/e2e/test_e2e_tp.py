@@ -15,26 +15,12 @@ import time
 from openai import AsyncOpenAI, OpenAI
 from tokenizers import Tokenizer
 
+from tests.e2e.ops_util import engine_children
 from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.server import ROOT, Server
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def serve(model):", "café naïve"]
 
-
-def _child_pid(parent: int, comm_name: str) -> int:
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:
-            continue
-        if ppid == parent and comm == comm_name:
-            return int(pid)
-    raise LookupError(comm_name)
 
 
 def test_tp2_mtp_greedy_equals_hf(ckpts):
@@ -44,7 +30,7 @@ def test_tp2_mtp_greedy_equals_hf(ckpts):
     flags = ["--tp-size", "2", "--speculative-algorithm", "FROZEN-KV-MTP", "--speculative-draft-model-path", a,
              "--chunked-prefill-size", "8"]
     with Server(g, *flags) as srv:
-        assert _child_pid(srv.proc.pid, "tandem-worker1")  # a second rank really runs
+        assert engine_children(srv.proc.pid)["tandem-worker1"]  # a second rank really runs
         client = OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
         r = client.completions.create(model=g, prompt=PROMPTS[0], max_tokens=16, temperature=0,
                                       extra_body={"ignore_eos": True})
@@ -72,7 +58,7 @@ def test_killing_a_follower_rank_fails_inflight_and_exits_nonzero(ckpts):
     path = ckpts["llama"]
     srv = Server(path, "--tp-size", "2")
     try:
-        follower = _child_pid(srv.proc.pid, "tandem-worker1")
+        follower = engine_children(srv.proc.pid)["tandem-worker1"]
 
         async def main():
             client = AsyncOpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)
