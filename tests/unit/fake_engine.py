@@ -86,6 +86,10 @@ class FakeEngine:
         return self
 
     def send_info(self) -> None:
+        with self._lock:  # the loop thread sends on the same socket; zmq sockets are not thread-safe
+            self._send_info()
+
+    def _send_info(self) -> None:
         self.outputs.send(EngineInfo(
             max_context=self.max_context, vocab_size=self.vocab_size, page_size=16, num_pages=64,
             max_running_requests=self.max_running, device="cpu", dtype="float32", architecture="FakeForCausalLM",

@@ -101,4 +101,14 @@ def start_stack(wait_ready: bool = True, send_info: bool = True, **arg_overrides
     if wait_ready:
         assert front.ready.wait(10), "front never reported ready"
         assert front.statuses[-1] == ("ready", None), front.statuses
+        if send_info and args.warmup:
+            # The fake reports stats every 50 ms (the real scheduler reports at once on going
+            # idle): wait until a report has seen the warm-up end, or admission tests would count
+            # the finished warm-up as still in transit.
+            assert fake.wait_for(lambda: _stats_caught_up(stack.engine)), "stats never caught up"
     return stack
+
+
+def _stats_caught_up(engine) -> bool:
+    s = engine.last_stats
+    return s is not None and s.requests_received == engine.sent_generate and s.num_running == 0
