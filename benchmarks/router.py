@@ -8,7 +8,10 @@ shared-prefix workload over several real engines.
 its own process, answering at once) isolates the router's own cost. Each round sends the
 same requests directly and through ``tandem router`` (separate process), alternating, at
 concurrency 1 and 100; added latency = p50(router) - p50(direct), for whole JSON answers and
-for the first SSE chunk of a stream. ``--real`` repeats the c=1 stream case against one real
+for the first SSE chunk of a stream. At c=100 the instant upstream makes it a throughput test
+(closed loop: latency = 100 / the slowest process's rate); the "stream paced" case keeps 100
+streams open on an upstream that answers like an engine (20 ms to the first token, then one
+every 20 ms), which is the added latency a user meets. ``--real`` repeats the c=1 stream case against one real
 CPU engine (TTFT of a 1-token completion).
 (b) ``prefix``: N real engines, 16 long system prompts x Q questions in a seeded random order
 at a fixed concurrency, streamed through the router with each policy (caches flushed between
@@ -67,6 +70,16 @@ async def fake_app(scope, receive, send):
         data = b'{"num_running_reqs":0,"num_waiting_reqs":0,"kv_cache_usage_perc":0.0}'
     elif path == "/v1/models":
         data = b'{"object":"list","data":[{"id":"fake","object":"model"}]}'
+    elif path == "/v1/completions" and b'"x_ttft_ms"' in body:  # paced like an engine: TTFT, then one event per ITL
+        req = json.loads(body)
+        await asyncio.sleep(req["x_ttft_ms"] / 1000)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(req["max_tokens"]):
+            if i:
+                await asyncio.sleep(req["x_itl_ms"] / 1000)
+            await send({"type": "http.response.body", "body": _EVENT, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        return
     elif path == "/v1/completions" and (b'"stream": true' in body or b'"stream":true' in body):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for _ in range(8):
@@ -162,19 +175,22 @@ def session(concurrency: int) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=600), trust_env=False)
 
 
-async def load(url: str, body: dict, concurrency: int, n: int) -> np.ndarray:
-    """n requests at the given concurrency; per request (first byte, end, requests/s of the run)."""
+async def load(url: str, body: dict, concurrency: int, n: int, stagger_s: float = 0.0) -> np.ndarray:
+    """n requests at the given concurrency; per request (first byte, end, requests/s of the run).
+    ``stagger_s``: worker k starts k * stagger_s late, so equal-length streams do not move in
+    lockstep waves (arrivals spread as a real client population's do)."""
     out: list[tuple[float, float]] = []
     async with session(concurrency) as client:
         await asyncio.gather(*(timed(client, url, body) for _ in range(min(concurrency, 20))))  # warm up
         todo = iter(range(n))
 
-        async def worker():
+        async def worker(k: int):
+            await asyncio.sleep(k * stagger_s)
             for _ in todo:
                 out.append(await timed(client, url, body))
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
         rate = n / (time.perf_counter() - t0)
     return np.array([(a, b, rate) for a, b in out])
 
@@ -190,25 +206,39 @@ def overhead(args) -> dict:
     wait_health(fake.url, 30)
     router = start_router([fake.url], "cache_aware")
     rows = []
+    prompt = "The quick brown fox " * 20
+    paced = {"prompt": prompt, "max_tokens": 16, "stream": True, "x_ttft_ms": 20, "x_itl_ms": 20}
+    cases = [(1, args.requests, "json", {"prompt": prompt, "max_tokens": 1}),
+             (1, args.requests, "stream", {"prompt": prompt, "max_tokens": 8, "stream": True}),
+             (100, args.requests * 5, "json", {"prompt": prompt, "max_tokens": 1}),
+             (100, args.requests * 5, "stream", {"prompt": prompt, "max_tokens": 8, "stream": True}),
+             # 100 open streams paced like an engine (20 ms to the first token, then 16 tokens
+             # 20 ms apart): the router's added latency when it is not the bottleneck.
+             (100, args.requests * 2, "stream paced", paced)]
+    period_s = (paced["x_ttft_ms"] + (paced["max_tokens"] - 1) * paced["x_itl_ms"]) / 1000
     try:
-        for concurrency, n in ((1, args.requests), (100, args.requests * 5)):
-            for kind, body in (("json", {"prompt": "The quick brown fox " * 20, "max_tokens": 1}),
-                               ("stream", {"prompt": "The quick brown fox " * 20, "max_tokens": 8, "stream": True})):
-                res = {"direct": [], "router": []}
-                for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both alike
-                    for name, url in (("direct", fake.url), ("router", router.url)):
-                        res[name].append(asyncio.run(load(url, body, concurrency, n)))
-                d = np.concatenate(res["direct"])
-                r = np.concatenate(res["router"])
-                col = 0 if kind == "stream" else 1  # streams: first byte; JSON: whole answer
-                row = {"upstream": "fake", "concurrency": concurrency, "kind": kind, "requests": len(r),
-                       "direct_p50_ms": pct(d[:, col], 50), "router_p50_ms": pct(r[:, col], 50),
-                       "direct_p99_ms": pct(d[:, col], 99), "router_p99_ms": pct(r[:, col], 99),
-                       "direct_req_s": float(np.median(d[:, 2])), "router_req_s": float(np.median(r[:, 2]))}
-                row["added_p50_ms"] = row["router_p50_ms"] - row["direct_p50_ms"]
-                row["added_p99_ms"] = row["router_p99_ms"] - row["direct_p99_ms"]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for concurrency, n, kind, body in cases:
+            if args.only and (concurrency, kind) not in args.only:
+                continue
+            res = {"direct": [], "router": []}
+            for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both alike
+                for name, url in (("direct", fake.url), ("router", router.url)):
+                    stagger = period_s / concurrency if kind == "stream paced" else 0.0
+                    res[name].append(asyncio.run(load(url, body, concurrency, n, stagger)))
+            d = np.concatenate(res["direct"])
+            r = np.concatenate(res["router"])
+            col = 1 if kind == "json" else 0  # streams: first byte; JSON: whole answer
+            row = {"upstream": "fake", "concurrency": concurrency, "kind": kind, "requests": len(r),
+                   "direct_p50_ms": pct(d[:, col], 50), "router_p50_ms": pct(r[:, col], 50),
+                   "direct_p99_ms": pct(d[:, col], 99), "router_p99_ms": pct(r[:, col], 99),
+                   "direct_req_s": float(np.median(d[:, 2])), "router_req_s": float(np.median(r[:, 2]))}
+            row["added_p50_ms"] = row["router_p50_ms"] - row["direct_p50_ms"]
+            row["added_p99_ms"] = row["router_p99_ms"] - row["direct_p99_ms"]
+            if kind == "stream paced":  # the last token too: every relayed chunk's delay adds up here
+                row["direct_end_p50_ms"], row["router_end_p50_ms"] = pct(d[:, 1], 50), pct(r[:, 1], 50)
+                row["added_end_p50_ms"] = row["router_end_p50_ms"] - row["direct_end_p50_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     finally:
         router.stop()
         fake.stop()
@@ -274,7 +304,7 @@ async def prefix_run(url: str, prompts: list[str], concurrency: int, out_len: in
                 body = {"prompt": p, "max_tokens": out_len, "stream": True, "temperature": 0, "ignore_eos": True}
                 ttfts.append((await timed(client, url, body))[0])
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
     return np.array(ttfts)
 
 
@@ -341,8 +371,10 @@ def main() -> None:
     f = sub.add_parser("fake-upstream")
     f.add_argument("--port", type=int, required=True)
     o = sub.add_parser("overhead")
-    o.add_argument("--requests", type=int, default=400, help="per round at c=1 (x5 at c=100)")
+    o.add_argument("--requests", type=int, default=400, help="per round at c=1 (x5 at c=100, x2 paced)")
     o.add_argument("--rounds", type=int, default=3)
+    o.add_argument("--only", nargs="+", type=lambda v: (int(v.split(":")[0]), v.split(":")[1]),
+                   help='cases to run, as CONCURRENCY:KIND, e.g. "100:stream paced" (default: all)')
     o.add_argument("--real", action="store_true", help="also measure against one real CPU engine")
     o.add_argument("--model", default=os.path.join(ROOT, "models", "tiny-shakespeare", "target"))
     o.add_argument("--out")

@@ -4,8 +4,9 @@
 deterministic echo. Knobs (read per request, change them at any time):
 ``status`` (answer every generation with this status), ``fail_next`` (the next N generation
 requests get 503), ``break_after`` (a stream sends this many chunks, then the connection is
-cut), ``chunk_delay_s``, ``chunks``, ``healthy``, ``running`` / ``waiting`` / ``kv`` (what /load
-reports), ``vllm_like`` (no /load: the same gauges on /metrics under vLLM's names).
+cut), ``chunk_delay_s``, ``json_delay_s`` (a non-streamed answer waits this long, watching
+for the client leaving), ``chunks``, ``healthy``, ``running`` / ``waiting`` / ``kv`` (what
+/load reports), ``vllm_like`` (no /load: the same gauges on /metrics under vLLM's names).
 Every generation request is recorded as (path, headers, body) in ``seen``.
 """
 
@@ -32,6 +33,7 @@ class FakeEngine:
         self.fail_next = 0
         self.break_after: int | None = None
         self.chunk_delay_s = 0.0
+        self.json_delay_s = 0.0
         self.chunks = 4
         self.healthy = True
         self.running = 0
@@ -91,6 +93,12 @@ class FakeEngine:
                                 status_code=status)
         text = str(body.get("prompt", body.get("text", "")))[:16]
         if not body.get("stream"):
+            deadline = time.monotonic() + self.json_delay_s
+            while time.monotonic() < deadline:  # as an engine does: watch for the client leaving
+                if await request.is_disconnected():
+                    self.disconnects += 1
+                    return Response(status_code=499)
+                await asyncio.sleep(0.02)
             return JSONResponse({"object": "text_completion", "server": self.name,
                                  "choices": [{"index": 0, "text": text, "finish_reason": "stop"}]})
         return StreamingResponse(self._events(text, request), media_type="text/event-stream")

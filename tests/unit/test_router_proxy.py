@@ -156,6 +156,29 @@ def test_client_disconnect_aborts_upstream_stream(stack):
     until(lambda: all(w.inflight == 0 for w in stack.router.registry.all()))
 
 
+def test_client_gone_before_a_json_answer_aborts_upstream(stack):
+    """The router waits on the upstream for the client; a client that leaves first takes the
+    upstream request down with it (the engine frees its KV) and is counted as a 499."""
+    for f in stack.fakes:
+        f.json_delay_s = 30.0
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.url + "/v1/completions", json={"prompt": "hi"}, timeout=0.5)
+    until(lambda: sum(f.disconnects for f in stack.fakes) == 1)
+    until(lambda: all(w.inflight == 0 for w in stack.router.registry.all()))
+    text = httpx.get(stack.url + "/metrics").text
+    assert 'tandem_router_client_disconnects_total{route="/v1/completions"} 1.0' in text
+    assert 'tandem_router_requests_total{route="/v1/completions",status="499"} 1.0' in text
+    for f in stack.fakes:
+        f.json_delay_s = 0.0
+    assert httpx.post(stack.url + "/v1/completions", json={"prompt": "hi"}).status_code == 200  # still serving
+
+
+def test_wrong_method_on_a_proxied_route_is_405(stack):
+    r = httpx.get(stack.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == 405 and not any(f.seen for f in stack.fakes)
+
+
 def test_no_worker_means_503_and_probes(stack):
     for f in stack.fakes:
         f.healthy = False
