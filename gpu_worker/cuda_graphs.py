@@ -115,6 +115,13 @@ class DecodeGraphs:
         with torch.inference_mode():
             for size in sorted(self.buckets, reverse=True):
                 self._capture_one(self.buckets[size], pool)
+            # A graph's first launch also uploads it to the device, several times a replay's
+            # cost: pay that here, not in the first user steps. Every slot is 0 (padding), so
+            # these replays write page 0 only.
+            for b in self.buckets.values():
+                for graph in (b.draft, b.target):
+                    if graph is not None:
+                        graph.replay()
         torch.cuda.synchronize(self.device)
         used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**20
         log.info("CUDA graphs: captured decode%s for batch sizes %s in %.1f s, %.0f MiB",
