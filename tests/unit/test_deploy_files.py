@@ -247,7 +247,12 @@ def test_build_context_has_the_bundled_pair_and_no_junk():
                  "models/tiny-shakespeare/assistant/model.safetensors", "pyproject.toml", "README.md",
                  "proto/args.py", "router/main.py", "deploy/healthcheck.py"):
         assert os.path.exists(os.path.join(ROOT, must)) and not _ignored(must, pats), must
-    for junk in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "tandem/__pycache__/cli.pyc"):
+    # deploy/models is .env's default TANDEM_MODELS_DIR: a user's checkpoints (GBs) mounted at run
+    # time must not be sent to the build and copied into the image.
+    with open(os.path.join(DEPLOY, ".env")) as f:
+        models_dir = dict(ln.strip().split("=", 1) for ln in f if "=" in ln and not ln.startswith("#"))["TANDEM_MODELS_DIR"]
+    user_ckpt = os.path.relpath(os.path.join(DEPLOY, models_dir, "Qwen3-8B", "model.safetensors"), ROOT)
+    for junk in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "tandem/__pycache__/cli.pyc", user_ckpt):
         assert _ignored(junk, pats), junk
 
 
