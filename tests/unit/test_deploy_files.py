@@ -141,6 +141,19 @@ def test_every_flag_in_the_compose_commands_parses(gpu, cpu):
                 router_parser().parse_args(svc["command"][1:])
 
 
+def test_cpu_engine_commands_pass_tandem_serves_validation(cpu):
+    """Beyond parsing: the cpu profile's engine command, validated as `tandem serve` does at
+    start-up, serves the bundled pair with MTP on the CPU, on the port the healthcheck probes."""
+    from proto.args import BUNDLED_MODEL_DIR, parse_server_args
+
+    for name in CPU_ENGINES:
+        svc = cpu[name]
+        args = parse_server_args(svc["command"][1:])
+        assert args.model_path == os.path.join(BUNDLED_MODEL_DIR, "target") and args.device == "cpu"
+        assert args.speculative_algorithm == "FROZEN-KV-MTP" and args.host == "0.0.0.0"
+        assert f"127.0.0.1:{args.port}/" in svc["healthcheck"]["test"][-1] and svc["expose"] == [str(args.port)]
+
+
 def test_grafana_is_provisioned_read_only_for_anonymous_viewers(gpu):
     g = gpu["grafana"]
     assert g["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
