@@ -337,6 +337,51 @@ def test_every_dashboard_query_has_data_on_the_plain_topology(stack, workload):
     assert not empty, "panels with no data on the plain topology:\n" + "\n".join(empty)
 
 
+# Series the router creates on their first event; none happens in this workload.
+CREATED_ON_FIRST_EVENT = {
+    "tandem_router_retries_exhausted_total": "a request fails after every retry",
+}
+# Labels that Prometheus adds to every scraped series (prometheus.yml's target labels).
+TARGET_LABELS = {"job", "instance", "engine", "router", "__name__", "le"}
+
+
+def _live_series(text: str) -> dict[str, set[str]]:
+    """Sample name -> the label names it carries, from a live /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+    return out
+
+
+def test_every_series_and_label_in_deploy_is_on_the_live_metrics_pages(stack, workload):
+    """The names (with their _total / _bucket suffixes) and label matchers of every dashboard
+    query and alert rule, against what the live engines and router serve on /metrics."""
+    import yaml
+
+    live: dict[str, set[str]] = {}
+    for name in ("engine-0-cpu", "router"):
+        text = httpx.get(f"http://127.0.0.1:{stack['ports'][name]}/metrics", timeout=10).text
+        for k, v in _live_series(text).items():
+            live.setdefault(k, set()).update(v)
+    with open(os.path.join(DEPLOY, "prometheus", "alerts.yml")) as f:
+        rules = [r["expr"] for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
+    missing = []
+    for expr in [e for _, _, e in _dashboard_targets()] + rules:
+        for m in re.finditer(r"\b(tandem:[a-z0-9_]+|tandem_router_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            name, matchers = m.group(1), m.group(2) or ""
+            if name not in live:
+                if name not in CREATED_ON_FIRST_EVENT:
+                    missing.append(f"{name} (in {expr})")
+                continue
+            for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
+                if label not in live[name] | TARGET_LABELS:
+                    missing.append(f"{name} has no label {label!r} (in {expr})")
+    assert not missing, "\n".join(missing)
+
+
 def test_spec_decode_and_prefix_cache_are_real(stack, workload):
     prom = stack["prom"]
     w = "[5m]"
