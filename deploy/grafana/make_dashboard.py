@@ -25,6 +25,9 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dashboards", "ta
 DS = {"type": "prometheus", "uid": "prometheus"}  # provisioning/datasources/prometheus.yml
 SEL = 'engine=~"$engine",model_name=~"$model_name"'  # every engine query is filtered by both
 RI = "$__rate_interval"
+# For router counters that the router creates on their first event (a retry, a failed answer):
+# without it such a panel shows "No data" until the first failure, instead of 0.
+ZERO = " or on() vector(0)"
 
 
 def rate(metric: str, extra: str = "") -> str:
@@ -63,9 +66,12 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Errors", "reqps", (
             ("sum by (engine) (" + rate("tandem:request_success_total", 'finished_reason="error"') + ")",
              "{{engine}} engine errors"),
-            (f"sum(rate(tandem_router_requests_total[{RI}])) - sum(rate(tandem_router_requests_total{{status=~\"2..\"}}[{RI}]))",
+            # Counted directly (not all - 2xx): when nothing succeeds there is no 2xx series to subtract.
+            (f"sum(rate(tandem_router_requests_total{{status!~\"2..\"}}[{RI}])){ZERO}",
              "router non-2xx answers"),
-        ), "Requests that ended in an error: on the engines (finish_reason=error) and at the router (any non-2xx answer, after retries)."),
+            (f"sum by (engine) ({rate('tandem:request_rejected_total')})", "{{engine}} refused at admission"),
+        ), "Requests that ended in an error: on the engines (finish_reason=error), refused by an engine at admission "
+           "(503: overload, starting, draining, dead), and at the router (any non-2xx answer, after retries)."),
         Panel("Time to first token (p50 / p99)", "s", (
             (quantile(0.5, "tandem:time_to_first_token_seconds"), "{{engine}} p50"),
             (quantile(0.99, "tandem:time_to_first_token_seconds"), "{{engine}} p99"),
@@ -149,8 +155,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
             (f"sum by (worker, outcome) (rate(tandem_router_worker_requests_total[{RI}]))", "{{worker}} {{outcome}}"),
         ), "Attempts the router sent to each engine, by outcome."),
         Panel("Retries", "reqps", (
-            (f"sum by (route) (rate(tandem_router_retries_total[{RI}]))", "{{route}} retried"),
-            (f"sum by (route) (rate(tandem_router_retries_exhausted_total[{RI}]))", "{{route}} retries exhausted"),
+            (f"sum by (route) (rate(tandem_router_retries_total[{RI}])){ZERO}", "{{route}} retried"),
+            (f"sum by (route) (rate(tandem_router_retries_exhausted_total[{RI}])){ZERO}", "{{route}} retries exhausted"),
         ), "Upstream attempts retried on another engine (only before the first byte reaches the client)."),
         Panel("Circuit breaker state", "short", (
             ("max by (worker) (tandem_router_worker_cb_state)", "{{worker}}"),

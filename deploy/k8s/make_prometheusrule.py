@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes prometheusrule.yaml: deploy/prometheus/alerts.yml as a Prometheus Operator PrometheusRule.
+"""Writes base/prometheusrule.yaml: deploy/prometheus/alerts.yml as a Prometheus Operator PrometheusRule.
 
 alerts.yml stays the one source of the rules (compose mounts it; promtool tests it); the unit
 test fails when this file has drifted from it.   python deploy/k8s/make_prometheusrule.py [--check]
@@ -14,7 +14,7 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "prometheus", "alerts.yml")
-OUT = os.path.join(HERE, "prometheusrule.yaml")
+OUT = os.path.join(HERE, "base", "prometheusrule.yaml")
 HEADER = "# Generated from deploy/prometheus/alerts.yml by make_prometheusrule.py; edit that file.\n"
 
 

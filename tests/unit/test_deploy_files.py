@@ -141,6 +141,19 @@ def test_every_flag_in_the_compose_commands_parses(gpu, cpu):
                 router_parser().parse_args(svc["command"][1:])
 
 
+def test_cpu_engine_commands_pass_tandem_serves_validation(cpu):
+    """Beyond parsing: the cpu profile's engine command, validated as `tandem serve` does at
+    start-up, serves the bundled pair with MTP on the CPU, on the port the healthcheck probes."""
+    from proto.args import BUNDLED_MODEL_DIR, parse_server_args
+
+    for name in CPU_ENGINES:
+        svc = cpu[name]
+        args = parse_server_args(svc["command"][1:])
+        assert args.model_path == os.path.join(BUNDLED_MODEL_DIR, "target") and args.device == "cpu"
+        assert args.speculative_algorithm == "FROZEN-KV-MTP" and args.host == "0.0.0.0"
+        assert f"127.0.0.1:{args.port}/" in svc["healthcheck"]["test"][-1] and svc["expose"] == [str(args.port)]
+
+
 def test_grafana_is_provisioned_read_only_for_anonymous_viewers(gpu):
     g = gpu["grafana"]
     assert g["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
@@ -247,7 +260,12 @@ def test_build_context_has_the_bundled_pair_and_no_junk():
                  "models/tiny-shakespeare/assistant/model.safetensors", "pyproject.toml", "README.md",
                  "proto/args.py", "router/main.py", "deploy/healthcheck.py"):
         assert os.path.exists(os.path.join(ROOT, must)) and not _ignored(must, pats), must
-    for junk in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "tandem/__pycache__/cli.pyc"):
+    # deploy/models is .env's default TANDEM_MODELS_DIR: a user's checkpoints (GBs) mounted at run
+    # time must not be sent to the build and copied into the image.
+    with open(os.path.join(DEPLOY, ".env")) as f:
+        models_dir = dict(ln.strip().split("=", 1) for ln in f if "=" in ln and not ln.startswith("#"))["TANDEM_MODELS_DIR"]
+    user_ckpt = os.path.relpath(os.path.join(DEPLOY, models_dir, "Qwen3-8B", "model.safetensors"), ROOT)
+    for junk in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "tandem/__pycache__/cli.pyc", user_ckpt):
         assert _ignored(junk, pats), junk
 
 
@@ -326,7 +344,35 @@ def test_every_series_named_in_deploy_exists_in_the_code():
     with open(os.path.join(PROM_DIR, "alerts.yml")) as f:
         rules = [r["expr"] for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
     used = set(re.findall(r"\b(tandem:[a-z0-9_]+|tandem_router_[a-z0-9_]+)", "\n".join(_exprs() + rules)))
-    # From the ops branch (issue 11): allowed only while the engine does not export it yet.
-    pending = {"tandem:engine_restarts_total"} - engine
-    unknown = sorted(n for n in used if n not in engine | router | pending)
+    unknown = sorted(n for n in used if n not in engine | router)
     assert not unknown, f"series the code does not export: {unknown}"
+
+
+def _panel_expr(title: str, ref: str) -> str:
+    """A dashboard query as Grafana sends it for "All", with a 20 s $__rate_interval (5 s scrapes)."""
+    (expr,) = [t["expr"] for p in _dashboard()["panels"] if p["title"] == title
+               for t in p.get("targets", []) if t["refId"] == ref]
+    return expr.replace("$__rate_interval", "20s").replace("$engine", ".*").replace("$model_name", ".*")
+
+
+def test_router_panels_show_values_before_and_when_nothing_succeeds(tmp_path):
+    """promtool evaluates the panels' PromQL on synthetic series: the router's error line has a
+    value while every answer is a 503 (no 2xx series exists then), and the retry panels read 0,
+    not "No data", before the router's first retry creates their counters."""
+    promtool = _tool("promtool")
+    router_down = ['tandem_router_requests_total{route="/v1/completions",status="503"}', "0+10x20"]
+    healthy = ['tandem_router_requests_total{route="/v1/completions",status="200"}', "0+10x20"]
+    cases = [
+        (router_down, ("Errors", "B"), 2),  # 10 answers per 5 s scrape = 2/s, every one a 503
+        (healthy, ("Errors", "B"), 0),
+        (healthy, ("Retries", "A"), 0),
+        (healthy, ("Retries", "B"), 0),
+    ]
+    tests = [{"interval": "5s", "input_series": [{"series": s, "values": v}],
+              "promql_expr_test": [{"expr": _panel_expr(*panel), "eval_time": "1m",
+                                    "exp_samples": [{"labels": "{}", "value": want}]}]}
+             for (s, v), panel, want in cases]
+    path = tmp_path / "panels_test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "5s", "tests": tests}))
+    out = _run([promtool, "test", "rules", str(path)])
+    assert out.returncode == 0, out.stdout + out.stderr
