@@ -40,7 +40,7 @@ class Router:
         self.policy = make_policy(cfg.policy, cfg.cache)
         cache = self.policy if isinstance(self.policy, CacheAware) else None
         self.metrics = RouterMetrics(self.registry.all, cache.tree.size if cache else None,
-                                     (lambda: dict(cache.decisions)) if cache else None)
+                                     (lambda: dict(cache.decisions)) if cache else None, ROUTED + UNROUTED)
         self.client: aiohttp.ClientSession | None = None
         self.monitor: Monitor | None = None
         self.proxy: Proxy | None = None

@@ -89,7 +89,7 @@ class _Children:
 
 class RouterMetrics:
     def __init__(self, workers: Callable[[], list[Worker]], tree_size: Callable[[str], int] | None = None,
-                 decisions: Callable[[], dict[str, int]] | None = None):
+                 decisions: Callable[[], dict[str, int]] | None = None, routes: tuple[str, ...] = ()):
         self.registry = CollectorRegistry()
         r = self.registry
         c = lambda name, doc, labels: _Children(Counter(P + name, doc, labels, registry=r))  # noqa: E731
@@ -106,6 +106,11 @@ class RouterMetrics:
         self.disconnects = c("client_disconnects", "Client went away; upstream request aborted", ["route"])
         self.health_checks = c("worker_health_checks", "Health checks by result", ["worker", "result"])
         r.register(_WorkerCollector(workers, tree_size, decisions))
+        # Per-route event counters read 0 from start-up, not absent until their first event:
+        # rate() and alerts on them then work on a router that has never retried.
+        for route in routes:
+            for counter in (self.retries, self.retries_exhausted, self.stream_errors, self.disconnects):
+                counter.labels(route)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
