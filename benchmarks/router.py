@@ -199,12 +199,32 @@ def pct(a, q) -> float:
     return float(np.percentile(a, q)) * 1000.0  # ms
 
 
+def pin_router(args, router: Proc, others: list[Proc]) -> dict | None:
+    """--pin: the router alone on the last CPU, the client and the upstream on the rest (a
+    deployed router has cores of its own; on a 2-vCPU VM they would otherwise share two)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not args.pin or len(cpus) < 2:
+        return None
+    rest = set(cpus[:-1])
+    os.sched_setaffinity(router.p.pid, {cpus[-1]})
+    for p in others:
+        os.sched_setaffinity(p.p.pid, rest)
+    os.sched_setaffinity(0, rest)  # this process is the client
+    return {"router_cpus": [cpus[-1]], "client_upstream_cpus": sorted(rest)}
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def overhead(args) -> dict:
     fport = free_port()
     fake = Proc([PY, os.path.abspath(__file__), "fake-upstream", "--port", str(fport)], f"http://127.0.0.1:{fport}",
                 "bench-fake.log")
     wait_health(fake.url, 30)
     router = start_router([fake.url], "cache_aware")
+    pinning = pin_router(args, router, [fake])
     rows = []
     prompt = "The quick brown fox " * 20
     paced = {"prompt": prompt, "max_tokens": 16, "stream": True, "x_ttft_ms": 20, "x_itl_ms": 20}
@@ -221,10 +241,13 @@ def overhead(args) -> dict:
             if args.only and (concurrency, kind) not in args.only:
                 continue
             res = {"direct": [], "router": []}
+            router_cpu = 0.0
             for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both alike
                 for name, url in (("direct", fake.url), ("router", router.url)):
                     stagger = period_s / concurrency if kind == "stream paced" else 0.0
+                    c0 = proc_cpu_s(router.p.pid)
                     res[name].append(asyncio.run(load(url, body, concurrency, n, stagger)))
+                    router_cpu += proc_cpu_s(router.p.pid) - c0 if name == "router" else 0.0
             d = np.concatenate(res["direct"])
             r = np.concatenate(res["router"])
             col = 1 if kind == "json" else 0  # streams: first byte; JSON: whole answer
@@ -234,6 +257,8 @@ def overhead(args) -> dict:
                    "direct_req_s": float(np.median(d[:, 2])), "router_req_s": float(np.median(r[:, 2]))}
             row["added_p50_ms"] = row["router_p50_ms"] - row["direct_p50_ms"]
             row["added_p99_ms"] = row["router_p99_ms"] - row["direct_p99_ms"]
+            row["router_cpu_us_per_request"] = router_cpu / len(r) * 1e6  # warm-up requests included: an upper bound
+            row["pinning"] = pinning
             if kind == "stream paced":  # the last token too: every relayed chunk's delay adds up here
                 row["direct_end_p50_ms"], row["router_end_p50_ms"] = pct(d[:, 1], 50), pct(r[:, 1], 50)
                 row["added_end_p50_ms"] = row["router_end_p50_ms"] - row["direct_end_p50_ms"]
@@ -375,6 +400,7 @@ def main() -> None:
     o.add_argument("--rounds", type=int, default=3)
     o.add_argument("--only", nargs="+", type=lambda v: (int(v.split(":")[0]), v.split(":")[1]),
                    help='cases to run, as CONCURRENCY:KIND, e.g. "100:stream paced" (default: all)')
+    o.add_argument("--pin", action="store_true", help="router alone on the last CPU, client + upstream on the rest")
     o.add_argument("--real", action="store_true", help="also measure against one real CPU engine")
     o.add_argument("--model", default=os.path.join(ROOT, "models", "tiny-shakespeare", "target"))
     o.add_argument("--out")
