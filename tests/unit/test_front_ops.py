@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from proto.args import ArgError, parse_server_args
-from tests.unit.front_harness import start_stack
+from tests.unit.front_harness import MODEL, start_stack
 from tests.unit.test_front_api_validation import assert_error
 from tokenizer_proc import auth
 
@@ -28,7 +28,9 @@ def test_key_required_on_the_api_not_on_probes(keyed):
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Token {KEY}"},
                         {"Authorization": "Bearer"}, {"Authorization": f"Bearer {KEY}x"}):
             for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                                 ("POST", "/generate"), ("GET", "/server_info"), ("POST", "/tokenize")):
+                                 ("GET", f"/v1/models/{MODEL}"), ("POST", "/generate"), ("POST", "/detokenize"),
+                                 ("POST", "/flush_cache"), ("GET", "/health_generate"), ("GET", "/server_info"),
+                                 ("POST", "/tokenize")):
                 r = c.request(method, path, json={"prompt": "x"}, headers=headers)
                 assert r.status_code == 401, (path, headers, r.text)
                 err = r.json()["error"]
