@@ -247,10 +247,13 @@ def build_app(front: Front) -> FastAPI:
     async def models() -> dict:
         return models_body(front)
 
-    # OpenAI's models.retrieve; a :path because served names may hold a slash (org/model).
-    @app.get("/v1/models/{model:path}", responses={404: ERRORS[404]})
-    async def retrieve_model(model: str) -> dict:
-        check_model(model, front.args.model_name)
+    # OpenAI's models.retrieve; a :path because served names may hold a slash (org/model). The
+    # id is read from the request, not declared as a FastAPI parameter: that would add a 422.
+    model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+
+    @app.get("/v1/models/{model:path}", responses={404: ERRORS[404]}, openapi_extra={"parameters": [model_param]})
+    async def retrieve_model(request: Request) -> dict:
+        check_model(request.path_params["model"], front.args.model_name)
         return models_body(front)["data"][0]
 
     @app.get("/server_info")
