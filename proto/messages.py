@@ -129,6 +129,10 @@ class SchedulerStats(msgspec.Struct, tag="stats", frozen=True):
     spec_accepted_per_pos: tuple[int, ...] = ()
     steps: int = 0
     requests_received: int = 0  # GenerateReqs the scheduler has read (cumulative; front admission)
+    # Requests holding a running slot, finished ones whose last step is still in flight included
+    # (num_running leaves those out). Front admission: slots full means the queue is slot-bound,
+    # so a held slot frees within a step; slots free with a queue means KV pages hold it back.
+    num_slots_held: int = 0
     step_time_s: float = 0.0  # scheduler wall time spent planning + processing (cumulative)
     worker_forward_s: float = 0.0  # worker time in target forward (cumulative)
     worker_draft_s: float = 0.0  # worker time in the draft loop (cumulative)

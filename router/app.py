@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from proto.args import ArgError
+from router.auth import APIKeyMiddleware
 from router.config import RouterConfig, normalize_url
 from router.metrics import RouterMetrics
 from router.monitor import Monitor
@@ -57,8 +58,11 @@ class Router:
                                          ttl_dns_cache=300)
         # total bounds the whole upstream exchange, a stream's last byte included: nothing hangs.
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        # With --api-key every call of ours to an engine carries the key (a forwarded request
+        # carries the client's, already checked to be the same).
+        auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
         self.client = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                            trust_env=False)
+                                            trust_env=False, headers=auth)
         evict = self.policy.evict if isinstance(self.policy, CacheAware) else None
         self.monitor = Monitor(cfg, self.registry, self.client, self.metrics, evict)
         self.proxy = Proxy(cfg, self.registry, self.policy, self.client, self.metrics,
@@ -129,7 +133,7 @@ class RouterApp:
         await self.fallback(scope, receive, send)
 
 
-def build_app(router: Router) -> RouterApp:
+def build_app(router: Router) -> RouterApp | APIKeyMiddleware:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await router.start()
@@ -235,7 +239,12 @@ def build_app(router: Router) -> RouterApp:
     app.add_api_route("/remove_worker", legacy_remove, methods=["POST"], include_in_schema=False)
     app.add_api_route("/list_workers", list_workers, methods=["GET"], include_in_schema=False)
     _add_engine_routes(app, router)
-    return RouterApp(router, app)
+    served = RouterApp(router, app)
+    if router.cfg.api_key is None:
+        return served
+    # Outermost, so the raw hot path is guarded too: our client session carries the key, so an
+    # unchecked request would be forwarded with *our* credentials.
+    return APIKeyMiddleware(served, api_key=router.cfg.api_key, protect_ops=router.cfg.metrics_require_key)
 
 
 def _add_engine_routes(app: FastAPI, router: Router) -> None:

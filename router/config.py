@@ -9,6 +9,7 @@ A bad value raises ``ArgError`` whose message names the flag.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -72,6 +73,8 @@ class RouterConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     cache: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    api_key: str | None = field(default=None, repr=False)  # router/auth.py; or TANDEM_API_KEY
+    metrics_require_key: bool = False
 
 
 def normalize_url(url: str, flag: str = "--worker-urls") -> str:
@@ -133,6 +136,9 @@ def build_parser(prog: str = "tandem router") -> argparse.ArgumentParser:
     a("--cb-timeout-duration-secs", type=float, default=30.0)
     a("--cb-window-duration-secs", type=float, default=60.0)
     a("--disable-circuit-breaker", action="store_true")
+    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' (and send it to the engines); "
+                                      "or set TANDEM_API_KEY")
+    a("--metrics-require-key", action="store_true", help="require the key on /health, /metrics ... too")
     return p
 
 
@@ -178,6 +184,10 @@ def _check(cfg: RouterConfig) -> RouterConfig:
     positive("--retry-initial-backoff-ms", cfg.retry.initial_backoff_ms, allow_zero=True)
     positive("--balance-abs-threshold", cfg.cache.balance_abs_threshold, allow_zero=True)
     positive("--hot-waiting-threshold", cfg.cache.hot_waiting_threshold, allow_zero=True)
+    if cfg.api_key is not None and not cfg.api_key.strip():
+        raise ArgError("--api-key: must not be empty")
+    if cfg.metrics_require_key and cfg.api_key is None:
+        raise ArgError("--metrics-require-key: needs --api-key (or TANDEM_API_KEY)")
     if not cfg.health_check_endpoint.startswith("/"):
         raise ArgError(f"--health-check-endpoint: must start with '/', got {cfg.health_check_endpoint!r}")
     return cfg
@@ -186,6 +196,7 @@ def _check(cfg: RouterConfig) -> RouterConfig:
 def parse_router_args(argv: list[str]) -> RouterConfig:
     ns = build_parser().parse_args(argv)
     urls = tuple(dict.fromkeys(normalize_url(u) for u in ns.worker_urls))
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get("TANDEM_API_KEY") or None
     return _check(RouterConfig(
         worker_urls=urls, host=ns.host, port=ns.port, policy=ns.policy,
         request_timeout_s=ns.request_timeout_secs, connect_timeout_s=ns.connect_timeout_secs,
@@ -204,4 +215,5 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
                                eviction_interval_s=ns.eviction_interval_secs, max_tree_size=ns.max_tree_size,
                                max_prefix_chars=ns.max_prefix_chars, hot_waiting_threshold=ns.hot_waiting_threshold,
                                hot_kv_usage=ns.hot_kv_usage),
+        api_key=api_key, metrics_require_key=ns.metrics_require_key,
     ))

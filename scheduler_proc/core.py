@@ -302,6 +302,7 @@ class SchedulerCore:
             spec_accepted_per_pos=tuple(c.per_pos),
             steps=c.steps,
             requests_received=c.received,
+            num_slots_held=len(self.running),
             step_time_s=c.busy_s,
             worker_forward_s=c.forward_s,
             worker_draft_s=c.draft_s,

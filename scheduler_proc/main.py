@@ -131,7 +131,8 @@ class SchedulerLoop:
         if outs:
             self.outputs.send(StepOutputs(outs))
         stats = self.core.stats()
-        gauges = (stats.num_running, stats.num_waiting, stats.kv_pages_used, stats.steps, stats.requests_received)
+        gauges = (stats.num_running, stats.num_waiting, stats.kv_pages_used, stats.steps, stats.requests_received,
+                  stats.num_slots_held)
         if gauges == self.last_sent:
             return False
         now = time.monotonic()

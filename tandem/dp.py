@@ -144,8 +144,13 @@ class DataParallel:
         a = self.args
         cmd = [sys.executable, "-m", "tandem", "router", "--worker-urls", *self.urls, "--host", a.host,
                "--port", str(a.port), "--log-level", a.log_level, "--health-check-interval-secs", "2",
-               *self.router_argv]
-        self.router = subprocess.Popen(cmd, preexec_fn=_child_setup)
+               *(["--metrics-require-key"] if a.metrics_require_key else []), *self.router_argv]
+        env = dict(os.environ)
+        if a.api_key is not None:
+            # The router is the public door: it checks the engines' key and sends it to them.
+            # Through the environment, not argv, so ps does not show it.
+            env["TANDEM_API_KEY"] = a.api_key
+        self.router = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup)
 
     def wait_ready(self) -> str | None:
         """None once every engine and the router answer /health, else a reason."""
@@ -160,11 +165,12 @@ class DataParallel:
                     return f"engine {i} exited with code {p.returncode} during start-up"
             if self.router is not None and self.router.poll() is not None:
                 return f"router exited with code {self.router.returncode} during start-up"
+            key = self.args.api_key if self.args.metrics_require_key else None
             for i in list(pending):
-                if _healthy(self.urls[i]):
+                if _healthy(self.urls[i], key):
                     pending.discard(i)
             if not pending:
-                router_ok = _healthy(f"http://127.0.0.1:{self.args.port}")
+                router_ok = _healthy(f"http://127.0.0.1:{self.args.port}", key)
             time.sleep(_READY_POLL_S)
         return None
 
@@ -210,9 +216,11 @@ class DataParallel:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, api_key: str | None = None) -> bool:
+    """``api_key``: with --metrics-require-key /health wants it too."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with _NO_PROXY.open(url + "/health", timeout=2.0) as r:
+        with _NO_PROXY.open(urllib.request.Request(url + "/health", headers=headers), timeout=2.0) as r:
             return r.status == 200
     except (OSError, urllib.error.URLError):
         return False

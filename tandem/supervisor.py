@@ -74,6 +74,12 @@ class Supervisor:
         self.failures = 0  # engine deaths in a row
         self.death_announced = False  # the front was told the current engine is dead
         self.engine_started = 0.0
+        # EngineDead goes out on one channel opened at start and kept: connected (and through its
+        # CURVE handshake on tcp) long before a death. A channel opened at the death and closed
+        # 0.5 s later (linger 0) lost the message whenever connecting took longer, and the front,
+        # never told, left every in-flight request hanging.
+        self._zctx: zmq.Context | None = None
+        self._announcer: PushChannel | None = None
 
     # ------------------------------------------------------------------ children
     @property
@@ -95,6 +101,8 @@ class Supervisor:
         self.status[role] = parent_conn
 
     def start(self) -> None:
+        self._zctx = zmq.Context()
+        self._announcer = PushChannel(self._zctx, "outputs", self.endpoints.outputs)
         self._new_engine()
         for role in [*self.engine_roles, "tokenizer"]:
             self._spawn(role)
@@ -205,14 +213,10 @@ class Supervisor:
 
     def _announce_death(self, reason: str) -> None:
         self.death_announced = True
-        ctx = zmq.Context()
-        try:
-            chan = PushChannel(ctx, "outputs", self.endpoints.outputs)
-            chan.send(EngineDead(reason))
-            time.sleep(0.5)  # let the front fail its requests before anything else happens
-            chan.close()
-        finally:
-            ctx.term()
+        if self._announcer is None:  # not started: there is no front to tell
+            return
+        self._announcer.send(EngineDead(reason))
+        time.sleep(0.5)  # let the front fail its requests before anything else happens
 
     # ------------------------------------------------------------------ stopping
     def request_stop(self, *_):
@@ -239,6 +243,10 @@ class Supervisor:
                 proc.kill()
                 proc.join(2.0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._announcer is not None:
+            self._announcer.close()
+            self._zctx.term()
+            self._announcer = self._zctx = None
 
 
     def _wait_front(self, deadline: float) -> None:

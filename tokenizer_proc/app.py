@@ -25,6 +25,7 @@ from tokenizer_proc import serving_native, serving_openai
 from tokenizer_proc.auth import APIKeyMiddleware
 from tokenizer_proc.context import Front
 from tokenizer_proc.errors import APIError, error_body, error_response
+from tokenizer_proc.params import check_model
 from tokenizer_proc.protocol import REQUEST_TYPES, TOKEN_ID_MAX
 
 log = logging.getLogger("tandem.front")
@@ -245,6 +246,15 @@ def build_app(front: Front) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return models_body(front)
+
+    # OpenAI's models.retrieve; a :path because served names may hold a slash (org/model). The
+    # id is read from the request, not declared as a FastAPI parameter: that would add a 422.
+    model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+
+    @app.get("/v1/models/{model:path}", responses={404: ERRORS[404]}, openapi_extra={"parameters": [model_param]})
+    async def retrieve_model(request: Request) -> dict:
+        check_model(request.path_params["model"], front.args.model_name)
+        return models_body(front)["data"][0]
 
     @app.get("/server_info")
     async def get_server_info() -> Response:

@@ -12,9 +12,15 @@ answer 503.
 Admission (``--max-queued-requests`` N counts *waiting* requests, not running ones): the
 estimate is the scheduler's last reported ``num_waiting`` plus every GenerateReq sent that the
 scheduler had not read yet when it made that report (``requests_received`` is cumulative),
-less the running slots that report left free (the scheduler fills them first). Check and send
-happen synchronously (no await between them), so a burst cannot overshoot N while slots are
-the limit; when KV pages are, the scheduler's backstop (N + max running) still holds.
+less the slots free for them: those that report left free or held by finished requests (the
+scheduler frees those within a step and fills slots first; not counted when slots were free
+and requests still waited, i.e. KV pages were the limit), and one per request that has left
+the engine since (a final output after the report; outputs and stats share one ordered
+channel). Without these, a client that sends its next request the moment its last one ended
+got a 503 with the engine at exactly N waiting, for up to one stats interval.
+Check and send happen synchronously (no await between them), so a burst cannot overshoot N
+while slots are the limit; when KV pages are, the scheduler's backstop (N + max running)
+still holds.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ class EngineClient:
         self._task: asyncio.Task | None = None
         self.on_restart: Callable[[], None] | None = None  # set by the server
         self.sent_generate = 0  # GenerateReqs sent to the current engine (admission estimate)
+        self.finished_since_stats = 0  # final outputs received after the last SchedulerStats
 
     # ------------------------------------------------------------------ sockets
     def open(self) -> None:
@@ -133,10 +140,14 @@ class EngineClient:
         stats = self.last_stats
         waiting = stats.num_waiting if stats else 0
         in_transit = max(0, self.sent_generate - (stats.requests_received if stats else 0)) + n
-        free_slots = 0
-        if self.info is not None and waiting == 0:
-            free_slots = max(0, self.info.max_running_requests - (stats.num_running if stats else 0))
-        return waiting + max(0, in_transit - free_slots)
+        free_slots = self.finished_since_stats
+        if self.info is not None:
+            slots, running = self.info.max_running_requests, stats.num_running if stats else 0
+            # Slots the report left free, or held by finished requests (freed within a step):
+            # theirs unless KV pages, not slots, were what held the queue back.
+            if waiting == 0 or (stats is not None and stats.num_slots_held >= slots):
+                free_slots += max(0, slots - running)
+        return max(0, waiting + in_transit - free_slots)
 
     @property
     def num_running(self) -> int:
@@ -219,9 +230,11 @@ class EngineClient:
         if isinstance(msg, StepOutputs):
             now = time.monotonic()
             for out in msg.outputs:
+                if out.finish_reason is not None:
+                    self.finished_since_stats += 1
                 self._on_output(out, now)
         elif isinstance(msg, SchedulerStats):
-            self.last_stats = msg
+            self.last_stats, self.finished_since_stats = msg, 0
             self.metrics.on_stats(msg)
         elif isinstance(msg, EngineInfo):
             restarted = self.phase == DEAD
@@ -230,7 +243,7 @@ class EngineClient:
             self.info_event.set()
             if restarted:
                 # A fresh engine: its counters start from zero.
-                self.sent_generate, self.last_stats = 0, None
+                self.sent_generate, self.last_stats, self.finished_since_stats = 0, None, 0
                 self.metrics.engine_restarts.inc()
             if restarted and self.on_restart is not None:
                 # A supervisor that restarts the engine: warm up again before serving.
@@ -246,7 +259,7 @@ class EngineClient:
         self.info_event.set()  # wake a start-up that is still waiting for EngineInfo
         self.fail_all(f"engine is dead: {reason}", 503)
         # Nothing runs or waits on a dead engine: /load and the gauges say so until it is back.
-        self.last_stats = None
+        self.last_stats, self.finished_since_stats = None, 0
         self.metrics.running.set(0)
         self.metrics.waiting.set(0)
         self.metrics.kv_usage.set(0.0)

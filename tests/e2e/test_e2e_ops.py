@@ -231,8 +231,8 @@ def test_worker_dies_during_drain(ckpts):
 def test_worker_sigkill_with_restart_on_failure(ckpts, tmp_path):
     """SIGKILL the worker under 8 streams: each ends with an explicit error within 5 s, the
     supervisor starts a fresh engine (old processes reaped, no orphan), /health comes back, the
-    next request succeeds, engine_restarts_total is 1. Then the model vanishes and the worker is
-    killed again: the restarts fail, back off, and the supervisor gives up with exit 1."""
+    next request succeeds, engine_restarts_total is 1. Then the model vanishes and the scheduler is
+    killed: the restarts fail, back off, and the supervisor gives up with exit 1."""
     model = shutil.copytree(ckpts["gemma4"], tmp_path / "model")
     srv = Server(str(model), "--restart-on-failure", "--max-engine-restarts", "2")
     try:
@@ -253,9 +253,11 @@ def test_worker_sigkill_with_restart_on_failure(ckpts, tmp_path):
             assert new[role] != old[role] and not pid_alive(old[role])
 
         shutil.rmtree(model)  # the crash loop: no fresh worker can load the model any more
-        os.kill(new["tandem-worker"], signal.SIGKILL)
+        os.kill(new["tandem-schedule"], signal.SIGKILL)  # the scheduler's death restarts the engine too
         srv.proc.wait(timeout=60)
         assert srv.proc.returncode == 1
+        srv.output()  # flushes the log
+        assert "scheduler process died (exit code -9); restarting the engine" in open(srv.log_path).read()
         assert "giving up" in srv.output()
         assert not any(pid_alive(p) for p in (*new.values(), *old.values()))
     finally:

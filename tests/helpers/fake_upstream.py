@@ -19,6 +19,7 @@ import time
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -40,10 +41,14 @@ class FakeEngine:
         self.waiting = 0
         self.kv = 0.0
         self.vllm_like = False  # no /load; the gauges on /metrics under vLLM's names instead
+        # Like the front's --api-key: Bearer required but on /health, /load, /metrics (everywhere
+        # with keyed_ops, as --metrics-require-key).
+        self.api_key: str | None = None
+        self.keyed_ops = False
         self.seen: list[tuple[str, dict, dict]] = []
         self.disconnects = 0
         self.lock = threading.Lock()
-        self.app = Starlette(routes=[
+        self.app = Starlette(middleware=[Middleware(_KeyCheck, engine=self)], routes=[
             Route("/health", self._health),
             Route("/load", self._load),
             Route("/metrics", self._metrics),
@@ -117,6 +122,20 @@ class FakeEngine:
         except asyncio.CancelledError:
             self.disconnects += 1
             raise
+
+
+class _KeyCheck:
+    def __init__(self, app, engine: FakeEngine):
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope, receive, send):
+        key = self.engine.api_key
+        probe = scope["path"] in ("/health", "/load", "/metrics") and not self.engine.keyed_ops
+        if key is None or scope["type"] != "http" or probe \
+                or dict(scope["headers"]).get(b"authorization") == f"Bearer {key}".encode():
+            await self.app(scope, receive, send)
+            return
+        await JSONResponse({"error": {"code": 401}}, status_code=401)(scope, receive, send)
 
 
 class ServerThread:

@@ -214,6 +214,7 @@ class FakeEngine:
             num_running=min(len(self.running), self.max_running),
             num_waiting=max(0, len(self.running) - self.max_running), kv_pages_used=len(self.running),
             kv_pages_total=64, requests_received=self.generate_count,
+            num_slots_held=min(len(self.running), self.max_running),
             prefix_queries=100, prefix_hits=40, spec_num_drafts=self.drafts,
             spec_num_draft_tokens=self.drafts * max(steps, 0),
             spec_num_accepted_tokens=self.accepted, spec_accepted_per_pos=tuple([self.drafts] * max(steps, 0)),

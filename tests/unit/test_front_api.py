@@ -55,6 +55,13 @@ def test_models(client):
     models = client.models.list()
     assert models.data[0].id == MODEL
     assert models.data[0].model_extra["max_model_len"] == 512
+    # models.retrieve (GET /v1/models/{id}): the same card; an unknown id is OpenAI's 404.
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("org/no-such-model")
+    err = exc.value.body
+    assert err["code"] == 404 and err["param"] == "model" and "org/no-such-model" in err["message"]
 
 
 def test_completion_non_stream_and_stream_agree(stack, client):

@@ -111,6 +111,36 @@ def test_overload_burst_never_overshoots():
         stack.close()
 
 
+def test_closed_loop_at_capacity_is_never_refused():
+    """2 slots + --max-queued-requests 2, and 4 clients that each send their next request the
+    moment the last one ended: never more than running + N in the engine, so never a 503, even
+    though the scheduler's stats lag (every 50 ms) behind the finishes the front has seen."""
+    stack = start_stack(max_queued_requests=2)
+    try:
+        stack.fake.max_running = 2
+        stack.fake.send_info()
+        assert stack.fake.wait_for(lambda: stack.engine.info.max_running_requests == 2)
+        codes: list[int] = []
+        peak = [0]
+
+        def client():
+            with httpx.Client(base_url=stack.base_url, timeout=10) as c:
+                deadline = time.monotonic() + 1.5
+                while time.monotonic() < deadline:
+                    codes.append(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code)
+                    peak[0] = max(peak[0], len(stack.fake.running))
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        assert codes and set(codes) == {200}, f"{codes.count(503)} of {len(codes)} refused at capacity"
+        assert peak[0] <= 4
+    finally:
+        stack.close()
+
+
 def test_engine_dead_fails_inflight_and_health():
     stack = start_stack()
     try:

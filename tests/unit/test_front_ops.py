@@ -8,8 +8,8 @@ import hmac
 import httpx
 import pytest
 
-from proto.args import ArgError, parse_server_args
-from tests.unit.front_harness import start_stack
+from proto.args import ArgError, ServerArgs, parse_server_args
+from tests.unit.front_harness import MODEL, start_stack
 from tests.unit.test_front_api_validation import assert_error
 from tokenizer_proc import auth
 
@@ -28,7 +28,9 @@ def test_key_required_on_the_api_not_on_probes(keyed):
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Token {KEY}"},
                         {"Authorization": "Bearer"}, {"Authorization": f"Bearer {KEY}x"}):
             for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                                 ("POST", "/generate"), ("GET", "/server_info"), ("POST", "/tokenize")):
+                                 ("GET", f"/v1/models/{MODEL}"), ("POST", "/generate"), ("POST", "/detokenize"),
+                                 ("POST", "/flush_cache"), ("GET", "/health_generate"), ("GET", "/server_info"),
+                                 ("POST", "/tokenize")):
                 r = c.request(method, path, json={"prompt": "x"}, headers=headers)
                 assert r.status_code == 401, (path, headers, r.text)
                 err = r.json()["error"]
@@ -133,3 +135,40 @@ def test_n_choices_may_use_free_slots():
             assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 6}), 400, "n")
     finally:
         stack.close()
+
+
+def test_admission_estimate_counts_slots_that_free_within_a_step():
+    """The waiting estimate behind --max-queued-requests, on the scheduler's report shapes
+    (4 slots): a slot held by a finished request (released after its last in-flight step) and a
+    finish seen since the report both make room; free slots beside a queue (KV-bound) do not."""
+    from proto.messages import EngineInfo, SchedulerStats
+    from proto.transport import ipc_endpoints
+    from tokenizer_proc.engine_client import EngineClient
+    from tokenizer_proc.metrics import Metrics
+
+    args = ServerArgs(model_path=".", max_queued_requests=4)
+    engine = EngineClient(args, ipc_endpoints("/nonexistent"), Metrics("m", None))
+    try:
+        engine.info = EngineInfo(max_context=64, vocab_size=10, page_size=16, num_pages=64, max_running_requests=4,
+                                 device="cpu", dtype="float32", architecture="X")
+
+        def report(running, waiting, held, received=8):
+            engine.sent_generate = received
+            engine.last_stats = SchedulerStats(num_running=running, num_waiting=waiting, kv_pages_used=1,
+                                               kv_pages_total=64, requests_received=received, num_slots_held=held)
+            engine.finished_since_stats = 0
+
+        report(4, 4, 4)  # full: slots and queue
+        assert engine._waiting_with(1) == 5
+        engine.finished_since_stats = 1  # one ended after the report: its slot goes to a waiting one
+        assert engine._waiting_with(1) == 4
+        report(3, 4, 4)  # one slot held by a finished request: free within a step
+        assert engine._waiting_with(1) == 4
+        report(3, 4, 3)  # a free slot and still a queue: KV pages are the limit
+        assert engine._waiting_with(1) == 5
+        report(2, 0, 2)  # idle slots take the newcomers first
+        assert engine._waiting_with(2) == 0 and engine._waiting_with(3) == 1
+        engine.sent_generate += 1  # one in transit
+        assert engine._waiting_with(2) == 1
+    finally:
+        engine.ctx.term()

@@ -88,3 +88,39 @@ def test_dp_engine_commands(monkeypatch, tmp_path):
     assert _gpu_ids(2) == ["3", "5"]
     with pytest.raises(ArgError, match="--dp-size: 4 engines need 4 GPUs, 3 visible"):
         _gpu_ids(4)
+
+
+def test_router_api_key_flags(monkeypatch):
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    assert parse_router_args([]).api_key is None
+    cfg = parse_router_args(["--api-key", "k1", "--metrics-require-key"])
+    assert (cfg.api_key, cfg.metrics_require_key) == ("k1", True) and "k1" not in repr(cfg)
+    monkeypatch.setenv("TANDEM_API_KEY", "k2")
+    assert parse_router_args([]).api_key == "k2"
+    with pytest.raises(ArgError, match="--api-key"):
+        parse_router_args(["--api-key", " "])
+    monkeypatch.delenv("TANDEM_API_KEY")
+    with pytest.raises(ArgError, match="--metrics-require-key"):
+        parse_router_args(["--metrics-require-key"])
+
+
+def test_dp_hands_the_api_key_to_the_router(monkeypatch):
+    """--dp-size with --api-key: the router child gets the key (in its environment, not its
+    argv) and --metrics-require-key, so it guards its own routes and can talk to the engines."""
+    from proto.args import parse_server_args
+    from tandem import dp as dp_mod
+
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    started = []
+
+    class FakePopen:
+        def __init__(self, cmd, env=None, preexec_fn=None):
+            started.append((cmd, env or {}))
+
+    monkeypatch.setattr(dp_mod.subprocess, "Popen", FakePopen)
+    argv = ["--device", "cpu", "--api-key", "sekrit", "--metrics-require-key"]
+    dp_mod.DataParallel(2, parse_server_args(argv), argv, []).start()
+    (router_cmd, router_env), engines = started[-1], started[:-1]
+    assert "router" in router_cmd and "--metrics-require-key" in router_cmd and "sekrit" not in router_cmd
+    assert router_env["TANDEM_API_KEY"] == "sekrit"
+    assert all("--api-key" in cmd for cmd, _ in engines) and len(engines) == 2

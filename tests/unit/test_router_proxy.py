@@ -275,3 +275,40 @@ def test_engine_without_load_route_is_read_from_its_prometheus_gauges(stack):
     w = stack.router.registry.all()[1]
     until(lambda: w.load_source == "metrics" and w.load() == 11)
     assert w.kv_usage == 0.25
+
+
+@pytest.mark.parametrize("keyed_ops", [False, True])
+def test_api_key_guards_the_router_and_reaches_the_engines(monkeypatch, keyed_ops):
+    """tandem serve --dp-size N --api-key K: the router answers /workers, /flush_cache,
+    /v1/models itself, so it checks the key too (adding a worker would send traffic anywhere),
+    and it sends the key on its own calls to the keyed engines (else /v1/models is empty, and
+    with --metrics-require-key no engine ever looks healthy)."""
+    key = "rk-123"
+    monkeypatch.setenv("TANDEM_API_KEY", key)  # how tandem/dp.py hands it over
+    s = Stack(2, *(["--metrics-require-key"] if keyed_ops else []), names=["alpha", "beta"])
+    for f in s.fakes:
+        f.api_key, f.keyed_ops = key, keyed_ops
+    ok = {"Authorization": f"Bearer {key}"}
+    try:
+        until(lambda: all(w.healthy and w.models for w in s.router.registry.all()))
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            for method, path in (("GET", "/workers"), ("POST", "/workers"), ("POST", "/add_worker"),
+                                 ("DELETE", "/workers/worker-0"), ("POST", "/flush_cache"), ("GET", "/v1/models"),
+                                 ("GET", "/server_info"), ("GET", "/get_loads"), ("POST", "/v1/completions")):
+                r = httpx.request(method, s.url + path, json={"url": "http://127.0.0.1:9", "prompt": "p"},
+                                  headers=headers)
+                err = r.json()["error"]
+                assert r.status_code == 401 and err["type"] == "AuthenticationError", (method, path, r.text)
+                assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(s.url + "/workers", headers=ok).json()["total"] == 2  # nothing was added or removed
+        assert not any(f.seen for f in s.fakes)  # nor forwarded (the router's own key would have let it in)
+        for path in ("/health", "/metrics", "/readiness", "/liveness"):
+            assert httpx.get(s.url + path).status_code == (401 if keyed_ops else 200), path
+            assert httpx.get(s.url + path, headers=ok).status_code == 200, path
+        ids = [m["id"] for m in httpx.get(s.url + "/v1/models", headers=ok).json()["data"]]
+        assert ids == ["alpha", "beta"]
+        assert httpx.get(s.url + "/server_info", headers=ok).json()["server"] in ("alpha", "beta")
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "p"}, headers=ok)
+        assert r.status_code == 200 and r.json()["server"] in ("alpha", "beta")
+    finally:
+        s.stop()

@@ -81,3 +81,30 @@ def test_front_that_drained_by_itself_means_exit_0(monkeypatch):
     pids = {p.pid for p in sup.procs.values()}
     assert sup.watch() == 0 and sup.failures == 0
     assert _all_reaped(pids)
+
+
+def test_engine_dead_reaches_a_front_that_connects_late(monkeypatch):
+    """EngineDead must not be lost when the front's end is slow to connect (a busy front, a
+    CURVE handshake): the supervisor sends it on a channel it keeps open, so it is delivered
+    once the connection is up. Here the outputs PULL binds only after the announcement."""
+    import zmq
+
+    from proto.messages import EngineDead
+    from proto.transport import PullChannel
+
+    sup = _sup(monkeypatch, "none")
+    pids = {p.pid for p in sup.procs.values()}
+    ctx = zmq.Context()
+    try:
+        sup._announce_death("worker process died (exit code -9)")
+        # The stand-in front binds nothing: the announcement went out before any front was there.
+        late = PullChannel(ctx, "outputs", sup.endpoints.outputs)
+        try:
+            msg = late.recv(timeout_ms=3000)
+        finally:
+            late.close()
+        assert msg == EngineDead("worker process died (exit code -9)")
+    finally:
+        ctx.term()
+        sup.stop(grace=1.0)
+    assert _all_reaped(pids)
