@@ -6,6 +6,9 @@ compose healthchecks run this with the image's own interpreter. It uses only the
 library, so it works before and after the venv is on PATH.
 
     tandem-healthcheck [URL]      default: $TANDEM_HEALTH_URL or http://127.0.0.1:8000/health
+
+With $TANDEM_API_KEY set (the server's key) the probe sends it, so ``--metrics-require-key``,
+which closes /health too, does not leave the container unhealthy.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ DEFAULT_URL = "http://127.0.0.1:8000/health"
 
 def main(argv: list[str]) -> int:
     url = argv[1] if len(argv) > 1 else os.environ.get("TANDEM_HEALTH_URL", DEFAULT_URL)
+    key = os.environ.get("TANDEM_API_KEY")
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url, timeout=float(os.environ.get("TANDEM_HEALTH_TIMEOUT", "4"))) as resp:
+        with urllib.request.urlopen(request, timeout=float(os.environ.get("TANDEM_HEALTH_TIMEOUT", "4"))) as resp:
             ok = resp.status == 200
     except (urllib.error.URLError, OSError, ValueError) as exc:  # 503 arrives as HTTPError (a URLError)
         print(f"unhealthy: {url}: {exc}", file=sys.stderr)

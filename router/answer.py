@@ -26,6 +26,7 @@ log = logging.getLogger("tandem.router")
 Headers = list[tuple[bytes, bytes]]
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+                413: "RequestTooLargeError",
                 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 # Not passed from the engine to the client: hop-by-hop, or set by our own server.
 _DROP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",

@@ -67,6 +67,7 @@ class RouterConfig:
     health_check_endpoint: str = "/health"
     load_poll_interval_s: float = 0.5  # engine /load (running, waiting, KV usage)
     max_connections: int = 4096
+    max_request_body_bytes: int = 8 * 1024 * 1024  # beyond it 413, before buffering more (the engines' default)
     log_level: str = "info"
     routing_key_headers: tuple[str, ...] = ("x-session-id", "x-smg-routing-key", "x-user-id")
     request_id_headers: tuple[str, ...] = ("x-request-id", "x-correlation-id", "x-trace-id")
@@ -116,6 +117,8 @@ def build_parser(prog: str = "tandem router") -> argparse.ArgumentParser:
     a("--health-check-endpoint", default="/health")
     a("--load-poll-interval-secs", type=float, default=0.5)
     a("--max-connections", type=int, default=4096)
+    a("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+      help="larger request bodies get 413 before they are buffered (default: the engines' 8 MiB)")
     a("--log-level", default="info")
     a("--cache-threshold", type=float, default=0.3)
     a("--balance-abs-threshold", type=int, default=64)
@@ -172,6 +175,7 @@ def _check(cfg: RouterConfig) -> RouterConfig:
                         ("--max-tree-size", cfg.cache.max_tree_size),
                         ("--max-prefix-chars", cfg.cache.max_prefix_chars),
                         ("--max-connections", cfg.max_connections),
+                        ("--max-request-body-bytes", cfg.max_request_body_bytes),
                         ("--health-failure-threshold", cfg.health_failure_threshold),
                         ("--health-success-threshold", cfg.health_success_threshold),
                         ("--cb-failure-threshold", cfg.breaker.failure_threshold),
@@ -203,7 +207,8 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         health_check_interval_s=ns.health_check_interval_secs, health_check_timeout_s=ns.health_check_timeout_secs,
         health_failure_threshold=ns.health_failure_threshold, health_success_threshold=ns.health_success_threshold,
         health_check_endpoint=ns.health_check_endpoint, load_poll_interval_s=ns.load_poll_interval_secs,
-        max_connections=ns.max_connections, log_level=ns.log_level,
+        max_connections=ns.max_connections, max_request_body_bytes=ns.max_request_body_bytes,
+        log_level=ns.log_level,
         retry=RetryConfig(max_retries=ns.retry_max_retries, initial_backoff_ms=ns.retry_initial_backoff_ms,
                           max_backoff_ms=ns.retry_max_backoff_ms, backoff_multiplier=ns.retry_backoff_multiplier,
                           jitter_factor=ns.retry_jitter_factor, enabled=not ns.disable_retries),

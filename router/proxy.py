@@ -93,7 +93,14 @@ class Proxy:
         """Serve one proxied request on raw ASGI. One watcher task per request: a client that
         leaves cancels this task, wherever it waits (upstream, retry back-off, mid-stream)."""
         t0 = time.perf_counter()
-        body = await _read_body(receive)
+        try:
+            body = await _read_body(receive, self.cfg.max_request_body_bytes)
+        except _TooLarge:
+            limit = self.cfg.max_request_body_bytes
+            self.metrics.requests.labels(route, "413").inc()
+            await Answer.error(413, f"request body larger than {limit} bytes (--max-request-body-bytes)").send(
+                send, self._request_id(scope).encode("latin-1"))
+            return
         if body is None:  # gone before its body arrived
             self.metrics.disconnects.labels(route).inc()
             return
@@ -276,14 +283,23 @@ def _forward_headers(scope, rid: str) -> dict[str, str]:
     return out
 
 
-async def _read_body(receive) -> bytes | None:
-    """The whole request body, or None when the client disconnected first."""
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    """The whole request body, or None when the client disconnected first; _TooLarge past
+    ``limit`` bytes (counted as they arrive: a chunked body has no Content-Length)."""
     parts = []
+    size = 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             return None
         parts.append(msg.get("body", b""))
+        size += len(parts[-1])
+        if size > limit:
+            raise _TooLarge
         if not msg.get("more_body"):
             return parts[0] if len(parts) == 1 else b"".join(parts)
 

@@ -144,6 +144,7 @@ class DataParallel:
         a = self.args
         cmd = [sys.executable, "-m", "tandem", "router", "--worker-urls", *self.urls, "--host", a.host,
                "--port", str(a.port), "--log-level", a.log_level, "--health-check-interval-secs", "2",
+               "--max-request-body-bytes", str(a.max_request_body_bytes),
                *(["--metrics-require-key"] if a.metrics_require_key else []), *self.router_argv]
         env = dict(os.environ)
         if a.api_key is not None:

@@ -4,7 +4,7 @@ Per role (OpenAI's chat-completions reference):
 - ``system`` / ``developer`` / ``user``: ``content`` required, a string or a non-empty array of
   parts (text parts only here: we serve text models);
 - ``assistant``: ``content`` may be absent or null only when ``tool_calls`` / ``function_call``
-  is given;
+  is given; its parts may also be ``{"type": "refusal", "refusal": str}`` (rendered as text);
 - ``tool``: ``content`` and ``tool_call_id`` required;
 - ``function`` (deprecated): ``name`` required, ``content`` may be null.
 Any other role is refused. Every failure is a 400 whose ``param`` is the path, e.g.
@@ -31,7 +31,7 @@ def _missing(path: str) -> APIError:
     return bad_request(f"Missing required parameter: '{path}'.", path)
 
 
-def _check_parts(parts: list, path: str) -> None:
+def _check_parts(parts: list, path: str, role: str) -> None:
     if not parts:
         raise bad_request(f"Invalid '{path}': empty array. Expected an array with minimum length 1.", path)
     for j, part in enumerate(parts):
@@ -42,14 +42,16 @@ def _check_parts(parts: list, path: str) -> None:
         kind = part.get("type")
         if kind is None:
             raise _missing(f"{where}.type")
-        if kind != "text":
-            raise bad_request(f"Invalid value for '{where}.type': only 'text' parts are supported by this "
+        field = {"text": "text", "refusal": "refusal" if role == "assistant" else None}.get(kind)
+        if field is None:
+            allowed = "'text' and 'refusal'" if role == "assistant" else "'text'"
+            raise bad_request(f"Invalid value for '{where}.type': only {allowed} parts are supported by this "
                               f"text model, got {kind!r}.", f"{where}.type")
-        if "text" not in part:
-            raise _missing(f"{where}.text")
-        if not isinstance(part["text"], str):
-            raise bad_request(f"Invalid type for '{where}.text': expected a string, but got "
-                              f"{_type_name(part['text'])} instead.", f"{where}.text")
+        if field not in part:
+            raise _missing(f"{where}.{field}")
+        if not isinstance(part[field], str):
+            raise bad_request(f"Invalid type for '{where}.{field}': expected a string, but got "
+                              f"{_type_name(part[field])} instead.", f"{where}.{field}")
 
 
 def _check_content(message: dict, role: str, path: str) -> None:
@@ -63,7 +65,7 @@ def _check_content(message: dict, role: str, path: str) -> None:
             raise _missing(f"{path}.content")
         raise bad_request(f"Invalid value for '{path}.content': expected a string, got null.", f"{path}.content")
     if isinstance(content, list):
-        _check_parts(content, f"{path}.content")
+        _check_parts(content, f"{path}.content", role)
     elif not isinstance(content, str):
         raise bad_request(f"Invalid type for '{path}.content': expected one of a string or array of objects, "
                           f"but got {_type_name(content)} instead.", f"{path}.content")

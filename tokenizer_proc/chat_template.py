@@ -130,7 +130,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     """Drop None-valued keys; flatten all-text part lists into one string.
 
     Flattening (parts joined by newlines, as vLLM does for "string"-format templates) lets any
-    template render list content; non-text parts are rejected because we serve text models.
+    template render list content; an assistant's ``refusal`` part counts as text; other parts are
+    rejected because we serve text models.
     A missing or null ``content`` (an assistant turn with tool calls) becomes "" so templates
     that print ``message['content']`` do not fail on it (vLLM does the same).
     """
@@ -141,9 +142,10 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                key = part.get("type") if isinstance(part, dict) else None
+                if key not in ("text", "refusal") or not isinstance(part.get(key), str):
                     raise ChatTemplateError(f"messages[{i}].content: only parts of type 'text' are supported")
-                texts.append(part["text"])
+                texts.append(part[key])  # an assistant's refusal part renders as its text (vLLM does too)
             msg["content"] = "\n".join(texts)
         out.append(msg)
     return out

@@ -376,3 +376,32 @@ def test_router_panels_show_values_before_and_when_nothing_succeeds(tmp_path):
     path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "5s", "tests": tests}))
     out = _run([promtool, "test", "rules", str(path)])
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_healthcheck_sends_the_key_when_health_requires_it(monkeypatch):
+    """With --metrics-require-key /health wants the key: the probe sends $TANDEM_API_KEY."""
+    import http.server
+    import importlib.util
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200 if self.headers.get("Authorization") == "Bearer k3y" else 401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    spec = importlib.util.spec_from_file_location("healthcheck", os.path.join(ROOT, "deploy", "healthcheck.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    url = f"http://127.0.0.1:{srv.server_address[1]}/health"
+    try:
+        monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+        assert probe.main(["probe", url]) == 1
+        monkeypatch.setenv("TANDEM_API_KEY", "k3y")
+        assert probe.main(["probe", url]) == 0
+    finally:
+        srv.shutdown()

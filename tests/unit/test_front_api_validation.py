@@ -95,6 +95,10 @@ CHAT_CASES = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    # A refusal part is an assistant's only: a user's is refused, an assistant's needs its string.
+    ({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}, {"role": "user", "content": "x"}]},
+     "messages[0].content[0].refusal"),
     ({"messages": [{"role": "assistant"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]}, "messages[1].tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
@@ -125,9 +129,14 @@ def test_chat_roles_openai_accepts(http):
                 {"role": "user", "content": [{"type": "text", "text": "hi"}]},
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
                                                                        "function": {"name": "f", "arguments": "{}"}}]},
-                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+                {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+                {"role": "user", "content": "ok"}]
     r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
     assert r.status_code == 200, r.text
+    ids = http.post("/tokenize", json={"messages": messages[-2:]}).json()["tokens"]
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert "I can't." in text  # the refusal is rendered as the assistant's text
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize",

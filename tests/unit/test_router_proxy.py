@@ -173,6 +173,25 @@ def test_client_gone_before_a_json_answer_aborts_upstream(stack):
     assert httpx.post(stack.url + "/v1/completions", json={"prompt": "hi"}).status_code == 200  # still serving
 
 
+def test_body_over_the_limit_is_413_before_forwarding():
+    s = Stack(1, "--max-request-body-bytes", "1000")
+    try:
+        big = json.dumps({"prompt": "a" * 2000}).encode()
+
+        def chunked():  # no Content-Length: counted as it streams in
+            for i in range(0, len(big), 300):
+                yield big[i:i + 300]
+
+        for content in (big, chunked()):
+            r = httpx.post(s.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == 413
+            assert "--max-request-body-bytes" in r.json()["error"]["message"]
+        assert not s.fakes[0].seen
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "a" * 100}).status_code == 200
+    finally:
+        s.stop()
+
+
 def test_wrong_method_on_a_proxied_route_is_405(stack):
     r = httpx.get(stack.url + "/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
