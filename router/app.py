@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from proto.args import ArgError
-from router.auth import APIKeyMiddleware
+from proto.auth import APIKeyMiddleware
 from router.config import RouterConfig, normalize_url
 from router.metrics import RouterMetrics
 from router.monitor import Monitor
@@ -242,9 +242,13 @@ def build_app(router: Router) -> RouterApp | APIKeyMiddleware:
     served = RouterApp(router, app)
     if router.cfg.api_key is None:
         return served
-    # Outermost, so the raw hot path is guarded too: our client session carries the key, so an
-    # unchecked request would be forwarded with *our* credentials.
-    return APIKeyMiddleware(served, api_key=router.cfg.api_key, protect_ops=router.cfg.metrics_require_key)
+    # Behind `serve --dp-size N --api-key` the router is the public door, and it answers some
+    # routes itself (/workers: point traffic, prompts included, at any URL; /flush_cache;
+    # /v1/models). Outermost, so the raw hot path is guarded too: our client session carries
+    # the key, so an unchecked request would be forwarded with *our* credentials. Probes and the
+    # scrape stay open unless --metrics-require-key.
+    return APIKeyMiddleware(served, api_key=router.cfg.api_key, protect_ops=router.cfg.metrics_require_key,
+                            open_paths=frozenset({"/health", "/liveness", "/readiness", "/metrics"}))
 
 
 def _add_engine_routes(app: FastAPI, router: Router) -> None:

@@ -74,7 +74,7 @@ class RouterConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     cache: CacheAwareConfig = field(default_factory=CacheAwareConfig)
-    api_key: str | None = field(default=None, repr=False)  # router/auth.py; or TANDEM_API_KEY
+    api_key: str | None = field(default=None, repr=False)  # proto/auth.py; or TANDEM_API_KEY
     metrics_require_key: bool = False
 
 

@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proto.auth import APIKeyMiddleware
 from tokenizer_proc import serving_native, serving_openai
-from tokenizer_proc.auth import APIKeyMiddleware
 from tokenizer_proc.context import Front
 from tokenizer_proc.errors import APIError, error_body, error_response
 from tokenizer_proc.params import check_model
@@ -203,7 +203,9 @@ def build_app(front: Front) -> FastAPI:
     app.state.front = front
     install_error_handlers(app)
     if front.args.api_key is not None:
+        # /load stays open too: routers poll it.
         app.add_middleware(APIKeyMiddleware, api_key=front.args.api_key,
+                           open_paths=frozenset({"/health", "/metrics", "/load"}),
                            protect_ops=front.args.metrics_require_key)
 
     def post(path: str, handler: Handler, body: str, ok: dict | None = None) -> None:

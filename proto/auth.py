@@ -1,9 +1,10 @@
-"""``--api-key``: ``Authorization: Bearer KEY`` on every route but the operational ones.
+"""``--api-key``: ``Authorization: Bearer KEY`` on every route but the operational ones, for
+the engine's front and the router alike (both import it from here; they share only proto/).
 
 A pure ASGI middleware (streams pass through untouched). The key is compared in constant time
 (``hmac.compare_digest`` on bytes), so response timing says nothing about how much of a guess
-was right. /health, /metrics and /load stay open for probes, scrapers and routers unless
-``--metrics-require-key``. A refusal is 401 in the OpenAI error shape with
+was right. The caller names the open paths (probes, scrapers, routers' load polls), closed too
+with ``--metrics-require-key``. A refusal is 401 in the OpenAI error shape with
 ``WWW-Authenticate: Bearer`` (RFC 6750), before the body is read.
 """
 
@@ -14,10 +15,6 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-from tokenizer_proc.errors import error_body
-
-OPEN_PATHS = frozenset({"/health", "/metrics", "/load"})
 
 
 def bearer_token(authorization: str | None) -> bytes | None:
@@ -30,10 +27,10 @@ def bearer_token(authorization: str | None) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str, protect_ops: bool = False):
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str], protect_ops: bool = False):
         self.app = app
         self.key = api_key.encode("utf-8")
-        self.open_paths = frozenset() if protect_ops else OPEN_PATHS
+        self.open_paths = frozenset() if protect_ops else open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
@@ -46,6 +43,6 @@ class APIKeyMiddleware:
             return
         message = ("missing API key: send 'Authorization: Bearer <key>'" if token is None
                    else "invalid API key")
-        body = error_body(401, message)
+        body = {"error": {"message": message, "type": "AuthenticationError", "param": None, "code": 401}}
         response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
