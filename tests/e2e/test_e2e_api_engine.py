@@ -340,6 +340,7 @@ def test_tokenize_detokenize_and_info(srv):
     assert httpx.get(u + "/get_server_info").json()["engine_info"] == info["engine_info"]
     assert httpx.get(u + "/health_generate", timeout=30).status_code == 200
     assert httpx.get(u + "/health").status_code == 200
+    wait_idle(u)  # the running count is the scheduler's last report: the probe's idle one may still be on its way
     load = httpx.get(u + "/load").json()  # what routers poll (tandem router reads the last three)
     assert load["server_load"] == 0 and load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
     assert 0.0 <= load["kv_cache_usage_perc"] <= 1.0
