@@ -161,10 +161,16 @@ def test_shared_prefix_lands_each_prefix_on_one_engine(stack):
             landed[i].add(worker)
     assert all(len(ws) == 1 for ws in landed.values()), landed
     assert len({w for ws in landed.values() for w in ws}) >= 2  # new prefixes spread out
-    hits1, queries1 = _prefix_counters(engines)
     # Each prefix is prefilled once; its 3 repeats hit the engine's cache for its full pages.
     repeats = 3 * len(SYSTEMS)
-    assert hits1 - hits0 >= repeats * (prefix_tokens // 16 - 1) * 16, (hits1 - hits0, queries1 - queries0)
+    want = repeats * (prefix_tokens // 16 - 1) * 16
+    # The counters are each engine's last stats report, which may come a step after the last
+    # answer: read until they are in (bounded), not once.
+    deadline = time.monotonic() + 10
+    while (counters := _prefix_counters(engines))[0] - hits0 < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    hits1, queries1 = counters
+    assert hits1 - hits0 >= want, (hits1 - hits0, queries1 - queries0)
     m = metrics(router.url)
     assert metric(m, "tandem_router_cache_aware_decisions_total", decision="cache_hit") >= repeats
 
