@@ -43,9 +43,9 @@ def stream(url: str, body: dict, timeout: float = 60.0) -> list[dict]:
     return events
 
 
-def metrics(base: str) -> dict[tuple, float]:
+def metrics(base: str, client: httpx.Client | None = None) -> dict[tuple, float]:
     """{(sample name, frozenset(labels without model_name)): value}."""
-    text = httpx.get(base + "/metrics", timeout=10).text
+    text = (client or httpx).get(base + "/metrics", timeout=10).text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -77,12 +77,13 @@ def stop_server(server) -> None:
 
 def wait_idle(base: str, timeout: float = 2.0, idle_kv: float = 0.0) -> float:
     """Seconds until the scheduler reports no running request and idle KV usage (fails after timeout)."""
-    t0 = time.monotonic()
-    while True:
-        m = metrics(base)
-        running = metric(m, "tandem:num_requests_running")
-        kv = metric(m, "tandem:kv_cache_usage_perc")
-        if running == 0 and kv <= idle_kv + 1e-9:
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < timeout, f"still busy after {timeout}s: running={running} kv={kv}"
-        time.sleep(0.02)
+    with httpx.Client() as client:  # one client for every poll: the timeout is the server's, not ours
+        t0 = time.monotonic()
+        while True:
+            m = metrics(base, client)
+            running = metric(m, "tandem:num_requests_running")
+            kv = metric(m, "tandem:kv_cache_usage_perc")
+            if running == 0 and kv <= idle_kv + 1e-9:
+                return time.monotonic() - t0
+            assert time.monotonic() - t0 < timeout, f"still busy after {timeout}s: running={running} kv={kv}"
+            time.sleep(0.02)

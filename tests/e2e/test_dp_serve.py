@@ -40,7 +40,8 @@ def test_dp_size_two_engines_behind_one_router(ckpts):
                  "--router-health-failure-threshold", "1")
     try:
         workers = lambda: httpx.get(srv.url + "/workers", timeout=5).json()["workers"]  # noqa: E731
-        _wait(lambda: sum(w["is_healthy"] for w in workers()) == 2, 30, "both engines in rotation")
+        # serve is up once one engine is; the other may still be loading its model
+        _wait(lambda: sum(w["is_healthy"] for w in workers()) == 2, 120, "both engines in rotation")
         urls = [w["url"] for w in workers()]
         assert all(u.startswith("http://127.0.0.1:") for u in urls) and srv.url not in urls
         via = OpenAI(base_url=srv.base_url, api_key="x")

@@ -223,11 +223,14 @@ def test_schemathesis_no_server_errors(srv, tmp_path):
 def test_sigterm_while_generating_exits_0(ckpts):
     s = Server(ckpts["gemma4"], "--shutdown-timeout", "0")
     body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=30) as client, client.stream("POST", s.url + C, json=body) as r:
-        lines = r.iter_lines()
-        next(lines)
-        code = s.stop()
-        rest = [line for line in lines if line]
+    try:
+        with httpx.Client(timeout=30) as client, client.stream("POST", s.url + C, json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            code = s.stop()
+            rest = [line for line in lines if line]
+    finally:
+        s.stop()  # no-op after the stop above; a failure before it must not leave the server running
     assert rest[-1] == "data: [DONE]" and any('"error"' in line for line in rest)  # failed, not cut off
     assert code == 0, open(s.log_path).read()[-2000:]
 

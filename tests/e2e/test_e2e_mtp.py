@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -23,6 +24,21 @@ PROMPTS = ["The quick brown fox", "Once upon a time there was", "def serve(model
 def _metric(text: str, name: str, labels: str = "") -> float:
     pat = re.compile(rf"^{re.escape(name)}(\{{[^}}]*{re.escape(labels)}[^}}]*\}})? ([0-9.e+-]+)$", re.M)
     return sum(float(m.group(2)) for m in pat.finditer(text))
+
+
+def _metrics_and_info(url: str) -> tuple[str, dict]:
+    """/metrics and /server_info from one scheduler report. The scheduler may report once more
+    after the answer (with overlap, the finished request's step still in flight counts its
+    draft when it returns): read again until no report landed between the reads (bounded)."""
+    with httpx.Client(timeout=10) as c:
+        deadline = time.monotonic() + 10
+        while True:
+            before = c.get(url + "/server_info").json()["scheduler_stats"]
+            text = c.get(url + "/metrics").text
+            info = c.get(url + "/server_info").json()
+            if info["scheduler_stats"] == before or time.monotonic() > deadline:
+                return text, info
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -42,7 +58,7 @@ def test_mtp_greedy_equals_hf(ckpts, overlap):
             "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}).json()
         assert gen["meta_info"]["completion_tokens"] == 12
         assert 1 <= gen["meta_info"]["spec_verify_ct"] <= 12
-        m = httpx.get(srv.url + "/metrics").text
+        m, info = _metrics_and_info(srv.url)
         drafts = _metric(m, "tandem:spec_decode_num_drafts_total")
         draft_tokens = _metric(m, "tandem:spec_decode_num_draft_tokens_total")
         accepted = _metric(m, "tandem:spec_decode_num_accepted_tokens_total")
@@ -50,7 +66,6 @@ def test_mtp_greedy_equals_hf(ckpts, overlap):
                    for i in range(3)]
         assert drafts > 0 and draft_tokens == 3 * drafts
         assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2]
-        info = httpx.get(srv.url + "/server_info").json()
         assert info["avg_spec_accept_length"] == pytest.approx(1 + accepted / drafts, rel=1e-6)
 
 

@@ -24,7 +24,11 @@ class RouterProcess:
         path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env={**os.environ, "PYTHONPATH": path})
-        self.wait_healthy(len(worker_urls) if need_healthy is None else need_healthy, timeout)
+        try:
+            self.wait_healthy(len(worker_urls) if need_healthy is None else need_healthy, timeout)
+        except BaseException:
+            self.stop()  # nobody else holds it yet: a failed start must not leave a router running
+            raise
 
     def workers(self) -> list[dict]:
         return httpx.get(self.url + "/workers", timeout=5.0).json()["workers"]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -18,6 +20,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def post_then_leave(url: str, path: str, body: dict, until, timeout: float = 15.0) -> None:
+    """A client that goes away: POST ``body`` to ``url + path`` (HTTP/1.1 on a plain socket),
+    wait until ``until()`` says the server took the request (bounded), then close without
+    reading an answer. Unlike a short client timeout, this cannot leave before a slow (loaded)
+    server even received the request."""
+    parts = urlsplit(url)
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(data)}\r\n\r\n").encode()
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as sock:
+        sock.sendall(head + data)
+        deadline = time.monotonic() + timeout
+        while not until():
+            assert time.monotonic() < deadline, f"{url}{path}: the server never took the request"
+            time.sleep(0.01)
 
 
 class Server:

@@ -69,7 +69,9 @@ def test_keyed_peer_passes_rogues_are_refused_and_logged(keys, caplog):
     pull = PullChannel(ctx, "requests", addr)
     legit = PushChannel(ctx, "requests", addr)
     legit.send(AbortReq("good", "client_disconnect"))
-    assert [m.rid for m in _recv_all(pull, 1.0)] == ["good"]
+    first = pull.recv(timeout_ms=10_000)  # the handshake first (slow on a loaded machine)
+    assert first is not None and first.rid == "good"
+    assert _recv_all(pull, 0.2) == []
 
     caplog.set_level(logging.WARNING, logger="tandem.security")
     plain = ctx.socket(zmq.PUSH)  # no CURVE at all: raw msgpack frames
@@ -82,10 +84,18 @@ def test_keyed_peer_passes_rogues_are_refused_and_logged(keys, caplog):
     for _ in range(3):
         plain.send(frame, zmq.NOBLOCK)
         wrong.send(frame, zmq.NOBLOCK)
-    assert _recv_all(pull, 1.5) == []  # nothing reached the decoder
-    text = caplog.text
-    assert "unknown CURVE key " + wrong_pub.decode() in text
-    assert "CURVE handshake failed" in text and "requests channel" in text
+
+    def both_refused() -> bool:
+        text = caplog.text
+        return "unknown CURVE key " + wrong_pub.decode() in text and "CURVE handshake failed" in text
+
+    got, deadline = [], time.monotonic() + 15  # until both peers were refused (not a fixed wait)
+    while not both_refused():
+        assert time.monotonic() < deadline, caplog.text
+        got += _recv_all(pull, 0.1)
+    got += _recv_all(pull, 0.5)
+    assert got == []  # nothing reached the decoder
+    assert "requests channel" in caplog.text
     for s in (plain, wrong):
         s.close(linger=0)
     legit.close()

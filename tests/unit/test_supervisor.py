@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -21,11 +22,29 @@ def test_backoff_doubles_and_caps():
     assert restart_backoff(50) == supervisor.BACKOFF_S[1]
 
 
+_STARTED: list[Supervisor] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_child_left():
+    """A test that fails half-way must not leave its children running: they are not daemons,
+    so pytest would hang at exit joining them (multiprocessing's atexit hook)."""
+    yield
+    while _STARTED:
+        sup = _STARTED.pop()
+        for proc in sup.procs.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        shutil.rmtree(sup.run_dir, ignore_errors=True)
+
+
 def _sup(monkeypatch, crash: str, **kw) -> Supervisor:
     monkeypatch.setenv("TANDEM_TEST_CRASH", crash)
     monkeypatch.setattr(supervisor, "BACKOFF_S", (0.05, 0.1))
     args = ServerArgs(model_path=shared_tokenizer_dir("chatml"), log_level="warning", shutdown_timeout=1.0, **kw)
     sup = Supervisor(args, entry=fake_child)
+    _STARTED.append(sup)
     sup.start()
     assert sup.wait_ready() is None
     return sup
