@@ -42,6 +42,9 @@ def _check_parts(parts: list, path: str, role: str) -> None:
         kind = part.get("type")
         if kind is None:
             raise _missing(f"{where}.type")
+        if not isinstance(kind, str):  # an object or array here is unhashable: it was a 500
+            raise bad_request(f"Invalid type for '{where}.type': expected a string, but got {_type_name(kind)} "
+                              "instead.", f"{where}.type")
         field = {"text": "text", "refusal": "refusal" if role == "assistant" else None}.get(kind)
         if field is None:
             allowed = "'text' and 'refusal'" if role == "assistant" else "'text'"

@@ -100,6 +100,9 @@ CHAT_CASES = [
     ({"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}, {"role": "user", "content": "x"}]},
      "messages[0].content[0].refusal"),
     ({"messages": [{"role": "assistant"}]}, "messages[0].content"),
+    # A part type that is not a string (schemathesis found the object case as a 500).
+    ({"messages": [{"role": "assistant", "content": [{"type": {}, "text": ""}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]}, "messages[1].tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
     (["not", "an", "object"], None),
