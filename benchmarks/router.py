@@ -4,7 +4,7 @@ shared-prefix workload over several real engines.
     python benchmarks/router.py overhead --out benchmarks/results/router-cpu/overhead.json
     python benchmarks/router.py prefix --engines 2 --out benchmarks/results/router-cpu/prefix.json
 
-(a) ``overhead``: a fake upstream engine (a bare ASGI app on uvicorn + uvloop + httptools, in
+(a) ``overhead``: a fake upstream engine (``router_fake_upstream.py``: bare ASGI on uvicorn, in
 its own process, answering at once) isolates the router's own cost. Each round sends the
 same requests directly and through ``tandem router`` (separate process), alternating, at
 concurrency 1 and 100; added latency = p50(router) - p50(direct), for whole JSON answers and
@@ -41,63 +41,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 ENV = {**os.environ, "PYTHONPATH": ROOT}
-
-
-# ---------------------------------------------------------------------- the fake upstream
-_JSON = json.dumps({"id": "cmpl-x", "object": "text_completion", "model": "fake",
-                    "choices": [{"index": 0, "text": "hello", "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}).encode()
-_EVENT = b'data: {"object":"text_completion","choices":[{"index":0,"text":"tok","finish_reason":null}]}\n\n'
-
-
-async def fake_app(scope, receive, send):
-    """Answers at once: /health 200, /load idle, /v1/models, completions as JSON or 8 SSE events."""
-    if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            await send({"type": msg["type"] + ".complete"})
-            if msg["type"] == "lifespan.shutdown":
-                return
-    body = b""
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
-    path = scope["path"]
-    ctype, data = b"application/json", b""
-    if path == "/load":
-        data = b'{"num_running_reqs":0,"num_waiting_reqs":0,"kv_cache_usage_perc":0.0}'
-    elif path == "/v1/models":
-        data = b'{"object":"list","data":[{"id":"fake","object":"model"}]}'
-    elif path == "/v1/completions" and b'"x_ttft_ms"' in body:  # paced like an engine: TTFT, then one event per ITL
-        req = json.loads(body)
-        await asyncio.sleep(req["x_ttft_ms"] / 1000)
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        for i in range(req["max_tokens"]):
-            if i:
-                await asyncio.sleep(req["x_itl_ms"] / 1000)
-            await send({"type": "http.response.body", "body": _EVENT, "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-        return
-    elif path == "/v1/completions" and (b'"stream": true' in body or b'"stream":true' in body):
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        for _ in range(8):
-            await send({"type": "http.response.body", "body": _EVENT, "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-        return
-    elif path == "/v1/completions":
-        data = _JSON
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", ctype), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
-
-
-def serve_fake(port: int) -> None:
-    import uvicorn
-
-    uvicorn.run(fake_app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
-                access_log=False, backlog=4096)
+FAKE_UPSTREAM = os.path.join(ROOT, "benchmarks", "router_fake_upstream.py")
 
 
 # ---------------------------------------------------------------------- processes
@@ -220,8 +164,7 @@ def proc_cpu_s(pid: int) -> float:
 
 def overhead(args) -> dict:
     fport = free_port()
-    fake = Proc([PY, os.path.abspath(__file__), "fake-upstream", "--port", str(fport)], f"http://127.0.0.1:{fport}",
-                "bench-fake.log")
+    fake = Proc([PY, FAKE_UPSTREAM, "--port", str(fport)], f"http://127.0.0.1:{fport}", "bench-fake.log")
     wait_health(fake.url, 30)
     router = start_router([fake.url], "cache_aware")
     pinning = pin_router(args, router, [fake])
@@ -393,8 +336,6 @@ def prefix(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("fake-upstream")
-    f.add_argument("--port", type=int, required=True)
     o = sub.add_parser("overhead")
     o.add_argument("--requests", type=int, default=400, help="per round at c=1 (x5 at c=100, x2 paced)")
     o.add_argument("--rounds", type=int, default=3)
@@ -416,9 +357,6 @@ def main() -> None:
     x.add_argument("--model", default=os.path.join(ROOT, "models", "tiny-shakespeare", "target"))
     x.add_argument("--out")
     args = p.parse_args()
-    if args.cmd == "fake-upstream":
-        serve_fake(args.port)
-        return
     result = overhead(args) if args.cmd == "overhead" else prefix(args)
     result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

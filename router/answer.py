@@ -45,8 +45,7 @@ def sse_error(status: int, message: str) -> bytes:
 
 
 def upstream_headers(resp: aiohttp.ClientResponse, worker_id: str) -> Headers:
-    out = [(k.lower(), v) for k, v in resp.raw_headers]
-    out = [(k, v) for k, v in out if k not in _DROP]
+    out = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in _DROP]
     out.append((b"x-tandem-worker", worker_id.encode()))
     return out
 
