@@ -11,12 +11,21 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.roofline import decode_ceiling_tok_s, model_shapes  # noqa: E402
+from benchmarks.roofline import decode_ceiling_tok_s, decode_phase_ceiling_tok_s, model_shapes  # noqa: E402
 
 
 def load(out: str, name: str):
     path = os.path.join(out, name + ".json")
     return json.load(open(path)) if os.path.exists(path) else None
+
+
+def decode_phase(shapes: dict, w: dict, bw: float) -> str:
+    ceil = decode_phase_ceiling_tok_s(shapes, w, bw)
+    if ceil is None:
+        return "    decode phase: not measured"
+    return (f"    decode phase ({w['decode_steps']} steps, {w['decode_tokens_per_step']:.0f} rows, "
+            f"{w['decode_busy_ms_per_step']:.2f} ms busy): {w['decode_tok_s']:9.1f} tok/s = "
+            f"{w['decode_tok_s'] / ceil:6.1%} of its step roofline {ceil:8.1f}")
 
 
 def main(out: str, dm: str) -> None:
@@ -35,12 +44,14 @@ def main(out: str, dm: str) -> None:
             rows.append(f"8B {n:>3} req {label:11}: {w['output_tok_s']:9.1f} tok/s = {w['output_tok_s'] / ceil:6.1%} "
                         f"of {ceil:8.1f} (all-weights ceiling {ceil_all:8.1f}: {w['output_tok_s'] / ceil_all:6.1%}); "
                         f"step {w.get('busy_ms_per_step', 0):.2f} ms busy, idle {w.get('gpu_idle_frac', 0):.2%}")
+            rows.append(decode_phase(llama, w, bw))
     q = load(out, "qwen_nano")
     if q:
         hf = q.get("hf_transformers", {}).get("output_tok_s", 0)
         e = q["engine"]
         rows.append(f"Qwen3-0.6B nano-vllm recipe: {e['output_tok_s']:9.1f} tok/s (goal 25,000); HF generate "
                     f"{hf:.1f} tok/s; idle {e.get('gpu_idle_frac', 0):.2%}")
+        rows.append(decode_phase(model_shapes(os.path.join(dm, "qwen3-0.6b")), e, bw))
     gp, gm = load(out, "gemma_plain"), load(out, "gemma_mtp")
     if gp and gm:
         p, m = gp["engine"], gm["engine"]
@@ -57,9 +68,11 @@ def main(out: str, dm: str) -> None:
     if a:
         for r in a["rows"]:
             if "error" in r:
-                rows.append(f"attn {r['backend']:10} ctx {r['ctx']} bs {r['bs']}: {r['error'][:80]}")
+                rows.append(f"attn {r['backend']:17} {r.get('model', ''):10} ctx {r['ctx']} bs {r['bs']}: "
+                            f"{r['error'][:80]}")
             else:
-                rows.append(f"attn {r['backend']:10} ctx {r['ctx']:>5} bs {r['bs']:>3}: {r['us']:8.1f} us "
+                rows.append(f"attn {r['backend']:17} {r.get('model', ''):10} ctx {r['ctx']:>5} bs {r['bs']:>3}: "
+                            f"{r['us']:8.1f} us "
                             f"{r['gb_s']:7.0f} GB/s = {r['frac_of_copy_bw']:.1%} of copy bw")
     text = "\n".join(rows)
     print(text)

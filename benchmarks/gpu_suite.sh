@@ -10,7 +10,9 @@ PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
 export TANDEM_HOST_TIMING=${TANDEM_HOST_TIMING:-1}  # worker logs host ms/step by loop phase
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-[ -d .fi-cache ] && export FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache
+# FlashInfer JIT-compiles on a fresh machine (~100 s per prefill variant): its cache lives in
+# .fi-cache, comes back as $OUT/fi-cache.tgz and is carried (unpacked, git-ignored) next time.
+export FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache; mkdir -p .fi-cache
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -23,10 +25,14 @@ if has tests; then
   timeout 200 python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
 fi
 if has profile; then
-  echo "== profile: one 8B decode step (1 request, 512-token prompt)"
+  echo "== profile: 8B decode steps at 1 and 64 requests (512-token prompts), Qwen3-0.6B at 256 (800)"
   timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
     --trace "$FINAL/trace_8b_bs1.json.gz" > "$OUT/profile_8b.txt" 2>&1 || echo "profile failed"
-  head -6 "$OUT/profile_8b.txt"
+  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 24 --batch 64 --decode-only \
+    > "$OUT/profile_8b_bs64.txt" 2>&1 || echo "profile bs64 failed"
+  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --steps 24 --batch 256 --input-len 800 \
+    --decode-only > "$OUT/profile_qwen_bs256.txt" 2>&1 || echo "profile qwen failed"
+  for f in profile_8b profile_8b_bs64 profile_qwen_bs256; do echo "$f"; grep -A4 '"steps"' "$OUT/$f.txt"; done
 fi
 off() {  # name, timeout, args...
   local name=$1 t=$2; shift 2
@@ -35,16 +41,19 @@ off() {  # name, timeout, args...
 }
 if has llama; then
   echo "== (a, b, d) Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"
+  # One untimed round of each workload first: the first seconds of an engine process are slow
+  # (BENCHMARKS.md, "start-up transient").
   off llama_no_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
-    --max-running-requests 64 --disable-overlap-schedule
+    --max-running-requests 64 --disable-overlap-schedule --warmup-rounds 1
   off llama_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
-    --max-running-requests 64
+    --max-running-requests 64 --warmup-rounds 1
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"
   MTPG=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3)
-  off gemma_plain 150 --model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8
-  off gemma_mtp 150 --model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 "${MTPG[@]}"
+  G=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
+  off gemma_plain 150 "${G[@]}"
+  off gemma_mtp 150 "${G[@]}" "${MTPG[@]}"
 fi
 if has qwen; then
   echo "== (c) Qwen3-0.6B shape, nano-vllm recipe (256 requests, lengths U[100, 1024]) + HF generate"
@@ -67,10 +76,7 @@ if has attn; then
   timeout 200 python3 benchmarks/attention_bench.py --json "$OUT/attention.json" > "$OUT/attention.log" 2>&1 \
     || { echo "attention bench failed"; tail -5 "$OUT/attention.log"; }
 fi
-if [ -d "${FLASHINFER_WORKSPACE_BASE:-/nonexistent}" ] || [ -d ~/.cache/flashinfer ]; then
-  src=${FLASHINFER_WORKSPACE_BASE:+$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer}; src=${src:-~/.cache/flashinfer}
-  [ -d "$src" ] && tar czf "$FINAL/fi-cache.tgz" -C "$(dirname "$src")" flashinfer 2>/dev/null
-fi
+[ -d .fi-cache/.cache ] && tar czf "$FINAL/fi-cache.tgz" -C .fi-cache .cache
 grep -h "host ms/step" "$OUT"/*.log | tail -4 > "$OUT/host_timing.txt"
 python3 benchmarks/gpu_report.py "$OUT" $DM
 cp "$OUT/summary.txt" "$FINAL/"; tar czf "$FINAL/results.tgz" -C "$OUT" .

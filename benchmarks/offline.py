@@ -49,7 +49,7 @@ def start_engine(server_argv: list[str]):
 
 
 def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperature: float, procs,
-               repeat: int = 1) -> list[dict]:
+               repeat: int = 1, warmup: int = 0) -> list[dict]:
     zctx = zmq.Context()
     outputs = PullChannel(zctx, "outputs", ep.outputs)
     requests = PushChannel(zctx, "requests", ep.requests)
@@ -63,9 +63,14 @@ def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperat
     results = []
     for w, (prompts, out_lens) in enumerate(workloads):
         walls, before = [], stats
-        for k in range(repeat):  # rounds of the same workload; the median round is reported
+        for k in range(-warmup, repeat):  # rounds of the same workload; the median round is reported
+            if k == 0:  # warm-up rounds (k < 0) are not counted
+                walls, before = [], stats
             t0 = time.perf_counter()
             for i, (p, n_out) in enumerate(zip(prompts, out_lens)):
+                # Each round's prompts differ from the others' in their first tokens, so that no
+                # round reads another's KV from the prefix cache.
+                p = p if k == 0 else np.roll(p, k) if k > 0 else p[::-1]
                 params = SamplingParams(max_new_tokens=int(n_out), temperature=temperature, ignore_eos=True)
                 requests.send(GenerateReq(f"w{w}-b{k}-{i}", p.astype(np.int32).tobytes(), params, time.time()))
             n_tokens, stats = _collect(outputs, {f"w{w}-b{k}-{i}" for i in range(len(prompts))}, stats)
@@ -96,6 +101,11 @@ def _summary(walls, n_tokens, before, stats, repeat) -> dict:
                scheduler_ms_per_step=1e3 * d("step_time_s") / steps,
                busy_ms_per_step=1e3 * busy / steps, idle_ms_per_step=1e3 * gap / steps,
                gpu_idle_frac=gap / (busy + gap) if busy + gap > 0 else 0.0)
+    dsteps, dbusy = d("decode_steps"), d("decode_busy_s")
+    if dsteps and dbusy > 0:  # the decode phase alone: what a step roofline is compared against
+        out.update(decode_steps=dsteps, decode_busy_ms_per_step=1e3 * dbusy / dsteps,
+                   decode_tok_s=d("decode_tokens") / dbusy, decode_tokens_per_step=d("decode_tokens") / dsteps,
+                   decode_ctx_tokens_per_step=d("decode_ctx_tokens") / dsteps)
     drafts = d("spec_num_drafts")
     if drafts:
         out["accept_length"] = 1 + d("spec_num_accepted_tokens") / drafts
@@ -170,6 +180,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed rounds; the median is reported")
+    ap.add_argument("--warmup-rounds", type=int, default=0, help="untimed rounds of each workload first")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--hf-batch", type=int, default=0, help="HF generate batch (default: all prompts at once)")
     ap.add_argument("--hf-num-prompts", type=int, default=0, help="HF: only the first N prompts (bounds its time)")
@@ -180,7 +191,7 @@ def main() -> None:
     args, ep, procs = start_engine(server_argv)
     counts = [int(x) for x in str(bench.num_prompts).split(",")]
     workloads = [make_workload(bench, args, n, i) for i, n in enumerate(counts)]
-    runs = run_engine(ep, workloads, bench.temperature, procs, bench.repeat)
+    runs = run_engine(ep, workloads, bench.temperature, procs, bench.repeat, bench.warmup_rounds)
     results = {"workload": vars(bench), "engine": runs[0],
                "workloads": [{"num_prompts": n, **r} for n, r in zip(counts, runs)]}
     for p in procs:

@@ -1,7 +1,11 @@
 """Where a decode step's time goes: torch.profiler over the in-process engine (scheduler core +
-worker runner, no sockets) on a dummy-weight model, one request.
+worker runner, no sockets) on a dummy-weight model, ``--batch`` rows.
 
-    python benchmarks/profile_step.py --model-path DIR [--steps 32] [--trace OUT.json.gz] [server flags]
+    python benchmarks/profile_step.py --model-path DIR [--batch 64] [--steps 32] [--trace OUT.json.gz]
+
+With ``--decode-only`` every row is prefilled before the profiler starts and exactly ``--steps``
+decode steps are profiled (the batch-64 / batch-256 regime); otherwise the profiled span is one
+prefill step and ``steps - 1`` decode steps of one fresh batch.
 
 Prints per step: host API calls that launch work (kernels, graph replays, copies), GPU kernel
 time, and the top operators by self CUDA and self CPU time. Re-run it after every change to the
@@ -41,11 +45,14 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--decode-only", action="store_true", help="profile decode steps only")
     ap.add_argument("--sync-debug", action="store_true", help="list host syncs in the profiled steps")
     a = ap.parse_args()
-    eng = InProcEngine(a.model_path, draft=a.draft, device="cuda", load_format="dummy",
+    eng = InProcEngine(a.model_path, draft=a.draft, device=a.device, load_format="dummy",
                        attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
-                       max_running_requests=max(8, a.batch), context_length=4096, overlap=not a.no_overlap)
+                       max_running_requests=max(8, a.batch), context_length=a.input_len + a.steps + 64,
+                       overlap=not a.no_overlap)
     vocab = eng.ready.vocab_size
     prompt = [(17 * i) % (vocab - 10) + 5 for i in range(a.input_len)]
 
@@ -55,17 +62,30 @@ def main() -> None:
         eng.run()
 
     batch("warm", 8)
-    torch.cuda.synchronize()
+    if a.decode_only:  # prefill every row, then profile the next `steps` results
+        for r in range(a.batch):
+            eng.submit(f"p{r}", prompt, max_new_tokens=a.steps + 8, ignore_eos=True)
+        eng.run(until=lambda: all(eng.tokens[f"p{r}"] for r in range(a.batch)))
+        done = eng.core.counters.steps
+        profiled = dict(until=lambda: eng.core.counters.steps >= done + a.steps)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if a.sync_debug:
             torch.cuda.set_sync_debug_mode(1)
-        batch("p", a.steps)  # one prefill step, then steps - 1 decode steps
-        torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
+        if a.decode_only:
+            eng.run(**profiled)
+        else:
+            batch("p", a.steps)  # one prefill step, then steps - 1 decode steps
+        if a.sync_debug:
+            torch.cuda.set_sync_debug_mode(0)
+        sync()
     wall = time.perf_counter() - t0
+    if a.decode_only:
+        eng.run()
     syncs = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
     if a.sync_debug:
         print("host syncs in the profiled steps:", json.dumps(syncs.most_common(20), indent=1))

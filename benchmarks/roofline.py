@@ -65,6 +65,16 @@ def decode_ceiling_tok_s(shapes: dict, batch: int, input_len: int, output_len: i
     return batch * output_len / total
 
 
+def decode_phase_ceiling_tok_s(shapes: dict, w: dict, bandwidth: float) -> float | None:
+    """The step roofline of a measured decode phase (offline.py's ``decode_*`` figures): each
+    decode step reads the weights once plus its rows' KV (context summed over rows; models
+    without sliding windows) and emits ``decode_tokens_per_step`` tokens."""
+    if not w.get("decode_steps") or any(win for _, win in shapes["kv_layers"]):
+        return None
+    kv = w["decode_ctx_tokens_per_step"] * sum(bpt for bpt, _ in shapes["kv_layers"])
+    return w["decode_tokens_per_step"] * bandwidth / (shapes["weight_bytes_read"] + kv)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("model_path")

@@ -138,6 +138,10 @@ class SchedulerStats(msgspec.Struct, tag="stats", frozen=True):
     worker_draft_s: float = 0.0  # worker time in the draft loop (cumulative)
     worker_busy_s: float = 0.0  # device-busy time of every step (cumulative; CUDA events on GPU)
     worker_gap_s: float = 0.0  # device idle between consecutive steps while work was queued (cumulative)
+    decode_steps: int = 0  # steps without a prefill chunk (cumulative), and of those:
+    decode_busy_s: float = 0.0  # device-busy time
+    decode_tokens: int = 0  # tokens emitted
+    decode_ctx_tokens: int = 0  # context tokens attended over, summed over rows
 
 
 class EngineInfo(msgspec.Struct, tag="engine_info", frozen=True):

@@ -94,6 +94,11 @@ class Counters:
     draft_s: float = 0.0
     worker_busy_s: float = 0.0
     worker_gap_s: float = 0.0
+    # Decode-only steps (no prefill chunk): the figures a step roofline is compared against.
+    decode_steps: int = 0
+    decode_busy_s: float = 0.0
+    decode_tokens: int = 0  # tokens they emitted
+    decode_ctx_tokens: int = 0  # sum over their rows of the context each row attends over
     per_pos: list[int] = field(default_factory=list)
 
 
@@ -140,6 +145,16 @@ class SchedulerCore:
         self.by_rid[msg.rid] = req
         self.waiting.append(req)
 
+    def _count_decode_step(self, rec: StepRecord, busy_s: float, accept: np.ndarray) -> None:
+        c = self.counters
+        c.decode_steps += 1
+        c.decode_busy_s += busy_s
+        c.decode_tokens += int(accept.sum())
+        # When step N's result arrives, step N-1's tokens are emitted: a row attends over the
+        # prompt, the outputs (the last is the bonus token this step feeds) and its S drafts.
+        drafts = self.cfg.tokens_per_step - 1
+        c.decode_ctx_tokens += sum(len(r.prompt) + len(r.output_ids) + drafts for r in rec.reqs)
+
     def _reject(self, rid: str, n_prompt: int, message: str, code: int) -> None:
         self.outbox.append(
             ReqOutput(rid, b"", finish_reason="error", error=message, error_code=code, prompt_tokens=n_prompt)
@@ -171,6 +186,8 @@ class SchedulerCore:
         t = self.cfg.tokens_per_step
         tokens = view_i32(res.tokens).reshape(len(slots), t)
         accept = view_i32(res.accept_lens)
+        if rec.reqs and len(rec.decode) == len(rec.reqs):
+            self._count_decode_step(rec, res.busy_s, accept)
         now = time.monotonic()
         for plr in res.prompt_logprobs:
             req = self.by_slot[plr.slot]
@@ -308,6 +325,10 @@ class SchedulerCore:
             worker_draft_s=c.draft_s,
             worker_busy_s=c.worker_busy_s,
             worker_gap_s=c.worker_gap_s,
+            decode_steps=c.decode_steps,
+            decode_busy_s=c.decode_busy_s,
+            decode_tokens=c.decode_tokens,
+            decode_ctx_tokens=c.decode_ctx_tokens,
         )
 
     def take_outputs(self) -> list[ReqOutput]:

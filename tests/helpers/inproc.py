@@ -36,23 +36,32 @@ class InProcEngine:
         self.tokens = defaultdict(list)
         self.outputs = defaultdict(list)
         self.finish: dict[str, str] = {}
+        self.pending = deque()  # launched steps whose result is not processed (kept across run calls)
 
     def submit(self, rid: str, prompt: list[int], **params) -> None:
         params.setdefault("temperature", 0.0)
         self.core.add_request(GenerateReq(rid, pack_i32(prompt), SamplingParams(**params), time.time()))
 
-    def run(self, limit: int = 100000) -> None:
-        pending = deque()
+    def run(self, limit: int = 100000, until=None) -> None:
+        """Step until idle, or until ``until()`` is true after a processed result (steps still
+        in flight then stay in flight: the next call goes on from there)."""
+        pending = self.pending
         for _ in range(limit):
             while len(self.core.inflight) < self.depth and (plan := self.planner.plan()) is not None:
                 pending.append(self.runner.launch(_dec_plan.decode(_enc.encode(plan))))
             if pending:
                 self.core.on_result(_dec_result.decode(_enc.encode(pending.popleft().result())))
-            for out in self.core.take_outputs():
-                self.outputs[out.rid].append(out)
-                self.tokens[out.rid].extend(view_i32(out.token_ids).tolist())
-                if out.finish_reason:
-                    self.finish[out.rid] = out.finish_reason
+                if until is not None and until():
+                    self._take()
+                    return
+            self._take()
             if self.core.idle():
                 return
         raise AssertionError("engine did not drain")
+
+    def _take(self) -> None:
+        for out in self.core.take_outputs():
+            self.outputs[out.rid].append(out)
+            self.tokens[out.rid].extend(view_i32(out.token_ids).tolist())
+            if out.finish_reason:
+                self.finish[out.rid] = out.finish_reason

@@ -178,3 +178,23 @@ def test_out_of_vocab_ids_are_refused():
     assert outs["x"].error_code == 400 and "[0, 64)" in outs["x"].error
     assert outs["y"].finish_reason == "error" and "stop_token_ids" in outs["y"].error
     assert not core.waiting
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_decode_phase_counters(depth):
+    """Decode-only steps are counted apart from steps with a prefill chunk: their tokens and the
+    context their rows attend over (what benchmarks compare with a step roofline)."""
+    core, planner, worker = make(t=1, chunk=64)
+    prompts = {"a": list(range(3, 13)), "b": list(range(20, 26))}
+    for rid, p in prompts.items():
+        submit(core, rid, p, max_new=5, ignore_eos=True)
+    drv = Driver(core, planner, worker, depth)
+    drv.run_until_idle()
+    st = core.stats()
+    assert all(len(drv.tokens[r]) == 5 for r in prompts)
+    # One step prefills both prompts and emits each first token; the other 4 tokens of each come
+    # from decode-only steps, one per step with both rows in every one.
+    assert st.decode_steps == 4 and st.decode_tokens == 8
+    # Step k (k = 1..4) feeds output k of each row, which attends over prompt + k tokens.
+    assert st.decode_ctx_tokens == sum(10 + k + 6 + k for k in range(1, 5))
+    assert st.decode_busy_s <= st.worker_busy_s
