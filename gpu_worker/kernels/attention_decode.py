@@ -133,11 +133,12 @@ def decode_blocks(d: int, dv: int) -> tuple[int, int]:
 
 def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: int, page_size: int,
                  scale: float, window: int | None = None, softcap: float | None = None, num_splits: int = 1,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, tune: dict | None = None) -> torch.Tensor:
     """q [B*t, Hq, D] (row b owns tokens b*t..b*t+t-1) -> out [B*t, Hq, Dv].
 
     ``slots`` [B], ``kv_lens`` [B] and ``q_pos`` [B*t] are device tensors; nothing here reads
-    them on the host, so the call is CUDA-graph safe for a fixed B, t and ``num_splits``."""
+    them on the host, so the call is CUDA-graph safe for a fixed B, t and ``num_splits``.
+    ``tune`` overrides the launch shape (block_n, num_warps, num_stages) for benchmark sweeps."""
     n, hq, d = q.shape
     b = slots.shape[0]
     hkv, dv = k_cache.shape[1], v_cache.shape[-1]
@@ -147,6 +148,9 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
     if b == 0:
         return out
     block_n, warps = decode_blocks(d, dv)
+    stages = 2
+    if tune:
+        block_n, warps, stages = tune.get("block_n", block_n), tune.get("num_warps", warps), tune.get("num_stages", 2)
     bdv = next_pow2(dv)
     splits = next_pow2(max(1, num_splits))
     part = lse = out
@@ -159,7 +163,8 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
         out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
         T=t, G=g, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
         BLOCK_M=max(16, next_pow2(t * g)), BLOCK_N=block_n, SPLITS=splits, USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), num_warps=warps, num_stages=2,
+        USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), num_warps=warps,
+        num_stages=stages,
     )
     if splits > 1:
         _merge_kernel[(n, hq)](part, lse, out, out.stride(0), out.stride(1), HQ=hq, DV=dv, BLOCK_DV=bdv,

@@ -1,0 +1,179 @@
+"""The device experiments behind issue 8's kernel choices, each timed inside a CUDA graph (as the
+engine runs them) with weights/KV rotated over more than L2 holds:
+
+- linear layers at decode shapes: cuBLAS (through F.linear, either BLAS library torch offers)
+  against our split-N GEMV (``gpu_worker/kernels/gemv.py``, a config sweep) for M <= 4;
+- paged decode attention launch shapes (BLOCK_N, warps, stages) and split counts;
+- the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab].
+
+    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,attn,logits]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
+from gpu_worker.attention.triton_backend import decode_splits  # noqa: E402
+from gpu_worker.kernels.attention_decode import paged_decode  # noqa: E402
+from gpu_worker.kernels.gemv import GEMV_MAX_M, gemv  # noqa: E402
+
+L2_BYTES = 200 << 20  # rotate over more than the H200's 50 MB L2
+# (label, M, N, K): Llama-3.1-8B's projections at 1 and 4 rows (decode, MTP verify at one
+# request) and 64, Qwen3-0.6B's at 256.
+LLAMA = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+QWEN = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]
+GEMM_SHAPES = [(f"llama {n}", m, nn, k) for m in (1, 4, 64) for n, nn, k in LLAMA] + \
+    [(f"qwen {n}", 256, nn, k) for n, nn, k in QWEN]
+GEMV_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
+                for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))] + \
+    [dict(block_n=bn, block_k=512, num_warps=8, num_stages=3) for bn in (16, 32)]
+ATTN_TUNES = [dict(block_n=bn, num_warps=4, num_stages=st) for bn, st in itertools.product((32, 64, 128), (2, 3, 4))] + \
+    [dict(block_n=bn, num_warps=8, num_stages=3) for bn in (64, 128)]
+
+
+def graph_time(fn, reps: int) -> float:
+    """Seconds per call of ``fn`` (which runs ``reps`` rotated calls), replayed as a CUDA graph."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=40, return_mode="median") / 1e3 / reps
+
+
+def gemm_rows(bw: float) -> list[dict]:
+    rows = []
+    for label, m, n, k in GEMM_SHAPES:
+        nbytes = n * k * 2
+        copies = max(1, -(-L2_BYTES // nbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0])
+        base = {"shape": label, "m": m, "n": n, "k": k, "weight_mb": nbytes / 1e6}
+        for lib in ("cublaslt", "cublas"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
+            rows.append(base | {"impl": lib, "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        if m <= GEMV_MAX_M:
+            best = None
+            for cfg in GEMV_CONFIGS:
+                err = (gemv(x, ws[0], **cfg).float() - ref.float()).abs().max().item()
+                sec = graph_time(lambda: [gemv(x, w, **cfg) for w in ws], copies)
+                if best is None or sec < best[0]:
+                    best = (sec, cfg, err)
+            sec, cfg, err = best
+            rows.append(base | {"impl": "gemv", "config": cfg, "max_abs_err_vs_cublas": err, "us": sec * 1e6,
+                                "frac_of_copy_bw": nbytes / sec / bw})
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def attn_setup(bs: int, ctx: int, hq: int, hkv: int, shuffle: bool, ps: int = 16, d: int = 128):
+    pages_per = -(-ctx // ps)
+    n_pages = bs * pages_per + 1
+    k = torch.randn(n_pages * ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ids = np.arange(1, n_pages)
+    if shuffle:
+        ids = np.random.default_rng(0).permutation(ids)
+    pt = torch.zeros(bs + 1, pages_per, dtype=torch.int32, device="cuda")
+    pt[1:] = torch.from_numpy(ids.reshape(bs, pages_per).astype(np.int32)).cuda()
+    slots = torch.arange(1, bs + 1, device="cuda")
+    kv = torch.full((bs,), ctx, dtype=torch.int64, device="cuda")
+    q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, pt, slots, kv
+
+
+def attn_rows(bw: float, sms: int) -> list[dict]:
+    rows = []
+    cases = [("qwen3-0.6b", 256, 812, 16, 8, False), ("qwen3-0.6b", 256, 812, 16, 8, True),
+             ("llama-8b", 64, 640, 32, 8, True), ("llama-8b", 1, 560, 32, 8, False)]
+    for model, bs, ctx, hq, hkv, shuffle in cases:
+        q, k, v, pt, slots, kv = attn_setup(bs, ctx, hq, hkv, shuffle)
+        nbytes = bs * ctx * hkv * 128 * 2 * 2
+        default = decode_splits(bs, hkv, sms)
+        other = sorted({1, 2, 4, 8, 16} - {default}) if bs == 1 else []
+        for sp, tune in [(default, None)] + [(default, t) for t in ATTN_TUNES] + [(s, None) for s in other]:
+            def run():
+                paged_decode(q, k, v, pt, slots, kv, kv - 1, t=1, page_size=16, scale=128**-0.5, num_splits=sp,
+                             tune=tune)
+            try:
+                sec = graph_time(run, 1)
+            except Exception as exc:  # noqa: BLE001 - a config that does not fit: report, go on
+                rows.append({"model": model, "bs": bs, "ctx": ctx, "splits": sp, "tune": tune,
+                             "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                continue
+            rows.append({"model": model, "bs": bs, "ctx": ctx, "shuffled": shuffle, "splits": sp,
+                         "tune": tune or "default", "is_default": tune is None and sp == default, "us": sec * 1e6,
+                         "frac_of_copy_bw": nbytes / sec / bw})
+        del k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def logits_rows() -> list[dict]:
+    rows = []
+    for r, vocab in ((256, 151936), (64, 128256), (1, 128256)):
+        x = torch.randn(r, vocab, device="cuda", dtype=torch.bfloat16)
+        xf = x.float()
+        for name, fn in (("to_float32", lambda: x.float()), ("argmax_float32", lambda: xf.argmax(-1)),
+                         ("argmax_bf16", lambda: x.argmax(-1))):
+            rows.append({"rows": r, "vocab": vocab, "op": name, "us": graph_time(fn, 1) * 1e6})
+        assert torch.equal(x.argmax(-1), xf.argmax(-1))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default="gemm,attn,logits")
+    a = ap.parse_args()
+    bw = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = {"copy_bandwidth_bytes_s": bw}
+    for part, fn in (("logits", logits_rows), ("gemm", lambda: gemm_rows(bw)), ("attn", lambda: attn_rows(bw, sms))):
+        if part in a.only.split(","):
+            try:
+                out[part] = fn()
+            except Exception:  # noqa: BLE001 - keep the other parts' figures
+                traceback.print_exc()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    summarize(out)
+
+
+def summarize(out: dict) -> None:
+    for r in out.get("logits", []):
+        print(f"logits {r['rows']:>3}x{r['vocab']} {r['op']:15} {r['us']:8.1f} us")
+    for r in out.get("gemm", []):
+        extra = f" {r['config']} err {r['max_abs_err_vs_cublas']:.3g}" if r["impl"] == "gemv" else ""
+        print(f"gemm {r['shape']:14} m {r['m']:>3} {r['impl']:8} {r['us']:8.2f} us {r['frac_of_copy_bw']:6.1%}{extra}")
+    best: dict = {}
+    for r in out.get("attn", []):
+        if "error" in r:
+            continue
+        key = (r["model"], r["bs"], r["ctx"], r.get("shuffled"))
+        if r["is_default"]:
+            best.setdefault(key, {})["default"] = r
+        if "best" not in best.setdefault(key, {}) or r["us"] < best[key]["best"]["us"]:
+            best[key]["best"] = r
+    for key, b in best.items():
+        d, bb = b.get("default"), b["best"]
+        print(f"attn {key}: default {d['us'] if d else float('nan'):.1f} us (splits {d['splits'] if d else '?'}) "
+              f"best {bb['us']:.1f} us {bb['frac_of_copy_bw']:.1%} splits {bb['splits']} {bb['tune']}")
+
+
+if __name__ == "__main__":
+    main()
