@@ -25,14 +25,17 @@ if has tests; then
   timeout 200 python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
 fi
 if has profile; then
-  echo "== profile: 8B decode steps at 1 and 64 requests (512-token prompts), Qwen3-0.6B at 256 (800)"
+  # Decode at 1 request (the 8B step), then one prefill step of 8192 tokens on each model.
+  # (profile_step.py --decode-only --batch 64 / 256 profiles the big-batch decode steps; its
+  # rows share one prompt, so their attention hits L2: use kernel_sweep.py for attention.)
+  echo "== profile: an 8B decode step (1 request), a prefill step of 8192 tokens (8B and Qwen3-0.6B)"
   timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
     --trace "$FINAL/trace_8b_bs1.json.gz" > "$OUT/profile_8b.txt" 2>&1 || echo "profile failed"
-  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 24 --batch 64 --decode-only \
-    > "$OUT/profile_8b_bs64.txt" 2>&1 || echo "profile bs64 failed"
-  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --steps 24 --batch 256 --input-len 800 \
-    --decode-only > "$OUT/profile_qwen_bs256.txt" 2>&1 || echo "profile qwen failed"
-  for f in profile_8b profile_8b_bs64 profile_qwen_bs256; do echo "$f"; grep -A4 '"steps"' "$OUT/$f.txt"; done
+  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 1 --batch 16 \
+    > "$OUT/profile_8b_prefill.txt" 2>&1 || echo "profile 8b prefill failed"
+  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --steps 1 --batch 8 --input-len 1024 \
+    > "$OUT/profile_qwen_prefill.txt" 2>&1 || echo "profile qwen prefill failed"
+  for f in profile_8b profile_8b_prefill profile_qwen_prefill; do echo "$f"; grep -A4 '"steps"' "$OUT/$f.txt"; done
 fi
 off() {  # name, timeout, args...
   local name=$1 t=$2; shift 2

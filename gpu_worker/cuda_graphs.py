@@ -7,7 +7,7 @@ step's device work is two functions of a static ``slots`` buffer:
 - ``draft``: the bonus token of each row and, with MTP, the whole draft loop (S assistant
   forwards over the target's KV, each followed by its argmax) -> ``tokens`` [B, T];
 - ``target``: the target forward over those T tokens per row (decode T=1, verify T=S+1),
-  writing their KV, then the LM head -> ``hidden`` [B*T, H] and float32 ``logits`` [B*T, V].
+  writing their KV, then the LM head -> ``hidden`` [B*T, H] and ``logits`` [B*T, V] (``compute_logits``' dtype).
 
 ``DecodeGraphs`` captures both per batch bucket at start-up (largest first, one shared memory
 pool) and replays them; rows past the real batch point at slot 0, the padding row, whose

@@ -13,6 +13,9 @@ summation order differs from cuBLAS's, as cuBLAS's differs between its own kerne
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from gpu_worker.kernels import use_triton
 
 try:
     import triton
@@ -21,6 +24,22 @@ except ImportError:
     triton = None
 
 GEMV_MAX_M = 4
+# Where the kernel beat cuBLAS on the H200 (benchmarks/kernel_sweep.py, 2026-12-02, in a CUDA
+# graph, weights rotated past L2): one row, K <= 8192, a weight of at least 16 MB — Llama-8B's
+# qkv 16.5 -> 14.7 us, o 13.4 -> 11.9, gate_up 59.8 -> 54.8; its down (K = 14336) lost, 32.1 -> 34.5,
+# and at four rows the kernel lost everywhere. Elsewhere cuBLAS stays.
+SKINNY_MAX_K = 8192
+SKINNY_MIN_WEIGHT = 8 << 20  # elements
+CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the GEMV where it measured faster (one decode row, mid-sized weight)."""
+    if (bias is None and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and w.shape[1] <= SKINNY_MAX_K and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1
+            and w.is_contiguous() and use_triton(x)):
+        return gemv(x, w, **CONFIG)
+    return F.linear(x, w, bias)
 
 if triton is not None:
 

@@ -28,7 +28,8 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] -> float32 logits [R, V] (softcapped where the model does)."""
+        """hidden [R, H] -> logits [R, V]: in the model dtype, or float32 where the model
+        softcaps. Consumers that need float32 (softmax, penalties, logprobs) convert."""
         raise NotImplementedError
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.activation import gated_act
+from gpu_worker.kernels.gemv import linear
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
@@ -165,7 +166,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --------------------------------------------------------------------------- MLP / attention
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear whose one-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Several projections of one input as one weight [sum(parts), in]: one GEMM instead of many
     (q/k/v, gate/up). ``parts`` maps each checkpoint projection name to its output width, in
     order; the loader copies each checkpoint tensor into its rows."""

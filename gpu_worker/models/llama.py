@@ -113,4 +113,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return factory.logits(hidden, self.lm_head_weight(), self.vocab_size).float()
+        # In the model dtype, as HF's lm_head: every consumer that needs float32 (softmax,
+        # penalties, logprobs) converts, and greedy argmax is the same on either. Skipping the
+        # cast saves a [rows, vocab] pass per step (110 us at 256 rows of Qwen3's 152k vocab).
+        return factory.logits(hidden, self.lm_head_weight(), self.vocab_size)

@@ -1,5 +1,5 @@
 """What model files call to build their projections. At TP=1 each returns exactly the plain
-module the model used before (``nn.Linear``, ``MergedLinear``, ``nn.Embedding``), so the
+module the model used before (``Linear``, ``MergedLinear``, ``nn.Embedding``), so the
 checkpoint key mapping and the arithmetic are unchanged; at TP>1 the parallel layer."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.models.layers import MergedLinear
+from gpu_worker.models.layers import Linear, MergedLinear
 from gpu_worker.parallel import layers as P
 from gpu_worker.parallel import shard
 from gpu_worker.parallel.state import tp_size
@@ -15,7 +15,7 @@ from gpu_worker.parallel.state import tp_size
 
 def column(in_features: int, rows: shard.Rows, bias: bool = False) -> nn.Linear:
     if tp_size() == 1:
-        return nn.Linear(in_features, rows.full, bias=bias)
+        return Linear(in_features, rows.full, bias=bias)
     return P.ColumnParallelLinear(in_features, rows, bias=bias)
 
 
@@ -27,7 +27,7 @@ def merged(in_features: int, parts: dict[str, shard.Rows], bias: bool = False) -
 
 def row(cols: shard.Rows, out_features: int, bias: bool = False) -> nn.Linear:
     if tp_size() == 1:
-        return nn.Linear(cols.full, out_features, bias=bias)
+        return Linear(cols.full, out_features, bias=bias)
     return P.RowParallelLinear(cols, out_features, bias=bias)
 
 

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.models.layers import MergedLinear
+from gpu_worker.kernels.gemv import linear
+from gpu_worker.models.layers import Linear, MergedLinear
 from gpu_worker.parallel.comm import all_gather_last, all_reduce
 from gpu_worker.parallel.shard import Rows
 from gpu_worker.parallel.state import tp_size
@@ -36,7 +37,7 @@ def _narrow_rows(src: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
     return torch.cat([part, src.new_zeros(shape)], dim=dim)
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, rows: Rows, bias: bool = False):
         super().__init__(in_features, rows.size, bias=bias)
         self.rows = rows
@@ -64,7 +65,7 @@ class RowParallelLinear(nn.Linear):
         self.cols = cols
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def checkpoint_shard(self, leaf: str, src: torch.Tensor, part: str | None = None) -> torch.Tensor:
