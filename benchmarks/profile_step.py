@@ -54,17 +54,21 @@ def main() -> None:
                        max_running_requests=max(8, a.batch), context_length=a.input_len + a.steps + 64,
                        overlap=not a.no_overlap)
     vocab = eng.ready.vocab_size
-    prompt = [(17 * i) % (vocab - 10) + 5 for i in range(a.input_len)]
+    def prompt(tag: str, r: int) -> list[int]:
+        # Distinct per request: a shared prompt would hit the prefix cache (no prefill to profile)
+        # and let every row's attention read the same pages from L2.
+        off = 7919 * r + (0 if tag == "warm" else 104729)
+        return [(17 * i + off) % (vocab - 10) + 5 for i in range(a.input_len)]
 
     def batch(tag, n_new):
         for r in range(a.batch):
-            eng.submit(f"{tag}{r}", prompt, max_new_tokens=n_new, ignore_eos=True)
+            eng.submit(f"{tag}{r}", prompt(tag, r), max_new_tokens=n_new, ignore_eos=True)
         eng.run()
 
     batch("warm", 8)
     if a.decode_only:  # prefill every row, then profile the next `steps` results
         for r in range(a.batch):
-            eng.submit(f"p{r}", prompt, max_new_tokens=a.steps + 8, ignore_eos=True)
+            eng.submit(f"p{r}", prompt("p", r), max_new_tokens=a.steps + 8, ignore_eos=True)
         eng.run(until=lambda: all(eng.tokens[f"p{r}"] for r in range(a.batch)))
         done = eng.core.counters.steps
         profiled = dict(until=lambda: eng.core.counters.steps >= done + a.steps)
