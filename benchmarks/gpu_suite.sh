@@ -64,7 +64,7 @@ if has qwen; then
     --output-len-range 100 1024 --max-running-requests 256 --hf --hf-output-len 64
 fi
 if has pair; then
-  # A round takes ~0.1 s here: one warm-up round, then the median of 5.
+  # A round takes ~0.1 s here: one warm-up round, then the median of 5 (same prompts, no prefix cache).
   echo "== (e) bundled pair, MTP on / off, 1 and 8 requests"
   P=benchmarks/prompts_shakespeare_heldout.txt
   MTP=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $A --speculative-num-steps 3)
@@ -72,7 +72,7 @@ if has pair; then
     extra=(); [ $mode = mtp ] && extra=("${MTP[@]}")
     timeout 90 python3 benchmarks/offline.py --model-path $T --device cuda --prompts-file $P --output-len 128 \
       --num-prompts 1,8 --max-running-requests 8 --log-level warning --json "$OUT/pair_$mode.json" "${extra[@]}" \
-      --warmup-rounds 1 --repeat 5 \
+      --warmup-rounds 1 --repeat 5 --disable-prefix-cache \
       > "$OUT/pair_$mode.log" 2>&1 || echo "pair_$mode failed"
   done
 fi

@@ -49,7 +49,7 @@ def start_engine(server_argv: list[str]):
 
 
 def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperature: float, procs,
-               repeat: int = 1, warmup: int = 0) -> list[dict]:
+               repeat: int = 1, warmup: int = 0, vary_rounds: bool = True) -> list[dict]:
     zctx = zmq.Context()
     outputs = PullChannel(zctx, "outputs", ep.outputs)
     requests = PushChannel(zctx, "requests", ep.requests)
@@ -68,9 +68,11 @@ def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperat
                 walls, before = [], stats
             t0 = time.perf_counter()
             for i, (p, n_out) in enumerate(zip(prompts, out_lens)):
-                # Each round's prompts differ from the others' in their first tokens, so that no
-                # round reads another's KV from the prefix cache.
-                p = p if k == 0 else np.roll(p, k) if k > 0 else p[::-1]
+                # Random-id prompts differ between rounds in their first tokens, so that no round
+                # reads another's KV from the prefix cache. Text prompts stay as they are (their
+                # acceptance rates are the point): pass --disable-prefix-cache for such rounds.
+                if vary_rounds and k:
+                    p = np.roll(p, k) if k > 0 else p[::-1]
                 params = SamplingParams(max_new_tokens=int(n_out), temperature=temperature, ignore_eos=True)
                 requests.send(GenerateReq(f"w{w}-b{k}-{i}", p.astype(np.int32).tobytes(), params, time.time()))
             n_tokens, stats = _collect(outputs, {f"w{w}-b{k}-{i}" for i in range(len(prompts))}, stats)
@@ -191,7 +193,8 @@ def main() -> None:
     args, ep, procs = start_engine(server_argv)
     counts = [int(x) for x in str(bench.num_prompts).split(",")]
     workloads = [make_workload(bench, args, n, i) for i, n in enumerate(counts)]
-    runs = run_engine(ep, workloads, bench.temperature, procs, bench.repeat, bench.warmup_rounds)
+    runs = run_engine(ep, workloads, bench.temperature, procs, bench.repeat, bench.warmup_rounds,
+                      vary_rounds=bench.prompts_file is None)
     results = {"workload": vars(bench), "engine": runs[0],
                "workloads": [{"num_prompts": n, **r} for n, r in zip(counts, runs)]}
     for p in procs:
