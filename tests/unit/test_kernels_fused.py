@@ -84,12 +84,14 @@ def _rope_case(dtype, norm, partial):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm,partial", [(NORM_NONE, False), (NORM_LLAMA, False), (NORM_GEMMA, True)])
-def test_rope_store(dtype, norm, partial):
+@pytest.mark.parametrize("hb", [1, 4, 8])  # heads per program; 8 > both head counts: masked heads
+def test_rope_store(dtype, norm, partial, hb):
     q, k, v, inv, pos, loc, qw, kw = _rope_case(dtype, norm, partial)
     kc = torch.full((40, 2, 32), 7.0, dtype=dtype, device=DEV)
     vc = torch.full((40, 2, 32), 7.0, dtype=dtype, device=DEV)
     gemma = norm == NORM_GEMMA
-    q_out = rope_store(q, k, v, pos, inv, loc, kc, vc, norm=norm, q_weight=qw, k_weight=kw, v_norm=gemma, eps=1e-6)
+    q_out = rope_store(q, k, v, pos, inv, loc, kc, vc, norm=norm, q_weight=qw, k_weight=kw, v_norm=gemma, eps=1e-6,
+                       heads_per_prog=hb)
     qn, kn, vn = q, k, v
     if norm != NORM_NONE:
         qn, kn = ref_rms_norm(q, qw, 1e-6, gemma), ref_rms_norm(k, kw, 1e-6, gemma)
@@ -107,7 +109,7 @@ def test_rope_q_only_and_k_eq_v():
     """Q-only (a layer that reads another's KV) writes nothing; k_eq_v passes k's raw columns
     as v (aliasing k), and the cache gets v_norm(raw k), not the rotated k."""
     q, k, v, inv, pos, loc, qw, kw = _rope_case(torch.float32, NORM_GEMMA, True)
-    q_out = rope_store(q, None, None, pos, inv, None, None, None, norm=NORM_GEMMA, q_weight=qw)
+    q_out = rope_store(q, None, None, pos, inv, None, None, None, norm=NORM_GEMMA, q_weight=qw, heads_per_prog=2)
     _close(q_out, ref_rope(ref_rms_norm(q, qw, 1e-6, True), pos, inv), torch.float32)
     kc = torch.zeros(40, 2, 32, device=DEV)
     vc = torch.zeros(40, 2, 32, device=DEV)
