@@ -26,6 +26,7 @@ from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
 from gpu_worker.runner import ModelRunner
 from gpu_worker.slots import SlotState
+from gpu_worker.warmup import prefill_sizes, warm_prefill
 from gpu_worker.sizing import plan_capacity
 from proto.args import ServerArgs
 from proto.messages import Shutdown, StepPlan, WorkerError, WorkerReady
@@ -76,6 +77,9 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     runner = ModelRunner(target, assistant, backend, state, t, device, eos)
     # On the CPU, --attention-backend triton runs every kernel (norms, RoPE too) in the interpreter.
     runner.cpu_kernels = name == "triton" and device.type != "cuda"
+    if device.type == "cuda":  # the CPU has no lazy kernel loading to pay ahead (and CI starts many engines)
+        sizes = prefill_sizes(args.chunked_prefill_size or 8192, state.page_table.shape[1] * args.page_size)
+        log.info("prefill warm-up: %s tokens in %.2f s", sizes, warm_prefill(runner, sizes))
     _setup_graphs(args, runner, name, device, cap.max_slots)
     ready = WorkerReady(
         page_size=args.page_size,

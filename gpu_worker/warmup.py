@@ -1,0 +1,54 @@
+"""Prefill-shaped forwards at start-up, before the worker reports ready.
+
+CUDA graphs cover decode steps only; a step with a prefill chunk runs eagerly, and the first
+such step of a process met every kernel of its shapes for the first time: cuBLAS modules
+loaded lazily for large-M GEMMs, Triton variants compiled or read from disk. On a fresh
+machine that made the first engine process's first seconds of prefill steps 10-30x slower in
+host time (BENCHMARKS.md, "start-up transient"). A few forwards at chunk-like sizes pay
+that before serving, as vLLM's and SGLang's start-up dummy runs do.
+
+Invariant kept: the forwards touch no slot state. They run as slot 0, the padding row, whose
+page-table row is all page 0, so they read and write only page 0, scratch for padding rows
+already (``cuda_graphs.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from gpu_worker.attention.base import RowLayout
+from gpu_worker.forward_batch import ForwardBatch
+
+log = logging.getLogger("tandem.worker")
+
+MIN_TOKENS = 32  # a row of <= 16 queries would take the decode kernel, which graphs warm already
+
+
+def prefill_sizes(chunk: int, max_tokens: int) -> list[int]:
+    """Token counts to warm: the largest prefill chunk, then smaller ones, which select other
+    GEMM kernels; none past what one slot's page-table row addresses."""
+    top = min(chunk, max_tokens)
+    return sorted({n for n in (top, 2048, 256, MIN_TOKENS) if MIN_TOKENS <= n <= top}, reverse=True)
+
+
+@torch.inference_mode()
+def warm_prefill(runner, sizes: list[int]) -> float:
+    """One eager target forward (and its LM head on the last token) per size; returns seconds."""
+    t0 = time.perf_counter()
+    backend, target, dev = runner.backend, runner.target, runner.device
+    ps = backend.pool.page_size
+    for n in sizes:
+        pos = torch.arange(n, device=dev)
+        layout = RowLayout(slots=torch.zeros(1, dtype=torch.int64, device=dev), q_lens=np.array([n]),
+                           kv_lens=torch.full((1,), n, dtype=torch.int64, device=dev), kv_bound=np.array([n]),
+                           q_pos=pos)
+        ids = (pos * 7919 + 13) % target.vocab_size  # any in-vocabulary ids
+        fb = ForwardBatch(ids, pos, pos % ps, backend.build(layout, runner.windows), n)  # out_loc: page 0
+        target.compute_logits(target.forward(fb, backend)[-1:])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
