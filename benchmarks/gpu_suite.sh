@@ -82,6 +82,6 @@ if has attn; then
     || { echo "attention bench failed"; tail -5 "$OUT/attention.log"; }
 fi
 [ -d .fi-cache/.cache ] && tar czf "$FINAL/fi-cache.tgz" -C .fi-cache .cache
-grep -h "host ms/step" "$OUT"/*.log | tail -4 > "$OUT/host_timing.txt"
+grep -H "host ms/step\|prefill warm-up" "$OUT"/*.log > "$OUT/host_timing.txt"  # every process, first 200 steps included
 python3 benchmarks/gpu_report.py "$OUT" $DM
 cp "$OUT/summary.txt" "$FINAL/"; tar czf "$FINAL/results.tgz" -C "$OUT" .
