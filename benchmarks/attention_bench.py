@@ -34,13 +34,15 @@ SHAPES = [("llama-8b", 32, 8, ctx, bs) for ctx in (2048, 8192) for bs in (1, 64)
     [("qwen3-0.6b", 16, 8, ctx, 256) for ctx in (512, 1024)]
 
 
-def setup(bs: int, ctx: int, hq: int, hkv: int):
-    pages_per = ctx // PS
+def setup(bs: int, ctx: int, hq: int, hkv: int, shuffle: bool = True):
+    """One KV layer of ``bs`` rows of ``ctx`` keys (pages shuffled, or in order) + their queries."""
+    pages_per = -(-ctx // PS)
     n_pages = bs * pages_per + 1
     pool = KVPool([KVLayerShape(hkv, D)], n_pages, PS, torch.bfloat16, "cuda")
     pool.k[0].normal_()
     pool.v[0].normal_()
-    perm = np.random.default_rng(0).permutation(np.arange(1, n_pages)).reshape(bs, pages_per)
+    ids = np.arange(1, n_pages)
+    perm = (np.random.default_rng(0).permutation(ids) if shuffle else ids).reshape(bs, pages_per)
     pt = torch.zeros(bs + 1, pages_per, dtype=torch.int32, device="cuda")
     pt[1:] = torch.from_numpy(perm.astype(np.int32)).cuda()
     slots = torch.arange(1, bs + 1, device="cuda")

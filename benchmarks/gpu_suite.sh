@@ -26,8 +26,8 @@ if has tests; then
 fi
 if has profile; then
   # Decode at 1 request (the 8B step), then one prefill step of 8192 tokens on each model.
-  # (profile_step.py --decode-only --batch 64 / 256 profiles the big-batch decode steps; its
-  # rows share one prompt, so their attention hits L2: use kernel_sweep.py for attention.)
+  # (profile_step.py --decode-only --batch 64 / 256 profiles big-batch decode steps;
+  # kernel_sweep.py times attention and the GEMMs alone.)
   echo "== profile: an 8B decode step (1 request), a prefill step of 8192 tokens (8B and Qwen3-0.6B)"
   timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
     --trace "$FINAL/trace_8b_bs1.json.gz" > "$OUT/profile_8b.txt" 2>&1 || echo "profile failed"
@@ -82,6 +82,6 @@ if has attn; then
     || { echo "attention bench failed"; tail -5 "$OUT/attention.log"; }
 fi
 [ -d .fi-cache/.cache ] && tar czf "$FINAL/fi-cache.tgz" -C .fi-cache .cache
-grep -H "host ms/step\|prefill warm-up" "$OUT"/*.log > "$OUT/host_timing.txt"  # every process, first 200 steps included
+grep -H "host ms/step" "$OUT"/*.log > "$OUT/host_timing.txt"  # every process, first 200 steps included
 python3 benchmarks/gpu_report.py "$OUT" $DM
 cp "$OUT/summary.txt" "$FINAL/"; tar czf "$FINAL/results.tgz" -C "$OUT" .

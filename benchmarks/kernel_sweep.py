@@ -18,12 +18,12 @@ import os
 import sys
 import traceback
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.attention_bench import setup as attention_setup  # noqa: E402
 from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
 from gpu_worker.attention.triton_backend import decode_splits  # noqa: E402
 from gpu_worker.kernels.attention_decode import paged_decode  # noqa: E402
@@ -79,28 +79,13 @@ def gemm_rows(bw: float) -> list[dict]:
     return rows
 
 
-def attn_setup(bs: int, ctx: int, hq: int, hkv: int, shuffle: bool, ps: int = 16, d: int = 128):
-    pages_per = -(-ctx // ps)
-    n_pages = bs * pages_per + 1
-    k = torch.randn(n_pages * ps, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    ids = np.arange(1, n_pages)
-    if shuffle:
-        ids = np.random.default_rng(0).permutation(ids)
-    pt = torch.zeros(bs + 1, pages_per, dtype=torch.int32, device="cuda")
-    pt[1:] = torch.from_numpy(ids.reshape(bs, pages_per).astype(np.int32)).cuda()
-    slots = torch.arange(1, bs + 1, device="cuda")
-    kv = torch.full((bs,), ctx, dtype=torch.int64, device="cuda")
-    q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
-    return q, k, v, pt, slots, kv
-
-
 def attn_rows(bw: float, sms: int) -> list[dict]:
     rows = []
     cases = [("qwen3-0.6b", 256, 812, 16, 8, False), ("qwen3-0.6b", 256, 812, 16, 8, True),
              ("llama-8b", 64, 640, 32, 8, True), ("llama-8b", 1, 560, 32, 8, False)]
     for model, bs, ctx, hq, hkv, shuffle in cases:
-        q, k, v, pt, slots, kv = attn_setup(bs, ctx, hq, hkv, shuffle)
+        pool, pt, layout, q = attention_setup(bs, ctx, hq, hkv, shuffle)
+        k, v, slots, kv = pool.k[0], pool.v[0], layout.slots, layout.kv_lens
         nbytes = bs * ctx * hkv * 128 * 2 * 2
         default = decode_splits(bs, hkv, sms)
         other = sorted({1, 2, 4, 8, 16} - {default}) if bs == 1 else []
@@ -117,7 +102,7 @@ def attn_rows(bw: float, sms: int) -> list[dict]:
             rows.append({"model": model, "bs": bs, "ctx": ctx, "shuffled": shuffle, "splits": sp,
                          "tune": tune or "default", "is_default": tune is None and sp == default, "us": sec * 1e6,
                          "frac_of_copy_bw": nbytes / sec / bw})
-        del k, v
+        del pool, k, v
         torch.cuda.empty_cache()
     return rows
 

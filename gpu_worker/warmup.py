@@ -14,7 +14,6 @@ already (``cuda_graphs.py``).
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
@@ -22,8 +21,6 @@ import torch
 
 from gpu_worker.attention.base import RowLayout
 from gpu_worker.forward_batch import ForwardBatch
-
-log = logging.getLogger("tandem.worker")
 
 MIN_TOKENS = 32  # a row of <= 16 queries would take the decode kernel, which graphs warm already
 

@@ -33,14 +33,6 @@ SKINNY_MIN_WEIGHT = 8 << 20  # elements
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the GEMV where it measured faster (one decode row, mid-sized weight)."""
-    if (bias is None and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and w.shape[1] <= SKINNY_MAX_K and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1
-            and w.is_contiguous() and use_triton(x)):
-        return gemv(x, w, **CONFIG)
-    return F.linear(x, w, bias)
-
 if triton is not None:
 
     @triton.jit
@@ -92,3 +84,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int = 
                                                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
                                                  num_stages=num_stages)
     return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the GEMV where it measured faster (one decode row, mid-sized weight)."""
+    if (x.dim() == 2 and x.shape[0] == 1 and bias is None and x.dtype in (torch.bfloat16, torch.float16)
+            and w.shape[1] <= SKINNY_MAX_K and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1
+            and w.is_contiguous() and use_triton(x)):
+        return gemv(x, w, **CONFIG)
+    return F.linear(x, w, bias)

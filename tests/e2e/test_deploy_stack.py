@@ -20,14 +20,16 @@ import re
 import shutil
 import subprocess
 import time
-import uuid
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.helpers.deploy_stack import DEPLOY, FreshVenv, Prometheus, Proc, compose_config, localize, wait_until
+from tests.helpers.deploy_stack import (DEPLOY, FreshVenv, Prometheus, Proc, compose_config,
+                                        dashboard_targets, find_alert, grafana_expr, live_series, localize, scalar,
+                                        wait_until)
 from tests.helpers.fake_upstream import FakeEngine, ServerThread
+from tests.helpers.router import until_breaker_opens, worker_state
 from tests.helpers.server import ROOT, free_port
 
 DASHBOARD = os.path.join(DEPLOY, "grafana", "dashboards", "tandem.json")
@@ -168,21 +170,21 @@ def workload(stack):
                                               **kw).usage.completion_tokens
 
     # rate() needs a sample from before the workload: wait for two scrapes of every target.
-    wait_until(lambda: _scalar(stack["prom"], "min(count_over_time(up[1m]))") >= 2, 40, "two scrapes of each target")
+    wait_until(lambda: scalar(stack["prom"], "min(count_over_time(up[1m]))") >= 2, 40, "two scrapes of each target")
     t0 = time.time()
     with cf.ThreadPoolExecutor(8) as pool:
         tokens = list(pool.map(one, range(N_REQUESTS)))
     assert tokens == [48] * N_REQUESTS
     prom = stack["prom"]
-    wait_until(lambda: _scalar(prom, "sum(tandem:request_success_total)") >= N_REQUESTS, 60,
+    wait_until(lambda: scalar(prom, "sum(tandem:request_success_total)") >= N_REQUESTS, 60,
                f"prometheus scraped the plain phase's {N_REQUESTS} finished requests")
     time.sleep(2)
     plain_end = time.time()
     r = httpx.post(stack["router"] + "/workers", json={"url": fake_url}, timeout=10)
     assert r.status_code in (200, 201), r.text
-    wait_until(lambda: _worker(stack["router"], fake_url).get("is_healthy"), 20, "router admits the fake worker")
+    wait_until(lambda: worker_state(stack["router"], fake_url).get("is_healthy"), 20, "router admits the fake worker")
     # Keep sending small requests until the fake worker's breaker opens (bounded).
-    extra = _until_open(client, model, stack["router"], fake_url)
+    extra = until_breaker_opens(client, model, stack["router"], fake_url)
     # The router creates tandem_router_retries_total{route} at the first retry, so rate() cannot
     # see the retries that created it: once Prometheus has the series, a second failing worker
     # makes retries that the Retries panel must show.
@@ -190,52 +192,15 @@ def workload(stack):
     time.sleep(1.5)
     second = stack["fake2_url"]
     assert httpx.post(stack["router"] + "/workers", json={"url": second}, timeout=10).status_code in (200, 201)
-    wait_until(lambda: _worker(stack["router"], second).get("is_healthy"), 20, "router admits the second fake")
-    extra += _until_open(client, model, stack["router"], second)
+    wait_until(lambda: worker_state(stack["router"], second).get("is_healthy"), 20, "router admits the second fake")
+    extra += until_breaker_opens(client, model, stack["router"], second)
     t1 = time.time()
     n = N_REQUESTS + extra
-    wait_until(lambda: _scalar(prom, "sum(tandem:request_success_total)") >= n, 60,
+    wait_until(lambda: scalar(prom, "sum(tandem:request_success_total)") >= n, 60,
                f"prometheus scraped {n} finished requests")
     time.sleep(2)  # two more scrapes: the rate windows see the workload's tail
     return {"start": t0 - 2, "end": time.time(), "plain_end": plain_end, "requests": n, "tokens": tokens,
             "extra": extra, "t1": t1, "model": model}
-
-
-def _worker(router: str, url: str) -> dict:
-    return next((w for w in httpx.get(router + "/workers").json()["workers"] if w["url"] == url), {})
-
-
-def _until_open(client, model: str, router: str, url: str) -> int:
-    """Send small requests until the router opens the breaker of worker ``url``; at most 40.
-    Each prompt starts with new random text, so it shares no prefix with earlier ones:
-    cache_aware sends an unmatched prompt to the smallest tree, the new worker's."""
-    n = 0
-    while n < 40 and _worker(router, url).get("circuit_state") != "open":
-        client.completions.create(model=model, prompt=f"{uuid.uuid4().hex} thou art a villain", max_tokens=2)
-        n += 1
-    return n
-
-
-def _scalar(prom: Prometheus, expr: str) -> float:
-    res = prom.query(expr)
-    return float(res[0]["value"][1]) if res else float("nan")
-
-
-def _dashboard_targets() -> list[tuple[str, str, str]]:
-    with open(DASHBOARD) as f:
-        dash = json.load(f)
-    out = []
-    for p in dash["panels"]:
-        for t in p.get("targets", []):
-            out.append((p["title"], t["refId"], t["expr"]))
-    return out
-
-
-def _grafana_expr(expr: str) -> str:
-    """What Grafana sends for "All" on every variable, with the test's $__rate_interval."""
-    out = expr.replace("$__rate_interval", RATE_WINDOW).replace("$engine", ".*").replace("$model_name", ".*")
-    assert "$" not in out, f"unsubstituted Grafana variable in {expr}"
-    return out
 
 
 def test_the_image_steps_install_and_its_default_command_serves(image):
@@ -307,8 +272,8 @@ def test_dashboard_variables_resolve(stack, workload):
 def test_every_dashboard_query_returns_data(stack, workload):
     prom = stack["prom"]
     failures, zeros, report = [], [], []
-    for title, ref, expr in _dashboard_targets():
-        series = prom.query_range(_grafana_expr(expr), workload["start"], workload["end"])
+    for title, ref, expr in dashboard_targets(DASHBOARD):
+        series = prom.query_range(grafana_expr(expr, RATE_WINDOW), workload["start"], workload["end"])
         values = [float(v) for s in series for _, v in s["values"]]
         finite = [v for v in values if math.isfinite(v)]
         key = (title, ref)
@@ -330,8 +295,8 @@ def test_every_dashboard_query_has_data_on_the_plain_topology(stack, workload):
     says "No data" (a counter the code creates on its first event reads 0, not absent)."""
     prom = stack["prom"]
     empty = []
-    for title, ref, expr in _dashboard_targets():
-        series = prom.query_range(_grafana_expr(expr), workload["start"], workload["plain_end"])
+    for title, ref, expr in dashboard_targets(DASHBOARD):
+        series = prom.query_range(grafana_expr(expr, RATE_WINDOW), workload["start"], workload["plain_end"])
         if not any(math.isfinite(float(v)) for s in series for _, v in s["values"]):
             empty.append(f"{title} [{ref}]: {expr}")
     assert not empty, "panels with no data on the plain topology:\n" + "\n".join(empty)
@@ -344,17 +309,6 @@ CREATED_ON_FIRST_EVENT: dict[str, str] = {}
 TARGET_LABELS = {"job", "instance", "engine", "router", "__name__", "le"}
 
 
-def _live_series(text: str) -> dict[str, set[str]]:
-    """Sample name -> the label names it carries, from a live /metrics page."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, set[str]] = {}
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            out.setdefault(sample.name, set()).update(sample.labels)
-    return out
-
-
 def test_every_series_and_label_in_deploy_is_on_the_live_metrics_pages(stack, workload):
     """The names (with their _total / _bucket suffixes) and label matchers of every dashboard
     query and alert rule, against what the live engines and router serve on /metrics."""
@@ -363,12 +317,12 @@ def test_every_series_and_label_in_deploy_is_on_the_live_metrics_pages(stack, wo
     live: dict[str, set[str]] = {}
     for name in ("engine-0-cpu", "router"):
         text = httpx.get(f"http://127.0.0.1:{stack['ports'][name]}/metrics", timeout=10).text
-        for k, v in _live_series(text).items():
+        for k, v in live_series(text).items():
             live.setdefault(k, set()).update(v)
     with open(os.path.join(DEPLOY, "prometheus", "alerts.yml")) as f:
         rules = [r["expr"] for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
     missing = []
-    for expr in [e for _, _, e in _dashboard_targets()] + rules:
+    for expr in [e for _, _, e in dashboard_targets(DASHBOARD)] + rules:
         for m in re.finditer(r"\b(tandem:[a-z0-9_]+|tandem_router_[a-z0-9_]+)(\{[^}]*\})?", expr):
             name, matchers = m.group(1), m.group(2) or ""
             if name not in live:
@@ -384,12 +338,12 @@ def test_every_series_and_label_in_deploy_is_on_the_live_metrics_pages(stack, wo
 def test_spec_decode_and_prefix_cache_are_real(stack, workload):
     prom = stack["prom"]
     w = "[5m]"
-    accept_len = _scalar(prom, f"1 + sum(increase(tandem:spec_decode_num_accepted_tokens_total{w})) / "
+    accept_len = scalar(prom, f"1 + sum(increase(tandem:spec_decode_num_accepted_tokens_total{w})) / "
                                f"sum(increase(tandem:spec_decode_num_drafts_total{w}))")
     assert 1.0 < accept_len <= 4.0, accept_len  # bundled pair: 3 draft steps, so 1..4 tokens a step
     positions = prom.query("sum by (position) (tandem:spec_decode_num_accepted_tokens_per_pos_total)")
     assert sorted(s["metric"]["position"] for s in positions) == ["0", "1", "2"]
-    hit = _scalar(prom, "sum(tandem:prefix_cache_hits_total) / sum(tandem:prefix_cache_queries_total)")
+    hit = scalar(prom, "sum(tandem:prefix_cache_hits_total) / sum(tandem:prefix_cache_queries_total)")
     assert hit > 0.3, f"shared system prompts should hit the prefix cache, got {hit}"
     # The router's per-engine view matches what the engines served.
     served = prom.query("sum by (worker) (tandem_router_worker_requests_total{outcome=\"ok\"})")
@@ -419,7 +373,7 @@ def test_circuit_open_alert_goes_pending_for_the_failing_workers(stack, workload
     # test reads Prometheus' history, not the current state): the rule's series and its
     # ALERTS{alertstate="pending"} series (Prometheus records them) both show it.
     for url in fakes:
-        assert _scalar(prom, f'max_over_time(tandem_router_worker_cb_state{{worker="{url}"}}[5m])') == 1, url
+        assert scalar(prom, f'max_over_time(tandem_router_worker_cb_state{{worker="{url}"}}[5m])') == 1, url
     pending = 'max_over_time(ALERTS{alertname="TandemCircuitOpen",alertstate="pending"}[5m])'
     series = wait_until(lambda: len(r := prom.query(pending)) == 2 and r, 15, "TandemCircuitOpen went pending")
     assert sorted(s["metric"]["worker"] for s in series) == sorted(fakes)
@@ -430,15 +384,6 @@ def test_engine_down_alert_goes_pending_when_an_engine_stops(stack, workload):
     # Last test of the module: it stops engine-1 (SIGTERM: the engine drains and exits 0).
     rc = stack["procs"]["engine-1-cpu"].stop(40)
     assert rc == 0, stack["procs"]["engine-1-cpu"].output()
-    alert = wait_until(lambda: _alert(stack["prom"], "TandemEngineDown"), 30, "TandemEngineDown pending")
+    alert = wait_until(lambda: find_alert(stack["prom"], "TandemEngineDown"), 30, "TandemEngineDown pending")
     assert alert["labels"]["engine"] == "engine-1" and alert["labels"]["severity"] == "critical"
-    assert _alert(stack["prom"], "TandemRouterDown") is None
-
-
-def _alerts(prom: Prometheus, name: str) -> list[dict]:
-    return [a for a in prom.get("alerts")["alerts"] if a["labels"]["alertname"] == name]
-
-
-def _alert(prom: Prometheus, name: str) -> dict | None:
-    found = _alerts(prom, name)
-    return found[0] if found else None
+    assert find_alert(stack["prom"], "TandemRouterDown") is None

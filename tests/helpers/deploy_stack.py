@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import dockerfile
 import httpx
+import pytest
 import yaml
 
 from tests.helpers.server import ROOT, free_port
@@ -330,3 +331,63 @@ class Prometheus:
 
     def stop(self) -> None:
         self.proc.stop(20)
+
+
+def find_tool(name: str) -> str:
+    """A deploy tool (promtool, hadolint, ...) on PATH or beside this Python; skipped outside CI
+    when missing, a failure in CI."""
+    path = shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is not installed (make test installs it)")
+        pytest.skip(f"{name} not installed (make test installs it)")
+    return path
+
+
+def run_tool(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+# ---- reading Prometheus, the dashboard and live /metrics pages (tests/e2e/test_deploy_stack.py)
+
+
+def scalar(prom: Prometheus, expr: str) -> float:
+    res = prom.query(expr)
+    return float(res[0]["value"][1]) if res else float("nan")
+
+
+def dashboard_targets(path: str) -> list[tuple[str, str, str]]:
+    with open(path) as f:
+        dash = json.load(f)
+    out = []
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            out.append((p["title"], t["refId"], t["expr"]))
+    return out
+
+
+def grafana_expr(expr: str, rate_window: str) -> str:
+    """What Grafana sends for "All" on every variable, with the test's $__rate_interval."""
+    out = expr.replace("$__rate_interval", rate_window).replace("$engine", ".*").replace("$model_name", ".*")
+    assert "$" not in out, f"unsubstituted Grafana variable in {expr}"
+    return out
+
+
+def live_series(text: str) -> dict[str, set[str]]:
+    """Sample name -> the label names it carries, from a live /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+    return out
+
+
+def alerts_named(prom: Prometheus, name: str) -> list[dict]:
+    return [a for a in prom.get("alerts")["alerts"] if a["labels"]["alertname"] == name]
+
+
+def find_alert(prom: Prometheus, name: str) -> dict | None:
+    found = alerts_named(prom, name)
+    return found[0] if found else None

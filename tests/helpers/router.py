@@ -1,4 +1,4 @@
-"""Start a real ``tandem router`` process for end-to-end tests."""
+"""Start a real ``tandem router`` process for end-to-end tests, and read its /workers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 
@@ -62,3 +63,19 @@ class RouterProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def worker_state(router: str, url: str) -> dict:
+    """The router's /workers entry for ``url`` ({} while it is not listed)."""
+    return next((w for w in httpx.get(router + "/workers").json()["workers"] if w["url"] == url), {})
+
+
+def until_breaker_opens(client, model: str, router: str, url: str) -> int:
+    """Send small requests until the router opens the breaker of worker ``url``; at most 40.
+    Each prompt starts with new random text, so it shares no prefix with earlier ones:
+    cache_aware sends an unmatched prompt to the smallest tree, the new worker's."""
+    n = 0
+    while n < 40 and worker_state(router, url).get("circuit_state") != "open":
+        client.completions.create(model=model, prompt=f"{uuid.uuid4().hex} thou art a villain", max_tokens=2)
+        n += 1
+    return n
