@@ -63,8 +63,9 @@ class PlanRows:
         return np.concatenate([self.ext_slots[self.ext_sample], self.dec_slots])
 
 
-def stage_target_batch(rows: PlanRows, t: int, backend, b: StageBatch) -> None:
-    """Host half of ``build_target_batch``: every index array into the step's staging batch."""
+def stage_target_batch(rows: PlanRows, t: int, backend, b: StageBatch, dec_kv: np.ndarray | None = None) -> None:
+    """Host half of ``build_target_batch``: every index array into the step's staging batch.
+    ``dec_kv``: the decode rows' KV lengths where the host knows them exactly (no MTP)."""
     offsets = np.cumsum(rows.ext_len) - rows.ext_len
     b.put("ext_ids", rows.ext_tokens)
     b.put("ext_pos", np.arange(rows.num_ext_tokens) + np.repeat(rows.ext_start - offsets, rows.ext_len))
@@ -73,7 +74,9 @@ def stage_target_batch(rows: PlanRows, t: int, backend, b: StageBatch) -> None:
     q_lens = rows.q_lens(t)
     b.put("tok_slot", np.repeat(np.concatenate([rows.ext_slots, rows.dec_slots]), q_lens))
     b.put("logit_rows", logits_rows(rows, t))
-    backend.stage(q_lens, b)
+    slots = np.concatenate([rows.ext_slots, rows.dec_slots])
+    dec = dec_kv if dec_kv is not None else np.full(len(rows.dec_slots), -1, dtype=np.int64)
+    backend.stage(q_lens, b, slots=slots, kv_exact=np.concatenate([rows.ext_start + rows.ext_len, dec]))
 
 
 def build_target_batch(

@@ -76,7 +76,7 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     eos = tuple(i for i in read_eos_token_ids(args.model_path) if 0 <= i < target.vocab_size)
     runner = ModelRunner(target, assistant, backend, state, t, device, eos)
     # On the CPU, --attention-backend triton runs every kernel (norms, RoPE too) in the interpreter.
-    runner.cpu_kernels = name == "triton" and device.type != "cuda"
+    runner.cpu_kernels = name in ("triton", "flashinfer") and device.type != "cuda"  # flashinfer: tests' fake
     if device.type == "cuda":  # the CPU has no lazy kernel loading to pay ahead (and CI starts many engines)
         sizes = prefill_sizes(args.chunked_prefill_size or 8192, state.page_table.shape[1] * args.page_size)
         log.info("prefill warm-up: %s tokens in %.2f s", sizes, warm_prefill(runner, sizes))

@@ -110,6 +110,7 @@ class ModelRunner:
         self._last_timer: StepTimer | None = None
         self.tick = _no_tick  # HostClock.tick when TANDEM_HOST_TIMING=1 (worker main)
         self.cpu_kernels = False  # CPU tensors through the Triton kernels (interpreter)
+        backend.host_decode_lens = assistant is None  # see SlotState.seq_host
 
     def enable_graphs(self, buckets: list[int], emulate: bool = False) -> DecodeGraphs:
         """Decode steps of up to max(buckets) rows go through ``DecodeGraphs`` (captured here)."""
@@ -132,6 +133,7 @@ class ModelRunner:
         st.stage_pages(plan.pages, b)
         bucket = self.graphs.bucket(len(rows.dec_slots)) if self.graphs is not None and rows.decode_only else None
         self._stage_rows(rows, b, bucket)
+        st.advance_host(rows.ext_slots, rows.ext_start + rows.ext_len, rows.dec_slots)
         b.upload()  # the step's one host-to-device copy
         self.tick("l.stage")
         timer = self._last_timer = StepTimer(self.device, self._last_timer)
@@ -139,6 +141,8 @@ class ModelRunner:
         st.apply_admit(b)
         self.proc.apply_admit(b)
         st.apply_pages(b)
+        if bucket is not None:
+            self.backend.prepare_graph(bucket, b)  # plan()-style host work, outside the graph
         self.proc.observe_extend(rows)
         if bucket is not None:
             dec_tokens, hidden, logits = self.graphs.run(len(rows.dec_slots), b["dec_pad"], timer.mark)
@@ -168,12 +172,15 @@ class ModelRunner:
         b.put("samp_ext_pos", (rows.ext_start + rows.ext_len)[e_rows])
         res = rows.result_slots()
         b.put("res_slots", res)
+        # decode rows' KV lengths after this step's tokens, where the host knows them (no MTP)
+        dec_kv = self.state.seq_host[rows.dec_slots] + self.t if self.assistant is None else None
         if bucket is not None:
             pad = np.zeros(bucket, dtype=np.int64)  # padding rows point at slot 0
             pad[: len(rows.dec_slots)] = rows.dec_slots
             b.put("dec_pad", pad)
+            self.backend.stage_graph(bucket, rows.dec_slots, dec_kv, b)
         else:
-            stage_target_batch(rows, self.t, self.backend, b)
+            stage_target_batch(rows, self.t, self.backend, b, dec_kv)
         if len(res) and self.state.logprobs[res].max(initial=-1) >= 0:
             e, t = len(e_rows), self.t
             # logits rows: one per sampled extend row, t per decode row; laid out as [R, t]

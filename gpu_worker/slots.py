@@ -39,6 +39,9 @@ class SlotState:
         self.min_p = torch.zeros(n, dtype=torch.float32, device=device)
         # Host mirrors: what the worker knows without asking the device.
         self.num_pages = np.zeros(n, dtype=np.int64)
+        # seq_len as the host sees it: exact without MTP (a step adds one token per row); with
+        # MTP a lower bound (accept counts arrive a step later). See ``advance_host``.
+        self.seq_host = np.zeros(n, dtype=np.int64)
         self.greedy = np.ones(n, dtype=bool)
         self.filtered = np.zeros(n, dtype=bool)  # needs top-k / top-p / min-p
         self.logprobs = np.full(n, -1, dtype=np.int64)
@@ -65,6 +68,7 @@ class SlotState:
         b.put("adm_top_k", [min(x.top_k, 1 << 62) for x in p])
         b.put("adm_min_p", np.array([x.min_p for x in p], dtype=np.float64))
         self.num_pages[slots] = 0
+        self.seq_host[slots] = 0
         self.greedy[slots] = [x.greedy for x in p]
         self.filtered[slots] = [x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0.0 for x in p]
         self.logprobs[slots] = [x.logprobs for x in p]
@@ -81,6 +85,11 @@ class SlotState:
         self.top_k[idx] = b["adm_top_k"]
         self.min_p[idx] = b["adm_min_p"].float()
         self.seq_len.index_fill_(0, idx, 0)  # a scalar assignment would sync the host
+
+    def advance_host(self, ext_slots: np.ndarray, ext_end: np.ndarray, dec_slots: np.ndarray) -> None:
+        """After a step is launched: prefilled rows hold their chunk's end, decode rows one more."""
+        self.seq_host[ext_slots] = ext_end
+        self.seq_host[dec_slots] += 1
 
     def stage_pages(self, appends: list[PageAppend], b: StageBatch) -> None:
         if not appends:

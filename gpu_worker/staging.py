@@ -26,6 +26,7 @@ class StageBatch:
         self._stage = stage
         self._host: dict[str, np.ndarray] = {}
         self._dev: dict[str, torch.Tensor] = {}
+        self.extras: dict = {}  # host-only objects a backend's stage() hands to its build(), same step
 
     def put(self, name: str, arr) -> None:
         a = np.asarray(arr)

@@ -42,7 +42,7 @@ def warm_prefill(runner, sizes: list[int]) -> float:
         pos = torch.arange(n, device=dev)
         layout = RowLayout(slots=torch.zeros(1, dtype=torch.int64, device=dev), q_lens=np.array([n]),
                            kv_lens=torch.full((1,), n, dtype=torch.int64, device=dev), kv_bound=np.array([n]),
-                           q_pos=pos)
+                           q_pos=pos, slots_host=np.zeros(1, dtype=np.int64), kv_exact=np.array([n]))
         ids = (pos * 7919 + 13) % target.vocab_size  # any in-vocabulary ids
         fb = ForwardBatch(ids, pos, pos % ps, backend.build(layout, runner.windows), n)  # out_loc: page 0
         target.compute_logits(target.forward(fb, backend)[-1:])

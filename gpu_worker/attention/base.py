@@ -30,6 +30,8 @@ class RowLayout:
     kv_lens: torch.Tensor  # [B] int64 on device: keys visible to the row
     kv_bound: np.ndarray  # [B] host: an upper bound of kv_lens (sizes the gather, no sync)
     q_pos: torch.Tensor  # [T] int64 on device: mask position of each query token
+    slots_host: np.ndarray | None = None  # [B] the slots on the host, where the caller has them
+    kv_exact: np.ndarray | None = None  # [B] kv_lens on the host, where the host knows them exactly
 
 
 class AttentionBackend(ABC):
@@ -37,9 +39,22 @@ class AttentionBackend(ABC):
         self.pool = pool
         self.page_table = page_table  # [slots + 1, max_pages] int32, row 0 = padding
 
-    def stage(self, q_lens: np.ndarray, staged) -> None:
-        """Put host-built metadata for a forward with these query counts into the step's
-        staging batch (``staging.StageBatch``), before its one upload. Default: nothing."""
+    # Set by the runner: True when the host knows every decode row's KV length exactly (no MTP:
+    # each step adds one token). Backends whose plan needs host lengths use it for decode rows.
+    host_decode_lens: bool = False
+
+    def stage(self, q_lens: np.ndarray, staged, slots: np.ndarray | None = None,
+              kv_exact: np.ndarray | None = None) -> None:
+        """Put host-built metadata for a forward with these query counts (and, where known, its
+        slots and exact KV lengths) into the step's staging batch (``staging.StageBatch``),
+        before its one upload. Default: nothing."""
+
+    def stage_graph(self, bucket: int, slots: np.ndarray, kv_exact: np.ndarray | None, staged) -> None:
+        """Before the upload of a step that replays the decode graph of ``bucket`` for these
+        rows (their exact KV lengths, or None). Default: nothing (graphs read device state)."""
+
+    def prepare_graph(self, bucket: int, staged) -> None:
+        """After the upload, before that replay: plan-style host work. Default: nothing."""
 
     @abstractmethod
     def build(self, layout: RowLayout, windows: tuple[int, ...], staged=None) -> object:

@@ -61,7 +61,7 @@ def decode_splits(batch: int, kv_heads: int, sms: int) -> int:
     return min(16, 1 << (want.bit_length() - 1))
 
 
-def _decode_start(q_lens: np.ndarray) -> int:
+def decode_start(q_lens: np.ndarray) -> int:
     """First row of the decode group: the longest tail of rows sharing one small query count."""
     b = len(q_lens)
     first = b
@@ -86,15 +86,15 @@ class TritonAttentionBackend(AttentionBackend):
         splits = decode_splits(slots.shape[0], self.kv_heads, self.sms)
         return TritonMeta(DecodePart(0, t, slots, kv_lens, q_pos, splits), None)
 
-    def stage(self, q_lens: np.ndarray, staged) -> None:
-        first_dec = _decode_start(q_lens)
+    def stage(self, q_lens: np.ndarray, staged, **_) -> None:
+        first_dec = decode_start(q_lens)
         if first_dec:
             staged.put("ext_blocks", extend_blocks(q_lens[:first_dec], self.block_m))
 
     def build(self, layout: RowLayout, windows: tuple[int, ...] = (), staged=None) -> TritonMeta:
         q_lens = np.asarray(layout.q_lens, dtype=np.int64)
         b = len(q_lens)
-        first_dec = _decode_start(q_lens)
+        first_dec = decode_start(q_lens)
         tok_split = int(q_lens[:first_dec].sum())
         dec = ext = None
         if first_dec < b:
@@ -113,19 +113,28 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------ per layer
     def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch) -> torch.Tensor:
-        kc, vc = self.pool.k[layer.kv_layer], self.pool.v[layer.kv_layer]
         if k is not None:
             self.pool.write(layer.kv_layer, fb.out_loc, k, v)
         meta: TritonMeta = fb.attn
-        out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
-        common = dict(page_size=self.pool.page_size, scale=layer.scaling, window=layer.sliding_window,
-                      softcap=layer.logit_softcap)
+        out = q.new_empty(q.shape[0], q.shape[1], self.pool.v[layer.kv_layer].shape[-1])
         if meta.extend is not None:
-            e = meta.extend
-            paged_extend(q[: e.tok_end], kc, vc, self.page_table, e.slots, e.kv_lens, e.q_pos, e.blocks,
-                         block_m=e.block_m, out=out[: e.tok_end], **common)
+            self.run_extend(layer, q, meta.extend, out)
         if meta.decode is not None:
-            d = meta.decode
-            paged_decode(q[d.tok0:], kc, vc, self.page_table, d.slots, d.kv_lens, d.q_pos, t=d.t,
-                         num_splits=d.num_splits, out=out[d.tok0:], **common)
+            self.run_decode(layer, q, meta.decode, out)
         return out
+
+    def _common(self, layer: AttnLayer) -> dict:
+        return dict(page_size=self.pool.page_size, scale=layer.scaling, window=layer.sliding_window,
+                    softcap=layer.logit_softcap)
+
+    def run_extend(self, layer: AttnLayer, q, e: ExtendPart, out) -> None:
+        """Tokens [0, e.tok_end) of q into the same rows of out (KV already written)."""
+        kc, vc = self.pool.k[layer.kv_layer], self.pool.v[layer.kv_layer]
+        paged_extend(q[: e.tok_end], kc, vc, self.page_table, e.slots, e.kv_lens, e.q_pos, e.blocks,
+                     block_m=e.block_m, out=out[: e.tok_end], **self._common(layer))
+
+    def run_decode(self, layer: AttnLayer, q, d: DecodePart, out) -> None:
+        """Tokens [d.tok0, end) of q into the same rows of out (KV already written)."""
+        kc, vc = self.pool.k[layer.kv_layer], self.pool.v[layer.kv_layer]
+        paged_decode(q[d.tok0:], kc, vc, self.page_table, d.slots, d.kv_lens, d.q_pos, t=d.t,
+                     num_splits=d.num_splits, out=out[d.tok0:], **self._common(layer))
