@@ -13,6 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # FlashInfer JIT-compiles on a fresh machine (~100 s per prefill variant): its cache lives in
 # .fi-cache, comes back as $OUT/fi-cache/*.tgz and is carried (unpacked, git-ignored) next time.
 export FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache; mkdir -p .fi-cache
+for f in .fi-cache/*.tgz; do [ -e "$f" ] && tar xzf "$f" -C .fi-cache; done  # carried tarballs
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -50,6 +51,20 @@ if has llama; then
     --max-running-requests 64 --disable-overlap-schedule --warmup-rounds 1
   off llama_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
     --max-running-requests 64 --warmup-rounds 1
+fi
+if has fi; then
+  echo "== attention backends side by side: flashinfer vs triton (8B 1 / 64 requests, Qwen3 recipe)"
+  for be in flashinfer triton; do
+    off llama_$be 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
+      --max-running-requests 64 --warmup-rounds 1 --attention-backend $be
+    off qwen_nano_$be 150 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
+      --output-len-range 100 1024 --max-running-requests 256 --warmup-rounds 1 --attention-backend $be
+  done
+  for f in "$OUT"/llama_{flashinfer,triton}.json "$OUT"/qwen_nano_{flashinfer,triton}.json; do
+    [ -e "$f" ] && python3 -c "import json,sys; [print(sys.argv[1].split('/')[-1], w['num_prompts'], 'tok/s %.1f' % w['output_tok_s'],
+      'decode tok/s %.1f' % w.get('decode_tok_s', 0), 'busy ms/step %.3f' % w['busy_ms_per_step'])
+      for w in json.load(open(sys.argv[1]))['workloads']]" "$f"
+  done
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

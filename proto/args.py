@@ -40,7 +40,7 @@ class ServerArgs:
     context_length: int | None = None
     mem_fraction_static: float = 0.85
     load_format: str = "auto"  # auto | dummy
-    attention_backend: str = "auto"  # auto: flashinfer, else triton, on CUDA; torch on the CPU
+    attention_backend: str = "auto"  # auto: triton (else flashinfer) on CUDA; torch on the CPU
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # default: min(256, max running requests)
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--context-length", type=int, default=None)
     a("--mem-fraction-static", type=float, default=0.85)
     a("--load-format", default="auto")
-    a("--attention-backend", default="auto", help="auto (flashinfer, else triton, on CUDA; torch on the CPU), "
+    a("--attention-backend", default="auto", help="auto (triton, else flashinfer, on CUDA; torch on the CPU), "
       "torch, triton, flashinfer")
     a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
     a("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured (default 256)")

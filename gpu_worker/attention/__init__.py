@@ -1,7 +1,9 @@
 """Attention backends, chosen by name (--attention-backend).
 
-``auto`` (the default) resolves to flashinfer (once this build has that backend), else triton,
-on CUDA and to torch on the CPU.
+``auto`` (the default) resolves to triton on CUDA (flashinfer if Triton is missing) and to torch
+on the CPU. Triton first because it measured faster end to end on the H200 at every workload of
+BENCHMARKS.md (2026-12-02: 8B 1 / 64 requests, Qwen3 recipe), and it serves MTP verify and draft
+reads, which the flashinfer backend hands to triton anyway.
 On the CPU ``triton`` runs our kernels in Triton's interpreter (``TRITON_INTERPRET=1``: slow,
 for tests); ``flashinfer`` needs CUDA.
 """
@@ -47,13 +49,11 @@ def resolve_backend(name: str, device_type: str) -> str:
     if name == "auto":
         if device_type != "cuda":
             return "torch"
-        if flashinfer_available() and _has_module("flashinfer"):
-            return "flashinfer"
-        return "triton" if triton_available() else "torch"
+        if triton_available():
+            return "triton"
+        return "flashinfer" if flashinfer_available() else "torch"
     if name == "flashinfer" and device_type != "cuda":
         raise ValueError("--attention-backend flashinfer: needs a CUDA device (use triton or torch on the CPU)")
-    if name == "flashinfer" and not _has_module("flashinfer"):
-        raise ValueError("--attention-backend flashinfer: not in this build yet; use triton (the default on CUDA)")
     if name == "flashinfer" and not flashinfer_available():
         raise ValueError("--attention-backend flashinfer: flashinfer is not installed (pip install flashinfer-python)")
     if name == "triton" and not triton_available():

@@ -87,23 +87,45 @@ def test_graph_replay_after_replan_matches_triton():
         pad.zero_()
 
 
+def _top(eng, rid):
+    """Per generated token: {token id: logprob} of its top-2 alternatives."""
+    rows = []
+    for out in eng.outputs[rid]:
+        lp = out.logprobs
+        if lp is None or not lp.top:
+            continue
+        ids = np.frombuffer(lp.top_ids, np.int32).reshape(-1, lp.top)
+        vals = np.frombuffer(lp.top_logprobs, np.float32).reshape(-1, lp.top)
+        rows += [dict(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
+    return rows
+
+
 def test_engine_tokens_track_triton(tmp_path):
+    """Both engines decode the same context up to a row's first differing token, so there the
+    two choices must have been a near-tie in flashinfer's own distribution (bf16 kernels sum in
+    different orders); anything else is a wrong attention result."""
     d = build_llama(str(tmp_path / "l"), hidden_size=512, num_attention_heads=4, num_key_value_heads=1,
                     head_dim=128)
     prompts = [list(range(5 + i, 5 + i + 30 + 17 * i)) for i in range(4)]
 
     def run(backend):
-        eng = InProcEngine(d, device="cuda", dtype="bfloat16", attention_backend=backend, chunked_prefill_size=32)
+        eng = InProcEngine(d, device="cuda", dtype="bfloat16", attention_backend=backend, chunked_prefill_size=32,
+                           max_total_tokens=65536)
         for i, p in enumerate(prompts):
-            eng.submit(f"r{i}", p, max_new_tokens=12, ignore_eos=True)
+            eng.submit(f"r{i}", p, max_new_tokens=12, ignore_eos=True, logprobs=2)
         eng.run()
-        return eng, [eng.tokens[f"r{i}"] for i in range(len(prompts))]
+        used = eng.runner.graphs is not None and bool(getattr(eng.runner.backend, "_graphs", None))
+        return used, eng
 
-    eng, got = run("flashinfer")
-    assert eng.runner.graphs is not None and eng.runner.backend._graphs  # graphs on, flashinfer in them
-    _, want = run("triton")
-    # bf16 kernels that sum in different orders may flip a near-tie; the first token of each row
-    # comes from prefill attention alone and must agree, and nearly all the rest must too.
-    assert [g[0] for g in got] == [w[0] for w in want]
-    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
-    assert same >= 0.9 * sum(len(w) for w in want)
+    fi_graphs, fi = run("flashinfer")
+    assert fi_graphs  # graphs on, flashinfer's decode wrappers in them
+    _, tr = run("triton")
+    same = 0
+    for i in range(len(prompts)):
+        got, want, top = fi.tokens[f"r{i}"], tr.tokens[f"r{i}"], _top(fi, f"r{i}")
+        assert len(got) == len(want) == len(top) == 12
+        k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        same += k is None
+        if k is not None:
+            assert want[k] in top[k] and abs(top[k][got[k]] - top[k][want[k]]) < 0.05, (i, k, top[k])
+    assert same >= 2  # most rows agree outright

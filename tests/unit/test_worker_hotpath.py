@@ -47,6 +47,21 @@ def test_decode_split_count_depends_on_the_batch_only():
     assert all(decode_splits(b, 8, 132) & (decode_splits(b, 8, 132) - 1) == 0 for b in range(1, 300))
 
 
+def test_auto_on_cuda_is_triton_then_flashinfer(monkeypatch):
+    import gpu_worker.attention as att
+    import gpu_worker.kernels as k
+
+    monkeypatch.setattr(k, "triton_available", lambda: True)
+    assert resolve_backend("auto", "cuda") == "triton"  # measured faster (BENCHMARKS.md, 2026-12-02)
+    monkeypatch.setattr(k, "triton_available", lambda: False)
+    monkeypatch.setattr(att, "flashinfer_available", lambda: True)
+    assert resolve_backend("auto", "cuda") == "flashinfer"
+    monkeypatch.setattr(att, "flashinfer_available", lambda: False)
+    assert resolve_backend("auto", "cuda") == "torch"
+    with pytest.raises(ValueError, match="flashinfer is not installed"):
+        resolve_backend("flashinfer", "cuda")
+
+
 @pytest.mark.parametrize("name,device,expect", [
     ("auto", "cpu", "torch"), ("torch", "cuda", "torch"), ("flashinfer", "cpu", None), ("triton", "cpu", "interp"),
 ])

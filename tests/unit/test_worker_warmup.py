@@ -43,7 +43,7 @@ def check_warmup(path: str, arch: str, backend: str, device: str, hf=hf_greedy_c
     """Also run by tests/gpu on CUDA (where build_runner has already warmed up once)."""
     ckpt = (build_llama if arch == "llama" else build_gemma4)(path)
     eng = InProcEngine(ckpt, attention_backend=backend, page_size=4, chunked_prefill_size=64, device=device,
-                       dtype="float32")
+                       dtype="float32", max_total_tokens=65536)  # on CUDA: not all of the GPU per engine
     for i, p in enumerate(PROMPTS[:2]):  # some real state first, to see it survive
         eng.submit(f"a{i}", p, max_new_tokens=3, ignore_eos=True)
     eng.run()
