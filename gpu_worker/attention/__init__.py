@@ -11,7 +11,6 @@ for tests); ``flashinfer`` needs CUDA.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 from typing import Callable
 
@@ -36,10 +35,6 @@ def flashinfer_available() -> bool:
     except Exception:  # noqa: BLE001 - a broken install counts as absent
         return False
     return True
-
-
-def _has_module(name: str) -> bool:
-    return importlib.util.find_spec(f"gpu_worker.attention.{_MODULES[name]}") is not None
 
 
 def resolve_backend(name: str, device_type: str) -> str:
