@@ -166,3 +166,10 @@ def build_assistant(out_dir: str, target_dir: str, seed: int = 1, ordered: bool 
     if ordered:
         model.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB))
     return _save(model, out_dir)
+
+
+def build_engine_set(root) -> dict[str, str]:
+    """Llama, Qwen3, Gemma 4 and a matching assistant under ``root`` (engine parity tests)."""
+    g = build_gemma4(str(root / "g"))
+    return {"llama": build_llama(str(root / "l")), "qwen3": build_qwen3(str(root / "q")), "gemma4": g,
+            "assistant": build_assistant(str(root / "a"), g)}

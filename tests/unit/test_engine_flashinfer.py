@@ -16,7 +16,7 @@ import pytest
 
 from gpu_worker.attention import flashinfer_backend as fib
 from tests.helpers import fake_flashinfer
-from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama, build_qwen3, hf_greedy
+from tests.helpers.checkpoints import build_engine_set, hf_greedy
 from tests.helpers.inproc import InProcEngine
 
 pytest.importorskip("triton")
@@ -26,10 +26,7 @@ NEW = 5
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fi_engine")
-    g = build_gemma4(str(root / "g"))
-    return {"llama": build_llama(str(root / "l")), "qwen3": build_qwen3(str(root / "q")), "gemma4": g,
-            "assistant": build_assistant(str(root / "a"), g)}
+    return build_engine_set(tmp_path_factory.mktemp("fi_engine"))
 
 
 @pytest.fixture

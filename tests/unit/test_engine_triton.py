@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama, build_qwen3, hf_greedy
+from tests.helpers.checkpoints import build_engine_set, hf_greedy
 from tests.helpers.inproc import InProcEngine
 
 pytest.importorskip("triton")
@@ -23,10 +23,7 @@ NEW = 5
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("triton_engine")
-    g = build_gemma4(str(root / "g"))
-    return {"llama": build_llama(str(root / "l")), "qwen3": build_qwen3(str(root / "q")), "gemma4": g,
-            "assistant": build_assistant(str(root / "a"), g)}
+    return build_engine_set(tmp_path_factory.mktemp("triton_engine"))
 
 
 def _run(model, draft=None, **kw):
