@@ -66,5 +66,36 @@ if interpreting() and triton_available():
     _fix_interpreter_index()
 
 
+# --------------------------------------------------------------------------- PDL
+# Programmatic dependent launch (Hopper+): a kernel launched with ``launch_pdl=True`` may start
+# while the kernel before it in the stream still runs, and CUDA graphs keep that edge. Our
+# kernels take a ``PDL`` constexpr and then obey one invariant (``gdc_enter`` below):
+#   before ``gdc_wait`` a program reads only weights (never written while serving) and writes
+#   nothing; it lets its own dependents launch only after its wait has returned.
+# So at most one kernel runs ahead, in its prologue (the GEMV prefetches its weights into L2
+# there), and every read of activations still happens after the previous kernel completed.
+# ``TANDEM_PDL=1`` turns it on (off by default until measured on the H200); the interpreter
+# (CPU) never takes it.
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    if os.environ.get("TANDEM_PDL", "0") == "0" or not triton_available():
+        return False
+    try:
+        import triton.language as tl
+
+        if not hasattr(tl.extra.cuda, "gdc_wait"):
+            return False
+    except (ImportError, AttributeError):
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(x: torch.Tensor) -> bool:
+    """Launch the kernels that read ``x`` with PDL (CUDA, sm90+, not switched off)."""
+    return x.is_cuda and _pdl_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

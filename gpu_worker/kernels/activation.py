@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import next_pow2
+from gpu_worker.kernels import next_pow2, pdl
+from gpu_worker.kernels.gdc import gdc_enter
 
 try:
     import triton
@@ -21,13 +22,8 @@ ACTS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
 if triton is not None:
 
     @triton.jit
-    def _gated_act_kernel(g_ptr, u_ptr, o_ptr, n_cols, sg, su, so, ACT: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        DT = o_ptr.dtype.element_ty
-        g = tl.load(g_ptr + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + row * su + cols, mask=mask, other=0.0).to(tl.float32)
+    def act_fn(g, ACT: tl.constexpr):
+        """act(g) in float32 (silu / erf gelu / tanh gelu), before any rounding."""
         if ACT == 0:
             a = g / (1.0 + tl.exp(-g))
         elif ACT == 1:
@@ -35,8 +31,25 @@ if triton is not None:
         else:
             inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
-        a = a.to(DT).to(tl.float32)
-        tl.store(o_ptr + row * so + cols, (a * u).to(DT), mask=mask)
+        return a
+
+    @triton.jit
+    def gated_value(g, u, ACT: tl.constexpr, DT: tl.constexpr):
+        """HF's ``act(gate) * up`` in the model dtype (float32 in, rounded to DT, as float32):
+        act rounded, then the product rounded."""
+        return (act_fn(g, ACT).to(DT).to(tl.float32) * u).to(DT).to(tl.float32)
+
+    @triton.jit
+    def _gated_act_kernel(g_ptr, u_ptr, o_ptr, n_cols, sg, su, so, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+        gdc_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        DT = o_ptr.dtype.element_ty
+        g = tl.load(g_ptr + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_ptr + row * so + cols, gated_value(g, u, ACT, DT).to(DT), mask=mask)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
@@ -47,6 +60,6 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
         block = min(4096, next_pow2(n))
         _gated_act_kernel[(t, triton.cdiv(n, block))](
             gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), ACT=ACTS[act], BLOCK=block,
-            num_warps=4,
+            PDL=pdl(gate), num_warps=4, launch_pdl=pdl(gate),
         )
     return out

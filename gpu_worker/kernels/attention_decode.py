@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import interpreting, next_pow2
+from gpu_worker.kernels import interpreting, next_pow2, pdl
+from gpu_worker.kernels.gdc import gdc_enter
 
 try:
     import triton
@@ -35,7 +36,9 @@ if triton is not None:
         T: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        gdc_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -106,7 +109,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(po_ptr, plse_ptr, o_ptr, sot, soh, HQ: tl.constexpr, DV: tl.constexpr,
-                      BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr):
+                      BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+        gdc_enter(PDL)
         tok = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         sp = tl.arange(0, SPLITS)
@@ -156,6 +160,7 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
     bdv = next_pow2(dv)
     splits = next_pow2(max(1, num_splits))
     part = lse = out
+    on = pdl(q)
     if splits > 1:
         part = torch.empty((n, hq, splits, bdv), dtype=torch.float32, device=q.device)
         lse = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
@@ -165,10 +170,10 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
         out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
         T=t, G=g, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
         BLOCK_M=max(16, next_pow2(t * g)), BLOCK_N=block_n, SPLITS=splits, USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), num_warps=warps,
-        num_stages=stages,
+        USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), PDL=on,
+        num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     if splits > 1:
         _merge_kernel[(n, hq)](part, lse, out, out.stride(0), out.stride(1), HQ=hq, DV=dv, BLOCK_DV=bdv,
-                               SPLITS=splits, num_warps=4)
+                               SPLITS=splits, PDL=on, num_warps=4, launch_pdl=on)
     return out

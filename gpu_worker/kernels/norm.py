@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import next_pow2
+from gpu_worker.kernels import next_pow2, pdl
+from gpu_worker.kernels.gdc import gdc_enter
 
 try:
     import triton
@@ -53,7 +54,8 @@ if triton is not None:
     @triton.jit
     def _norm_kernel(x_ptr, r_ptr, w1_ptr, w2_ptr, s_ptr, out_ptr, n_cols, sx, sr, so, eps,
                      MODE: tl.constexpr, HAS_W1: tl.constexpr, HAS_W2: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_SCALE: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        gdc_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -97,6 +99,6 @@ def launch_norm(mode: int, x, residual, w1, w2, scale, eps: float, gemma: bool) 
             x2, r2, w1 if w1 is not None else x2, w2 if w2 is not None else x2,
             scale if scale is not None else x2, out, n_cols, x2.stride(0), r2.stride(0), out.stride(0), eps,
             MODE=mode, HAS_W1=w1 is not None, HAS_W2=w2 is not None, HAS_SCALE=scale is not None,
-            GEMMA=gemma, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            GEMMA=gemma, BLOCK=block, PDL=pdl(x2), num_warps=min(16, max(1, block // 256)), launch_pdl=pdl(x2),
         )
     return out.view(x.shape) if want_out else None

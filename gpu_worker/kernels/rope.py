@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import next_pow2
+from gpu_worker.kernels import next_pow2, pdl
+from gpu_worker.kernels.gdc import gdc_enter
 
 try:
     import triton
@@ -54,7 +55,9 @@ if triton is not None:
         sqt, sqh, skt, skh, svt, svh, sot, soh, skn, skch, svn, svch, eps,
         HQ: tl.constexpr, HKV: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, NORM: tl.constexpr, V_NORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        gdc_enter(PDL)
         # Program (t, p): HB heads of token t, query heads for p < cdiv(HQ, HB), else KV heads.
         # cos/sin are computed once per program and shared by its heads.
         t = tl.program_id(0).to(tl.int64)
@@ -140,6 +143,7 @@ def rope_store(q, k, v, positions, inv_freq, out_loc, k_cache, v_cache, *, norm:
         k_cache.stride(0) if store else 0, k_cache.stride(1) if store else 0,
         v_cache.stride(0) if store else 0, v_cache.stride(1) if store else 0, eps,
         HQ=hq, HKV=hkv, HB=hb, HALF=d // 2, DV=dv, BLOCK_H=next_pow2(d // 2), BLOCK_DV=next_pow2(dv),
-        NORM=norm, V_NORM=v_norm, num_warps=(1 if d <= 256 else 2) * (1 if hb == 1 else 4),
+        NORM=norm, V_NORM=v_norm, PDL=pdl(q), num_warps=(1 if d <= 256 else 2) * (1 if hb == 1 else 4),
+        launch_pdl=pdl(q),
     )
     return q_out

@@ -16,7 +16,7 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.activation import gated_act
-from gpu_worker.kernels.gemv import linear
+from gpu_worker.kernels.gemv import gated_linear, linear
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
@@ -217,7 +217,13 @@ class GatedMLP(nn.Module):
         activation(act)  # fail at build time on an unsupported activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        # One decode row at TP=1: act and down in one GEMV (a row-parallel down all-reduces).
+        if type(self.down_proj) is Linear and self.down_proj.bias is None:
+            out = gated_linear(gate_up, self.down_proj.weight, self.act_name)
+            if out is not None:
+                return out
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(gated(self.act_name, gate, up))
 
 

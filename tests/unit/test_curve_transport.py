@@ -63,44 +63,64 @@ def test_plain_tcp_is_refused_without_keys():
         ctx.destroy(linger=0)
 
 
+def _send_best_effort(sock: zmq.Socket, frame: bytes) -> None:
+    """A refused peer may already have lost its only connection, and PUSH with no pipe raises
+    Again on NOBLOCK: the attempt, not its delivery, is what the tests need."""
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
+def _teardown(ctx: zmq.Context, channels: list, raw: list) -> None:
+    """Close every socket whatever the test's outcome, channels first (a server channel stops its
+    monitor and the context's ZAP handler), then terminate: a socket left open would make
+    ``ctx.term()`` (or the context's garbage collection, in a later test) wait forever."""
+    for ch in channels:
+        ch.close()
+    for s in raw:
+        s.close(linger=0)
+    ctx.term()
+
+
 def test_keyed_peer_passes_rogues_are_refused_and_logged(keys, caplog):
     addr = f"tcp://127.0.0.1:{_port()}"
     ctx = zmq.Context()
     pull = PullChannel(ctx, "requests", addr)
     legit = PushChannel(ctx, "requests", addr)
-    legit.send(AbortReq("good", "client_disconnect"))
-    first = pull.recv(timeout_ms=10_000)  # the handshake first (slow on a loaded machine)
-    assert first is not None and first.rid == "good"
-    assert _recv_all(pull, 0.2) == []
-
-    caplog.set_level(logging.WARNING, logger="tandem.security")
     plain = ctx.socket(zmq.PUSH)  # no CURVE at all: raw msgpack frames
-    plain.connect(addr)
-    wrong_pub, wrong_sec = zmq.curve_keypair()  # CURVE, but a key nobody authorized
-    wrong = ctx.socket(zmq.PUSH)
-    wrong.curve_secretkey, wrong.curve_publickey, wrong.curve_serverkey = wrong_sec, wrong_pub, keys.server_public
-    wrong.connect(addr)
-    frame = legit.encoder.encode(FlushCache())
-    for _ in range(3):
-        plain.send(frame, zmq.NOBLOCK)
-        wrong.send(frame, zmq.NOBLOCK)
+    wrong = ctx.socket(zmq.PUSH)  # CURVE, but a key nobody authorized
+    try:
+        legit.send(AbortReq("good", "client_disconnect"))
+        first = pull.recv(timeout_ms=10_000)  # the handshake first (slow on a loaded machine)
+        assert first is not None and first.rid == "good"
+        assert _recv_all(pull, 0.2) == []
 
-    def both_refused() -> bool:
-        text = caplog.text
-        return "unknown CURVE key " + wrong_pub.decode() in text and "CURVE handshake failed" in text
+        caplog.set_level(logging.WARNING, logger="tandem.security")
+        plain.linger = wrong.linger = 0
+        plain.connect(addr)
+        wrong_pub, wrong_sec = zmq.curve_keypair()
+        wrong.curve_secretkey, wrong.curve_publickey, wrong.curve_serverkey = wrong_sec, wrong_pub, keys.server_public
+        wrong.connect(addr)
+        frame = legit.encoder.encode(FlushCache())
+        for _ in range(3):
+            _send_best_effort(plain, frame)
+            _send_best_effort(wrong, frame)
 
-    got, deadline = [], time.monotonic() + 15  # until both peers were refused (not a fixed wait)
-    while not both_refused():
-        assert time.monotonic() < deadline, caplog.text
-        got += _recv_all(pull, 0.1)
-    got += _recv_all(pull, 0.5)
-    assert got == []  # nothing reached the decoder
-    assert "requests channel" in caplog.text
-    for s in (plain, wrong):
-        s.close(linger=0)
-    legit.close()
-    pull.close()
-    ctx.term()  # returns: the ZAP handler and monitors were released with the last server socket
+        def both_refused() -> bool:
+            text = caplog.text
+            return "unknown CURVE key " + wrong_pub.decode() in text and "CURVE handshake failed" in text
+
+        got, deadline = [], time.monotonic() + 15  # until both peers were refused (not a fixed wait)
+        while not both_refused():
+            assert time.monotonic() < deadline, caplog.text
+            got += _recv_all(pull, 0.1)
+        got += _recv_all(pull, 0.5)
+        assert got == []  # nothing reached the decoder
+        assert "requests channel" in caplog.text
+    finally:
+        # returns: the ZAP handler and monitors are released with the last server socket
+        _teardown(ctx, [legit, pull], [plain, wrong])
 
 
 def test_connector_never_talks_to_a_server_without_the_secret(keys):
@@ -109,18 +129,17 @@ def test_connector_never_talks_to_a_server_without_the_secret(keys):
     addr = f"tcp://127.0.0.1:{_port()}"
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.PULL)
-    pub, sec = zmq.curve_keypair()
-    rogue.curve_secretkey, rogue.curve_publickey, rogue.curve_server = sec, pub, True
-    rogue.bind(addr)
-    plain_rogue_addr = f"tcp://127.0.0.1:{_port()}"
     plain_rogue = ctx.socket(zmq.PULL)
-    plain_rogue.bind(plain_rogue_addr)
-    pushes = [PushChannel(ctx, "outputs", addr), PushChannel(ctx, "outputs", plain_rogue_addr)]
-    for p in pushes:
-        p.send(FlushCache())
-    assert rogue.poll(1000) == 0 and plain_rogue.poll(200) == 0
-    for p in pushes:
-        p.close()
-    rogue.close(linger=0)
-    plain_rogue.close(linger=0)
-    ctx.term()
+    pushes = []
+    try:
+        pub, sec = zmq.curve_keypair()
+        rogue.curve_secretkey, rogue.curve_publickey, rogue.curve_server = sec, pub, True
+        rogue.bind(addr)
+        plain_rogue_addr = f"tcp://127.0.0.1:{_port()}"
+        plain_rogue.bind(plain_rogue_addr)
+        pushes += [PushChannel(ctx, "outputs", addr), PushChannel(ctx, "outputs", plain_rogue_addr)]
+        for p in pushes:
+            p.send(FlushCache())  # never blocks: unbounded HWM, queued until a handshake succeeds
+        assert rogue.poll(1000) == 0 and plain_rogue.poll(200) == 0
+    finally:
+        _teardown(ctx, pushes, [rogue, plain_rogue])
