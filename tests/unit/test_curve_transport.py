@@ -138,8 +138,8 @@ def test_connector_never_talks_to_a_server_without_the_secret(keys):
         plain_rogue_addr = f"tcp://127.0.0.1:{_port()}"
         plain_rogue.bind(plain_rogue_addr)
         pushes += [PushChannel(ctx, "outputs", addr), PushChannel(ctx, "outputs", plain_rogue_addr)]
-        for p in pushes:
-            p.send(FlushCache())  # never blocks: unbounded HWM, queued until a handshake succeeds
+        for p in pushes:  # NOBLOCK: a connection dropped after a failed handshake leaves no pipe
+            _send_best_effort(p.sock, p.encoder.encode(FlushCache()))
         assert rogue.poll(1000) == 0 and plain_rogue.poll(200) == 0
     finally:
         _teardown(ctx, pushes, [rogue, plain_rogue])
