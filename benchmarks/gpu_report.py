@@ -28,14 +28,21 @@ def decode_phase(shapes: dict, w: dict, bw: float) -> str:
             f"{w['decode_tok_s'] / ceil:6.1%} of its step roofline {ceil:8.1f}")
 
 
+# The default-flag runs, then the A/B runs of part "pdl" (reported only when present).
+LLAMA_RUNS = [("llama_overlap", "overlap on", True), ("llama_no_overlap", "overlap off", True)] + \
+    [(f"llama_pdl{p}_fused{f}", f"pdl {p} fused {f}", False) for p in "01" for f in "01"]
+QWEN_RUNS = ["qwen_nano", "qwen_nano_pdl0", "qwen_nano_pdl1"]
+
+
 def main(out: str, dm: str) -> None:
     bw = json.load(open(os.path.join(out, "hbm.json")))["hbm_copy_bandwidth_bytes_s"]
     rows = [f"copy bandwidth (ceiling): {bw / 1e12:.2f} TB/s"]
     llama = model_shapes(os.path.join(dm, "llama-3.1-8b"))
-    for name, label in (("llama_overlap", "overlap on"), ("llama_no_overlap", "overlap off")):
+    for name, label, expected in LLAMA_RUNS:
         r = load(out, name)
         if r is None:
-            rows.append(f"{name}: missing")
+            if expected:
+                rows.append(f"{name}: missing")
             continue
         for w in r["workloads"]:
             n = w["num_prompts"]
@@ -45,12 +52,14 @@ def main(out: str, dm: str) -> None:
                         f"of {ceil:8.1f} (all-weights ceiling {ceil_all:8.1f}: {w['output_tok_s'] / ceil_all:6.1%}); "
                         f"step {w.get('busy_ms_per_step', 0):.2f} ms busy, idle {w.get('gpu_idle_frac', 0):.2%}")
             rows.append(decode_phase(llama, w, bw))
-    q = load(out, "qwen_nano")
-    if q:
+    for name in QWEN_RUNS:
+        q = load(out, name)
+        if not q:
+            continue
         hf = q.get("hf_transformers", {}).get("output_tok_s", 0)
         e = q["engine"]
-        rows.append(f"Qwen3-0.6B nano-vllm recipe: {e['output_tok_s']:9.1f} tok/s (goal 25,000); HF generate "
-                    f"{hf:.1f} tok/s; idle {e.get('gpu_idle_frac', 0):.2%}")
+        rows.append(f"Qwen3-0.6B nano-vllm recipe ({name}): {e['output_tok_s']:9.1f} tok/s (goal 25,000); "
+                    f"HF generate {hf:.1f} tok/s; idle {e.get('gpu_idle_frac', 0):.2%}")
         rows.append(decode_phase(model_shapes(os.path.join(dm, "qwen3-0.6b")), e, bw))
     gp, gm = load(out, "gemma_plain"), load(out, "gemma_mtp")
     if gp and gm:

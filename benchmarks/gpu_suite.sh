@@ -4,6 +4,7 @@
 #   device run: carry [".whl"], command: bash benchmarks/gpu_suite.sh
 # tests/gpu first, then the benchmarks of issue 8 (a-f); JSON + logs under $OUT; a table last.
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
+# (and, not in the default: fi = flashinfer vs triton; pdl = PDL / fused-down A/B)
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
@@ -65,6 +66,27 @@ if has fi; then
       'decode tok/s %.1f' % w.get('decode_tok_s', 0), 'busy ms/step %.3f' % w['busy_ms_per_step'])
       for w in json.load(open(sys.argv[1]))['workloads']]" "$f"
   done
+fi
+if has pdl; then
+  echo "== PDL and the fused act+down GEMV: kernel chain, GPU tests, engine A/B"
+  timeout 150 python3 benchmarks/pdl_bench.py --json "$OUT/pdl_bench.json" > "$OUT/pdl_bench.log" 2>&1 \
+    || echo "pdl bench failed"
+  tail -11 "$OUT/pdl_bench.log"
+  for v in ${PDL_VARIANTS:-"0 0" "1 1"}; do
+    set -- $v; export TANDEM_PDL=$1 TANDEM_FUSED_DOWN=$2
+    off llama_pdl$1_fused$2 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
+      --max-running-requests 64 --warmup-rounds 1
+  done
+  for p in 0 1; do
+    export TANDEM_PDL=$p TANDEM_FUSED_DOWN=$p
+    off qwen_nano_pdl$p 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
+      --output-len-range 100 1024 --max-running-requests 256 --warmup-rounds 1
+  done
+  export TANDEM_PDL=1 TANDEM_FUSED_DOWN=1
+  timeout ${PDL_TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_pdl.py \
+    "tests/gpu/test_gpu_parity.py::test_inproc_mtp_parity_cuda[True]" \
+    "tests/gpu/test_gpu_parity.py::test_inproc_parity_cuda[True-gemma4]" 2>&1 | tail -15 | tee "$OUT/pdl_tests.log"
+  unset TANDEM_PDL TANDEM_FUSED_DOWN
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

@@ -79,8 +79,8 @@ if interpreting() and triton_available():
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_device(index: int) -> bool:
-    if os.environ.get("TANDEM_PDL", "0") == "0" or not triton_available():
+def _pdl_device(index: int, setting: str) -> bool:
+    if setting == "0" or not triton_available():
         return False
     try:
         import triton.language as tl
@@ -93,8 +93,12 @@ def _pdl_device(index: int) -> bool:
 
 
 def pdl(x: torch.Tensor) -> bool:
-    """Launch the kernels that read ``x`` with PDL (CUDA, sm90+, not switched off)."""
-    return x.is_cuda and _pdl_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    """Launch the kernels that read ``x`` with PDL (CUDA, sm90+, switched on). Read at each
+    launch, so a process can capture graphs both ways (benchmarks, tests)."""
+    if not x.is_cuda:
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _pdl_device(index, os.environ.get("TANDEM_PDL", "0"))
 
 
 def next_pow2(n: int) -> int:
