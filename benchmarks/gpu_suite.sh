@@ -4,7 +4,8 @@
 #   device run: carry [".whl"], command: bash benchmarks/gpu_suite.sh
 # tests/gpu first, then the benchmarks of issue 8 (a-f); JSON + logs under $OUT; a table last.
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
-# (and, not in the default: fi = flashinfer vs triton; pdl = PDL / fused-down A/B)
+# (and, not in the default: fi = flashinfer vs triton; pdl = PDL / fused-down A/B;
+#  lpt = decode rows launched longest first, A/B)
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
@@ -87,6 +88,20 @@ if has pdl; then
     "tests/gpu/test_gpu_parity.py::test_inproc_mtp_parity_cuda[True]" \
     "tests/gpu/test_gpu_parity.py::test_inproc_parity_cuda[True-gemma4]" 2>&1 | tail -15 | tee "$OUT/pdl_tests.log"
   unset TANDEM_PDL TANDEM_FUSED_DOWN
+fi
+if has lpt; then
+  echo "== decode launch order (longest row first): the kernel alone, the Qwen3 recipe A/B, GPU tests"
+  timeout 120 python3 benchmarks/launch_order_bench.py --json "$OUT/launch_order.json" > "$OUT/launch_order.log" 2>&1 \
+    || echo "launch order bench failed"
+  tail -8 "$OUT/launch_order.log"
+  for v in 0 1; do
+    export TANDEM_DECODE_LPT=$v
+    off qwen_nano_lpt$v 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
+      --output-len-range 100 1024 --max-running-requests 256 --warmup-rounds 1
+  done
+  unset TANDEM_DECODE_LPT
+  timeout ${LPT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_launch_order.py \
+    2>&1 | tail -15 | tee "$OUT/lpt_tests.log"
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

@@ -12,6 +12,7 @@ CUDA graphs capture, with the split count a function of the batch size only.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,7 @@ class DecodePart:
     kv_lens: torch.Tensor  # [B]
     q_pos: torch.Tensor  # [B*t]
     num_splits: int
+    order: torch.Tensor | None = None  # launch order, longest row first (see launch_order)
 
 
 @dataclass
@@ -61,6 +63,21 @@ def decode_splits(batch: int, kv_heads: int, sms: int) -> int:
     return min(16, 1 << (want.bit_length() - 1))
 
 
+def launch_order(kv_lens: torch.Tensor, kv_heads: int, splits: int, sms: int) -> torch.Tensor | None:
+    """The decode rows longest first, where the kernel's programs outnumber what the SMs hold
+    at once (one split, rows x heads > 2 x SMs), so that the longest rows do not start last
+    (kernels/attention_decode.py). One small sort per forward, shared by every layer; a
+    function of the batch size only, like the split count. TANDEM_DECODE_LPT=0 turns it off."""
+    if splits > 1 or kv_lens.shape[0] * kv_heads <= 2 * sms or os.environ.get("TANDEM_DECODE_LPT", "0") == "0":
+        return None
+    return torch.argsort(kv_lens, descending=True)
+
+
+def decode_part(tok0: int, t: int, slots, kv_lens, q_pos, kv_heads: int, sms: int) -> DecodePart:
+    splits = decode_splits(slots.shape[0], kv_heads, sms)
+    return DecodePart(tok0, t, slots, kv_lens, q_pos, splits, launch_order(kv_lens, kv_heads, splits, sms))
+
+
 def decode_start(q_lens: np.ndarray) -> int:
     """First row of the decode group: the longest tail of rows sharing one small query count."""
     b = len(q_lens)
@@ -83,8 +100,7 @@ class TritonAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------ metadata
     def decode_meta(self, slots: torch.Tensor, kv_lens: torch.Tensor, q_pos: torch.Tensor, t: int) -> TritonMeta:
         """Device-only metadata for B rows of t queries each (graph-capturable)."""
-        splits = decode_splits(slots.shape[0], self.kv_heads, self.sms)
-        return TritonMeta(DecodePart(0, t, slots, kv_lens, q_pos, splits), None)
+        return TritonMeta(decode_part(0, t, slots, kv_lens, q_pos, self.kv_heads, self.sms), None)
 
     def stage(self, q_lens: np.ndarray, staged, **_) -> None:
         first_dec = decode_start(q_lens)
@@ -100,8 +116,8 @@ class TritonAttentionBackend(AttentionBackend):
         if first_dec < b:
             t = int(q_lens[-1])
             sl = slice(first_dec, b)
-            dec = DecodePart(tok_split, t, layout.slots[sl], layout.kv_lens[sl], layout.q_pos[tok_split:],
-                             decode_splits(b - first_dec, self.kv_heads, self.sms))
+            dec = decode_part(tok_split, t, layout.slots[sl], layout.kv_lens[sl], layout.q_pos[tok_split:],
+                              self.kv_heads, self.sms)
         if first_dec:
             blocks = staged.get("ext_blocks") if staged is not None else None
             if blocks is None:
@@ -137,4 +153,4 @@ class TritonAttentionBackend(AttentionBackend):
         """Tokens [d.tok0, end) of q into the same rows of out (KV already written)."""
         kc, vc = self.pool.k[layer.kv_layer], self.pool.v[layer.kv_layer]
         paged_decode(q[d.tok0:], kc, vc, self.page_table, d.slots, d.kv_lens, d.q_pos, t=d.t,
-                     num_splits=d.num_splits, out=out[d.tok0:], **self._common(layer))
+                     num_splits=d.num_splits, out=out[d.tok0:], order=d.order, **self._common(layer))

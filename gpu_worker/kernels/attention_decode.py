@@ -10,6 +10,13 @@ Split-KV (flash-decoding): with few rows the key range is cut into ``num_splits`
 run in parallel and a second kernel merges them by log-sum-exp; the split count depends only on
 the batch bucket, so the launch is the same on every CUDA-graph replay (splits past the row's
 keys exit at once). Rows with no visible key (graph padding) produce zeros, never NaN.
+
+Launch order (``order``): rows of one batch can differ 20x in length (a served mix), and with
+more programs than the SMs hold at once the GPU starts them in grid order, so a long row that
+starts last runs alone at the end. Given a permutation of the rows, longest first, the grid is
+(KV head, rank, split) and program (h, r) serves row ``order[r]``: every head of the longest row
+starts first (longest-processing-time-first scheduling). Only the launch order changes; each
+row's arithmetic is the same.
 """
 
 from __future__ import annotations
@@ -31,16 +38,20 @@ if triton is not None:
     # specialising on their 16-byte alignment would JIT-compile new variants mid-serving.
     @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"])
     def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, order_ptr,
         sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
-        T: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+        T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, ORDERED: tl.constexpr,
     ):
         gdc_enter(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(1)
+        if ORDERED:
+            kvh = tl.program_id(0)
+            b = tl.load(order_ptr + tl.program_id(1)).to(tl.int64)
+        else:
+            b = tl.program_id(0).to(tl.int64)
+            kvh = tl.program_id(1)
         split = tl.program_id(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         kv_len = tl.load(kvlen_ptr + b).to(tl.int32)
@@ -102,7 +113,7 @@ if triton is not None:
             tl.store(o_ptr + tok[:, None] * sot + qh[:, None] * soh + dv[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=mvalid[:, None] & dvm[None, :])
         else:
-            row = (tok * (G * tl.num_programs(1)) + qh) * SPLITS + split  # [N, Hq, SPLITS]
+            row = (tok * (G * HKV) + qh) * SPLITS + split  # [N, Hq, SPLITS]
             lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(plse_ptr + row, lse, mask=mvalid)
             tl.store(po_ptr + row[:, None] * BLOCK_DV + dv[None, :], out, mask=mvalid[:, None])
@@ -139,11 +150,13 @@ def decode_blocks(d: int, dv: int) -> tuple[int, int, int]:
 
 def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: int, page_size: int,
                  scale: float, window: int | None = None, softcap: float | None = None, num_splits: int = 1,
-                 out: torch.Tensor | None = None, tune: dict | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, tune: dict | None = None,
+                 order: torch.Tensor | None = None) -> torch.Tensor:
     """q [B*t, Hq, D] (row b owns tokens b*t..b*t+t-1) -> out [B*t, Hq, Dv].
 
     ``slots`` [B], ``kv_lens`` [B] and ``q_pos`` [B*t] are device tensors; nothing here reads
     them on the host, so the call is CUDA-graph safe for a fixed B, t and ``num_splits``.
+    ``order`` [B] (a permutation of the rows, longest first) sets the launch order.
     ``tune`` overrides the launch shape (block_n, num_warps, num_stages) for benchmark sweeps."""
     n, hq, d = q.shape
     b = slots.shape[0]
@@ -164,13 +177,15 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
     if splits > 1:
         part = torch.empty((n, hq, splits, bdv), dtype=torch.float32, device=q.device)
         lse = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
-    _decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, out, part, lse, page_table, slots, kv_lens, q_pos,
+    grid = (hkv, b, splits) if order is not None else (b, hkv, splits)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, out, part, lse, page_table, slots, kv_lens, q_pos, order if order is not None else slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
-        T=t, G=g, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
+        T=t, G=g, HKV=hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
         BLOCK_M=max(16, next_pow2(t * g)), BLOCK_N=block_n, SPLITS=splits, USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), PDL=on,
+        ORDERED=order is not None,
         num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     if splits > 1:

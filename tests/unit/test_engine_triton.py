@@ -53,6 +53,24 @@ def test_triton_backend_mtp_graph_path_is_lossless(ckpts, overlap, monkeypatch):
     assert got == [hf_greedy(ckpts["gemma4"], p, NEW, ignore_eos=True) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("arch,draft,graphs", [("qwen3", False, True), ("gemma4", False, False), ("gemma4", True, True)])
+def test_longest_first_launch_order_keeps_hf_tokens(ckpts, arch, draft, graphs, monkeypatch):
+    """TANDEM_DECODE_LPT=1: decode rows launched longest first (3 rows x 2 KV heads are more
+    programs than the interpreter's 2 "SMs" hold twice), on the graph and eager paths, for the
+    draft's read too: still HF's tokens."""
+    from gpu_worker.attention import triton_backend
+
+    monkeypatch.setenv("TANDEM_DECODE_LPT", "1")
+    if graphs:
+        monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
+    orders = []
+    real = triton_backend.launch_order
+    monkeypatch.setattr(triton_backend, "launch_order", lambda *a: orders.append(o := real(*a)) or o)
+    got, _ = _run(ckpts[arch], draft=ckpts["assistant"] if draft else None, cuda_graph_bs=(4,))
+    assert any(o is not None for o in orders)
+    assert got == [hf_greedy(ckpts[arch], p, NEW, ignore_eos=True) for p in PROMPTS]
+
+
 def test_graph_path_keeps_penalties_min_tokens_and_seeds(ckpts, monkeypatch):
     """Token selection runs after the replay: the graph path gives the eager path's tokens for
     penalised, min_tokens and seeded-sampling requests, with MTP and overlap."""

@@ -70,6 +70,25 @@ def test_paged_decode(dtype, hq, hkv, d, dv, t, window, softcap, splits):
     assert _rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("t,splits", [(1, 1), (3, 2)])
+def test_paged_decode_launch_order_changes_no_bit(t, splits):
+    """Rows served in a given launch order (longest first in the engine) give the bits of the
+    default order: only which program serves which row moves."""
+    ps, hkv, hq, d = 4, 2, 4, 32
+    kc, vc = _pool(40, ps, hkv, d, d, torch.bfloat16, seed=5)
+    pt = _page_table(6, 8, 40, seed=6)
+    slots = torch.tensor([3, 1, 0, 4, 5], device=DEV)
+    kv_lens = torch.tensor([9, 23, 0, 1 + t, 30], device=DEV)
+    q_pos = ((kv_lens - t).clamp_min(0)[:, None] + torch.arange(t, device=DEV)[None, :]).reshape(-1)
+    q = torch.randn(5 * t, hq, d).to(torch.bfloat16).to(DEV)
+    kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits)
+    plain = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
+    order = torch.argsort(kv_lens, descending=True)
+    assert order.tolist()[:2] == [4, 1]
+    ordered = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, order=order, **kw)
+    assert torch.equal(plain, ordered)
+
+
 def test_paged_decode_draft_read_sees_exactly_committed_keys():
     """The frozen-KV draft: q_pos = kv_len - 1, so each row sees [0, kv_len), on sliding layers
     the last `window` of them, whatever its RoPE position."""
