@@ -74,8 +74,8 @@ if interpreting() and triton_available():
 #   nothing; it lets its own dependents launch only after its wait has returned.
 # So at most one kernel runs ahead, in its prologue (the GEMV prefetches its weights into L2
 # there), and every read of activations still happens after the previous kernel completed.
-# ``TANDEM_PDL=1`` turns it on (off by default until measured on the H200); the interpreter
-# (CPU) never takes it.
+# ``TANDEM_PDL=1`` turns it on; off by default: on the H200 it measured no gain (BENCHMARKS.md,
+# 2026-12-02 evening). The interpreter (CPU) never takes it.
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,7 @@ if triton is not None:
 
     @triton.jit
     def prefetch_l2(ptrs, PDL: tl.constexpr):
-        """One ``prefetch.global.L2`` per pointer (callers pass one per 128-byte line)."""
+        """One ``prefetch.global.L2`` per pointer (the GEMV passes one per 32-byte sector)."""
         if PDL:
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
                                       is_pure=False, pack=1)

@@ -50,7 +50,8 @@ PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (
 
 
 def fused_down_enabled() -> bool:
-    """``gated_linear`` on: TANDEM_FUSED_DOWN=1 (off by default until measured on the H200)."""
+    """``gated_linear`` on: TANDEM_FUSED_DOWN=1. Off by default: on the H200 it measured slower
+    than the act kernel + cuBLAS's split-K down (BENCHMARKS.md, 2026-12-02 evening)."""
     return os.environ.get("TANDEM_FUSED_DOWN", "0") != "0"
 
 
