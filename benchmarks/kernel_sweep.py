@@ -47,6 +47,7 @@ def graph_time(fn, reps: int) -> float:
     """Seconds per call of ``fn`` (which runs ``reps`` rotated calls), replayed as a CUDA graph."""
     from triton.testing import do_bench_cudagraph
 
+    torch.cuda.synchronize()  # the bench runs on a side stream that does not wait for this one
     return do_bench_cudagraph(fn, rep=40, return_mode="median") / 1e3 / reps
 
 

@@ -54,7 +54,7 @@ def test_launch_order_only_where_programs_outnumber_the_sms(monkeypatch):
     from gpu_worker.attention.triton_backend import launch_order
 
     lens = torch.tensor([5, 900, 40, 2000] * 10)
-    monkeypatch.setenv("TANDEM_DECODE_LPT", "1")
+    monkeypatch.delenv("TANDEM_DECODE_LPT", raising=False)  # on by default
     order = launch_order(lens, 8, 1, 132)  # 40 rows x 8 heads > 264: more than one wave
     assert order is not None and sorted(order.tolist()) == list(range(40))
     assert lens[order].tolist() == sorted(lens.tolist(), reverse=True)
