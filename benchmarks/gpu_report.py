@@ -31,7 +31,8 @@ def decode_phase(shapes: dict, w: dict, bw: float) -> str:
 # The default-flag runs, then the A/B runs of part "pdl" (reported only when present).
 LLAMA_RUNS = [("llama_overlap", "overlap on", True), ("llama_no_overlap", "overlap off", True)] + \
     [(f"llama_pdl{p}_fused{f}", f"pdl {p} fused {f}", False) for p in "01" for f in "01"]
-QWEN_RUNS = ["qwen_nano", "qwen_nano_pdl0", "qwen_nano_pdl1", "qwen_nano_lpt0", "qwen_nano_lpt1"]
+QWEN_RUNS = ["qwen_nano", "qwen_nano_pdl0", "qwen_nano_pdl1", "qwen_nano_lpt0", "qwen_nano_lpt1", "qwen_nano_sg0",
+             "qwen_nano_sg1"]
 
 
 def main(out: str, dm: str) -> None:
