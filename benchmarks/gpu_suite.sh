@@ -106,9 +106,9 @@ if has lpt; then
 fi
 if has gemm; then
   echo "== small-M GEMM (decode batches): kernel sweep vs cuBLAS, GPU tests, Qwen3 recipe A/B, recipe prefill step"
-  timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/kernel_sweep.py --only smallgemm --json "$OUT/small_gemm.json" \
+  timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/kernel_sweep.py --only smallgemm,logits --json "$OUT/small_gemm.json" \
     > "$OUT/small_gemm.log" 2>&1 || { echo "small gemm sweep failed"; tail -5 "$OUT/small_gemm.log"; }
-  grep "^small gemm" "$OUT/small_gemm.log"
+  grep "^small gemm\|^logits" "$OUT/small_gemm.log"
   timeout ${SG_TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_small_gemm.py \
     2>&1 | tail -15 | tee "$OUT/small_gemm_tests.log"
   for v in ${SG_VARIANTS:-0 1}; do

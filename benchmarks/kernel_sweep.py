@@ -29,6 +29,7 @@ from benchmarks.attention_bench import setup as attention_setup  # noqa: E402
 from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
 from gpu_worker.attention.triton_backend import decode_splits  # noqa: E402
 from gpu_worker.kernels.attention_decode import paged_decode  # noqa: E402
+from gpu_worker.kernels.argmax import argmax_last  # noqa: E402
 from gpu_worker.kernels.gemm import GemmConfig, pick_config, small_gemm  # noqa: E402
 from gpu_worker.kernels.gemv import GEMV_MAX_M, gemv  # noqa: E402
 
@@ -150,9 +151,9 @@ def logits_rows() -> list[dict]:
         x = torch.randn(r, vocab, device="cuda", dtype=torch.bfloat16)
         xf = x.float()
         for name, fn in (("to_float32", lambda: x.float()), ("argmax_float32", lambda: xf.argmax(-1)),
-                         ("argmax_bf16", lambda: x.argmax(-1))):
+                         ("argmax_bf16", lambda: x.argmax(-1)), ("argmax_kernel_bf16", lambda: argmax_last(x))):
             rows.append({"rows": r, "vocab": vocab, "op": name, "us": graph_time(fn, 1) * 1e6})
-        assert torch.equal(x.argmax(-1), xf.argmax(-1))
+        assert torch.equal(x.argmax(-1), xf.argmax(-1)) and torch.equal(argmax_last(x), x.argmax(-1))
     return rows
 
 

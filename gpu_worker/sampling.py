@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.kernels.argmax import argmax_last
+
 MASK32 = 0xFFFFFFFF
 
 SALT_SAMPLE = 0  # the token sampled at a position
@@ -92,7 +94,7 @@ class RowSampling:
 
 def sample(logits: torch.Tensor, rs: RowSampling, pos: torch.Tensor) -> torch.Tensor:
     """One token per row; ``pos`` is the sequence position the token will occupy."""
-    greedy = logits.argmax(-1)
+    greedy = argmax_last(logits)
     if not rs.any_random:
         return greedy
     drawn = sample_from(rs.probs(logits), uniform(rs.seed, pos, SALT_SAMPLE))

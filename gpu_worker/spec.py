@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.kernels.argmax import argmax_last
 from gpu_worker.sampling import SALT_ACCEPT, SALT_RESIDUAL, SALT_SAMPLE, RowSampling, sample_from, uniform
 
 # HF transformers' reference (SinglePositionMultiTokenCandidateGenerator) places every draft
@@ -30,7 +31,7 @@ def draft_chain(assistant, target, backend, fb, bonus: torch.Tensor, hidden: tor
     tok = bonus
     for _ in range(steps):
         logits, hidden = assistant(target.embed(tok), hidden, fb, backend)
-        tok = logits.argmax(-1)
+        tok = argmax_last(logits)
         tokens.append(tok)
     return torch.stack(tokens, dim=1)
 
@@ -48,7 +49,7 @@ def verify(
     d, s = drafts.shape
     n = s + 1
     lg = logits.view(d, n, -1)
-    greedy_tok = lg.argmax(-1)  # [D, N]
+    greedy_tok = argmax_last(lg)  # [D, N]
     pos_next = seq_len[:, None] + 1 + torch.arange(n, device=logits.device)[None, :]  # where each lands
     if rs.any_random:
         probs = rs.repeat(n).probs(logits).view(d, n, -1)
