@@ -5,8 +5,7 @@
 # tests/gpu first, then the benchmarks of issue 8 (a-f); JSON + logs under $OUT; a table last.
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
 # (and, not in the default: fi = flashinfer vs triton; pdl = PDL / fused-down A/B;
-#  lpt = decode rows launched longest first, A/B; gemm = the small-M decode GEMM: sweep, GPU
-#  tests, Qwen3 recipe A/B, and a recipe-like prefill step profiled with its host syncs listed)
+#  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts)
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
@@ -17,7 +16,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # .fi-cache, comes back as $OUT/fi-cache/*.tgz and is carried (unpacked, git-ignored) next time.
 export FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache; mkdir -p .fi-cache
 for f in .fi-cache/*.tgz; do [ -e "$f" ] && tar xzf "$f" -C .fi-cache; done  # carried tarballs
-has() { [[ " $PARTS " == *" $1 "* ]]; }
+has() { [[ " $PARTS " == *" $1 "* ]] && { [ -z "${DONE_PART:-}" ] || save; DONE_PART=$1; }; }
+# What has run so far, tarred again before each part: a call cut off by its time limit still
+# brings back every finished part's logs and JSON.
+save() { tar czf "$FINAL/results.tgz" -C "$OUT" . 2>/dev/null; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 DM=/tmp/tandem-dummy; python3 benchmarks/dummy_models.py $DM > /dev/null
@@ -104,23 +106,11 @@ if has lpt; then
   timeout ${LPT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_launch_order.py \
     2>&1 | tail -15 | tee "$OUT/lpt_tests.log"
 fi
-if has gemm; then
-  echo "== small-M GEMM (decode batches): kernel sweep vs cuBLAS, GPU tests, Qwen3 recipe A/B, recipe prefill step"
-  timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/kernel_sweep.py --only smallgemm,logits --json "$OUT/small_gemm.json" \
-    > "$OUT/small_gemm.log" 2>&1 || { echo "small gemm sweep failed"; tail -5 "$OUT/small_gemm.log"; }
-  grep "^small gemm\|^logits" "$OUT/small_gemm.log"
-  timeout ${SG_TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_small_gemm.py \
-    2>&1 | tail -15 | tee "$OUT/small_gemm_tests.log"
-  for v in ${SG_VARIANTS:-0 1}; do
-    export TANDEM_SMALL_GEMM=$v
-    off qwen_nano_sg$v 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
-      --output-len-range 100 1024 --max-running-requests 256 --warmup-rounds 1
-  done
-  unset TANDEM_SMALL_GEMM
-  # One prefill step shaped like the recipe's (14 prompts of 560 tokens), with its host syncs.
-  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --steps 1 --batch 14 --input-len 560 \
-    --sync-debug > "$OUT/profile_qwen_recipe_prefill.txt" 2>&1 || echo "recipe prefill profile failed"
-  grep -A5 '"steps"\|host syncs' "$OUT/profile_qwen_recipe_prefill.txt" | head -30
+if has sweep; then
+  echo "== kernel sweep: the logits tail (torch's argmax and ours), GEMMs at decode shapes"
+  timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/kernel_sweep.py --only logits,gemm --json "$OUT/kernel_sweep.json" \
+    > "$OUT/kernel_sweep.log" 2>&1 || { echo "kernel sweep failed"; tail -5 "$OUT/kernel_sweep.log"; }
+  grep "^logits\|^gemm" "$OUT/kernel_sweep.log"
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

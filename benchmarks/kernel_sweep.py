@@ -4,11 +4,10 @@ engine runs them) with weights/KV rotated over more than L2 holds:
 - linear layers at decode shapes: cuBLAS (through F.linear, either BLAS library torch offers)
   against our split-N GEMV (``gpu_worker/kernels/gemv.py``, a config sweep) for M <= 4;
 - paged decode attention launch shapes (BLOCK_N, warps, stages) and split counts;
-- the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab];
-- decode-batch GEMMs (tens to hundreds of rows, small weights): cuBLAS against the small-M GEMM
-  (``gpu_worker/kernels/gemm.py``): its default launch shape and a sweep around it.
+- the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab] (torch's and ours,
+  ``gpu_worker/kernels/argmax.py``).
 
-    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,attn,logits,smallgemm]
+    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,attn,logits]
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
 from gpu_worker.attention.triton_backend import decode_splits  # noqa: E402
 from gpu_worker.kernels.attention_decode import paged_decode  # noqa: E402
 from gpu_worker.kernels.argmax import argmax_last  # noqa: E402
-from gpu_worker.kernels.gemm import GemmConfig, pick_config, small_gemm  # noqa: E402
 from gpu_worker.kernels.gemv import GEMV_MAX_M, gemv  # noqa: E402
 
 L2_BYTES = 200 << 20  # rotate over more than the H200's 50 MB L2
@@ -84,39 +82,6 @@ def gemm_rows(bw: float) -> list[dict]:
     return rows
 
 
-SMALL_CASES = [(f"qwen {n}", m, nn, k) for m in (32, 64, 144, 256) for n, nn, k in QWEN] + \
-    [(f"llama {n}", 64, nn, k) for n, nn, k in LLAMA[:2]]
-
-
-def small_gemm_rows(bw: float, sms: int) -> list[dict]:
-    rows = []
-    for label, m, n, k in SMALL_CASES:
-        nbytes = n * k * 2
-        copies = max(1, -(-L2_BYTES // nbytes))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = F.linear(x, ws[0]).float()
-        base = {"shape": label, "m": m, "n": n, "k": k, "weight_mb": nbytes / 1e6}
-        sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
-        rows.append(base | {"impl": "cublas", "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
-        pick = pick_config(m, n, k, sms)
-        cands = [pick] + [GemmConfig(bm, bn, bk, sp, 8 if bm >= 128 else 4, 4)
-                          for bm in {pick.block_m, 64} for bn in (32, 64, 128) for bk in (128, 256)
-                          for sp in (1, 2, 4, 8) if k // sp >= bk and (bk == 128 or (bn, sp) == (pick.block_n, pick.split_k))]
-        for cfg in dict.fromkeys(cands):
-            try:
-                err = (small_gemm(x, ws[0], cfg).float() - ref).abs().max().item()
-                sec = graph_time(lambda: [small_gemm(x, w, cfg) for w in ws], copies)
-            except Exception as exc:  # noqa: BLE001 - a shape that does not fit: report, go on
-                rows.append(base | {"impl": "small_gemm", "config": cfg.__dict__, "error": str(exc)[:120]})
-                continue
-            rows.append(base | {"impl": "small_gemm", "config": cfg.__dict__, "is_default": cfg == pick,
-                                "max_abs_err_vs_cublas": err, "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
-        del ws
-        torch.cuda.empty_cache()
-    return rows
-
-
 def attn_rows(bw: float, sms: int) -> list[dict]:
     rows = []
     cases = [("qwen3-0.6b", 256, 812, 16, 8, False), ("qwen3-0.6b", 256, 812, 16, 8, True),
@@ -160,13 +125,12 @@ def logits_rows() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default="gemm,attn,logits,smallgemm")
+    ap.add_argument("--only", default="gemm,attn,logits")
     a = ap.parse_args()
     bw = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = {"copy_bandwidth_bytes_s": bw}
-    for part, fn in (("logits", logits_rows), ("gemm", lambda: gemm_rows(bw)), ("attn", lambda: attn_rows(bw, sms)),
-                     ("smallgemm", lambda: small_gemm_rows(bw, sms))):
+    for part, fn in (("logits", logits_rows), ("gemm", lambda: gemm_rows(bw)), ("attn", lambda: attn_rows(bw, sms))):
         if part in a.only.split(","):
             try:
                 out[part] = fn()
@@ -184,18 +148,6 @@ def summarize(out: dict) -> None:
     for r in out.get("gemm", []):
         extra = f" {r['config']} err {r['max_abs_err_vs_cublas']:.3g}" if r["impl"] == "gemv" else ""
         print(f"gemm {r['shape']:14} m {r['m']:>3} {r['impl']:8} {r['us']:8.2f} us {r['frac_of_copy_bw']:6.1%}{extra}")
-    small: dict = {}
-    for r in out.get("smallgemm", []):
-        if "error" not in r:
-            small.setdefault((r["shape"], r["m"]), []).append(r)
-    for (shape, m), rs in small.items():
-        cub = next(r for r in rs if r["impl"] == "cublas")
-        ours = [r for r in rs if r["impl"] != "cublas"]
-        d = next((r for r in ours if r["is_default"]), None)
-        b = min(ours, key=lambda r: r["us"]) if ours else None
-        print(f"small gemm {shape:14} m {m:>3}: cublas {cub['us']:6.2f} us | default "
-              f"{d['us'] if d else float('nan'):6.2f} | best {b['us'] if b else float('nan'):6.2f} "
-              f"{b['frac_of_copy_bw'] if b else 0:5.1%} {b['config'] if b else ''}")
     best: dict = {}
     for r in out.get("attn", []):
         if "error" in r:

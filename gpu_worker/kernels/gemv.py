@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from gpu_worker.kernels import pdl, use_triton
 from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
-from gpu_worker.kernels.gemm import small_gemm
 
 try:
     import triton
@@ -47,10 +46,6 @@ GEMV_MAX_M = 4
 SKINNY_MAX_K = 8192
 SKINNY_MIN_WEIGHT = 8 << 20  # elements
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
-# kernels/gemm.py: rows and weight sizes (elements) where it replaces cuBLAS.
-SMALL_GEMM_M = (16, 256)
-SMALL_GEMM_MAX_WEIGHT = 8 << 20
-SMALL_GEMM_DTYPES = (torch.bfloat16, torch.float16)  # fp32 (IEEE products) stays with cuBLAS
 PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (16 KB a program)
 
 
@@ -140,25 +135,12 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, max_k: int) -> bool:
             and w.is_contiguous() and use_triton(x))
 
 
-def small_gemm_enabled() -> bool:
-    return os.environ.get("TANDEM_SMALL_GEMM", "1") != "0"
-
-
-def small_gemm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """A decode batch (SMALL_GEMM_M rows) against a weight small enough that cuBLAS is
-    latency-bound on it (kernels/gemm.py)."""
-    return (x.dim() == 2 and SMALL_GEMM_M[0] <= x.shape[0] <= SMALL_GEMM_M[1]
-            and x.dtype in SMALL_GEMM_DTYPES and w.numel() <= SMALL_GEMM_MAX_WEIGHT
-            and x.stride(1) == 1 and w.is_contiguous() and small_gemm_enabled() and use_triton(x))
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or our kernels where they measured faster: the GEMV at one decode row against a
-    mid-sized weight, the small GEMM for decode batches against small weights."""
+    """F.linear, or the GEMV where it measured faster (one decode row, mid-sized weight).
+    Decode batches (16-256 rows) stay with cuBLAS: a Triton small-M GEMM (M x N tiles, split K)
+    measured slower there on the H200 (BENCHMARKS.md, 2026-12-02 night)."""
     if bias is None and _skinny(x, w, SKINNY_MAX_K):
         return gemv(x, w, **CONFIG)
-    if bias is None and small_gemm_fits(x, w):
-        return small_gemm(x, w)
     return F.linear(x, w, bias)
 
 

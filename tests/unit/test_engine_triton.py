@@ -71,27 +71,6 @@ def test_longest_first_launch_order_keeps_hf_tokens(ckpts, arch, draft, graphs, 
     assert got == [hf_greedy(ckpts[arch], p, NEW, ignore_eos=True) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch,draft,graphs", [("qwen3", False, True), ("gemma4", True, True), ("llama", False, False)])
-def test_small_gemm_keeps_hf_tokens(ckpts, arch, draft, graphs, monkeypatch):
-    """The small-M GEMM (kernels/gemm.py) in every linear layer it may take, here widened to the
-    test's float32 and 2+ rows so that decode, verify, draft and prefill chunks all go through
-    it: still HF's tokens."""
-    import torch
-
-    from gpu_worker.kernels import gemm, gemv
-
-    monkeypatch.setattr(gemv, "SMALL_GEMM_M", (2, 256))
-    monkeypatch.setattr(gemv, "SMALL_GEMM_DTYPES", (torch.float32,))
-    calls = []
-    real = gemm.small_gemm
-    monkeypatch.setattr(gemv, "small_gemm", lambda x, w: calls.append(x.shape[0]) or real(x, w))
-    if graphs:
-        monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
-    got, _ = _run(ckpts[arch], draft=ckpts["assistant"] if draft else None, cuda_graph_bs=(4,))
-    assert calls and max(calls) >= 16 and min(calls) <= 4  # prefill chunks and decode rows
-    assert got == [hf_greedy(ckpts[arch], p, NEW, ignore_eos=True) for p in PROMPTS]
-
-
 def test_graph_path_keeps_penalties_min_tokens_and_seeds(ckpts, monkeypatch):
     """Token selection runs after the replay: the graph path gives the eager path's tokens for
     penalised, min_tokens and seeded-sampling requests, with MTP and overlap."""
