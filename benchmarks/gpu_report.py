@@ -32,7 +32,7 @@ def decode_phase(shapes: dict, w: dict, bw: float) -> str:
 LLAMA_RUNS = [("llama_overlap", "overlap on", True), ("llama_no_overlap", "overlap off", True)] + \
     [(f"llama_pdl{p}_fused{f}", f"pdl {p} fused {f}", False) for p in "01" for f in "01"]
 QWEN_RUNS = ["qwen_nano", "qwen_nano_pdl0", "qwen_nano_pdl1", "qwen_nano_lpt0", "qwen_nano_lpt1", "qwen_nano_sg0",
-             "qwen_nano_sg1"]
+             "qwen_nano_sg1", "qwen_first_lazy1", "qwen_first_eager", "qwen_first_lazy2"]
 
 
 def main(out: str, dm: str) -> None:

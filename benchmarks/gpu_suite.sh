@@ -5,7 +5,8 @@
 # tests/gpu first, then the benchmarks of issue 8 (a-f); JSON + logs under $OUT; a table last.
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
 # (and, not in the default: fi = flashinfer vs triton; pdl = PDL / fused-down A/B;
-#  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts)
+#  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
+#  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager)
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
@@ -111,6 +112,23 @@ if has sweep; then
   timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/kernel_sweep.py --only logits,gemm --json "$OUT/kernel_sweep.json" \
     > "$OUT/kernel_sweep.log" 2>&1 || { echo "kernel sweep failed"; tail -5 "$OUT/kernel_sweep.log"; }
   grep "^logits\|^gemm" "$OUT/kernel_sweep.log"
+fi
+if has transient; then
+  # The recipe's first round in fresh processes (no warm-up round), every Triton variant the
+  # serving path specialises logged; CUDA's lazy module loading (default) against eager.
+  echo "== start-up transient: Qwen3 recipe, first round only: lazy / eager / lazy module loading"
+  export TANDEM_LOG_COMPILES=1
+  for v in lazy1 eager lazy2; do
+    [ $v = eager ] && export CUDA_MODULE_LOADING=EAGER
+    off qwen_first_$v 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
+      --output-len-range 100 1024 --max-running-requests 256
+    unset CUDA_MODULE_LOADING
+  done
+  unset TANDEM_LOG_COMPILES
+  for v in lazy1 eager lazy2; do
+    echo "$v: $(grep -c 'specialised while serving' "$OUT/qwen_first_$v.log") variants specialised while serving"
+    grep 'specialised while serving' "$OUT/qwen_first_$v.log" | cut -c1-230 | head -6
+  done
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

@@ -20,6 +20,7 @@ import zmq
 
 from gpu_worker.attention import create_backend, resolve_backend
 from gpu_worker.cuda_graphs import graph_buckets
+from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.models.config import read_eos_token_ids
 from gpu_worker.models.loader import load_model
@@ -81,6 +82,7 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
         sizes = prefill_sizes(args.chunked_prefill_size or 8192, state.page_table.shape[1] * args.page_size)
         log.info("prefill warm-up: %s tokens in %.2f s", sizes, warm_prefill(runner, sizes))
     _setup_graphs(args, runner, name, device, cap.max_slots)
+    log_compiles(log)  # TANDEM_LOG_COMPILES=1: what start-up did not warm
     ready = WorkerReady(
         page_size=args.page_size,
         num_pages=cap.num_pages,

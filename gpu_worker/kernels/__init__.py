@@ -103,3 +103,32 @@ def pdl(x: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def log_compiles(log) -> None:
+    """TANDEM_LOG_COMPILES=1: from now on (the worker calls this once ready), log every Triton
+    kernel variant the serving path specialises, with the seconds it cost the step (a compile,
+    or a load from Triton's disk cache). Diagnoses the start-up transient (BENCHMARKS.md)."""
+    if os.environ.get("TANDEM_LOG_COMPILES", "0") == "0" or not triton_available():
+        return
+    import time
+
+    try:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        assert hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook")
+    except (ImportError, AssertionError):
+        log.warning("TANDEM_LOG_COMPILES: this Triton has no JIT hooks (triton.knobs.runtime)")
+        return
+    started: dict = {}
+
+    def before(**kw):
+        started[str(kw.get("key"))] = time.perf_counter()
+        return False  # a true value would skip the compile
+
+    def after(**kw):
+        dt = time.perf_counter() - started.pop(str(kw.get("key")), time.perf_counter())
+        log.warning("triton variant specialised while serving (%.3f s): %s", dt, str(kw.get("repr"))[:400])
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
