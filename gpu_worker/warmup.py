@@ -21,6 +21,7 @@ import torch
 
 from gpu_worker.attention.base import RowLayout
 from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.kernels.argmax import argmax_last
 
 MIN_TOKENS = 32  # a row of <= 16 queries would take the decode kernel, which graphs warm already
 
@@ -34,7 +35,8 @@ def prefill_sizes(chunk: int, max_tokens: int) -> list[int]:
 
 @torch.inference_mode()
 def warm_prefill(runner, sizes: list[int]) -> float:
-    """One eager target forward (and its LM head on the last token) per size; returns seconds."""
+    """One eager target forward (its LM head and greedy argmax on the last token) per size;
+    returns seconds. Sampling runs outside the graphs, so no capture compiles its kernels."""
     t0 = time.perf_counter()
     backend, target, dev = runner.backend, runner.target, runner.device
     ps = backend.pool.page_size
@@ -45,7 +47,7 @@ def warm_prefill(runner, sizes: list[int]) -> float:
                            q_pos=pos, slots_host=np.zeros(1, dtype=np.int64), kv_exact=np.array([n]))
         ids = (pos * 7919 + 13) % target.vocab_size  # any in-vocabulary ids
         fb = ForwardBatch(ids, pos, pos % ps, backend.build(layout, runner.windows), n)  # out_loc: page 0
-        target.compute_logits(target.forward(fb, backend)[-1:])
+        argmax_last(target.compute_logits(target.forward(fb, backend)[-1:]))  # greedy selection's kernels
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return time.perf_counter() - t0

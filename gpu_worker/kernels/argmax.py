@@ -26,7 +26,8 @@ _NO_INDEX = 2**31 - 1
 
 if triton is not None:
 
-    @triton.jit
+    # The decode rows' logits are a view past the prefill rows': no alignment specialisation.
+    @triton.jit(do_not_specialize_on_alignment=["x_ptr"])
     def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, sx, CHUNKS, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)

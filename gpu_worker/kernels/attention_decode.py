@@ -35,8 +35,11 @@ except ImportError:
 if triton is not None:
 
     # Per-call views (a row group's slice of q, out and the index arrays) start at varying offsets:
-    # specialising on their 16-byte alignment would JIT-compile new variants mid-serving.
-    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"])
+    # specialising on their 16-byte alignment would JIT-compile new variants mid-serving. That
+    # includes order_ptr, po_ptr and plse_ptr, which receive the slots / out views when unused
+    # (the H200 compiled two variants mid-serving for order_ptr: 0.55 s each, BENCHMARKS.md).
+    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr", "order_ptr",
+                                                "po_ptr", "plse_ptr"])
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, order_ptr,
         sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
