@@ -111,6 +111,7 @@ class ModelRunner:
         self.tick = _no_tick  # HostClock.tick when TANDEM_HOST_TIMING=1 (worker main)
         self.cpu_kernels = False  # CPU tensors through the Triton kernels (interpreter)
         backend.host_decode_lens = assistant is None  # see SlotState.seq_host
+        backend.decode_q_lens = frozenset({1, tokens_per_step})
 
     def enable_graphs(self, buckets: list[int], emulate: bool = False) -> DecodeGraphs:
         """Decode steps of up to max(buckets) rows go through ``DecodeGraphs`` (captured here)."""

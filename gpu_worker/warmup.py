@@ -23,7 +23,7 @@ from gpu_worker.attention.base import RowLayout
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.argmax import argmax_last
 
-MIN_TOKENS = 32  # a row of <= 16 queries would take the decode kernel, which graphs warm already
+MIN_TOKENS = 32  # smallest size warmed: the extend kernel's launch shape does not depend on it
 
 
 def prefill_sizes(chunk: int, max_tokens: int) -> list[int]:

@@ -42,6 +42,9 @@ class AttentionBackend(ABC):
     # Set by the runner: True when the host knows every decode row's KV length exactly (no MTP:
     # each step adds one token). Backends whose plan needs host lengths use it for decode rows.
     host_decode_lens: bool = False
+    # Set by the runner: the query counts of the engine's decode rows ({1} plain, {1, S+1} with
+    # MTP); only a tail of rows with one of them is a decode group (attention/triton_backend.py).
+    decode_q_lens: frozenset = frozenset({1})
 
     def stage(self, q_lens: np.ndarray, staged, slots: np.ndarray | None = None,
               kv_exact: np.ndarray | None = None) -> None:

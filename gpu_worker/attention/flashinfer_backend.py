@@ -187,6 +187,16 @@ class FlashInferBackend(AttentionBackend):
             log.info("flashinfer: %d of %d KV layers (head dims %s) run on triton: FlashInfer has no kernel "
                      "for them", n, len(pool.shapes), other)
 
+    @property
+    def decode_q_lens(self) -> frozenset:
+        return self.triton.decode_q_lens
+
+    @decode_q_lens.setter
+    def decode_q_lens(self, counts: frozenset) -> None:
+        # One grouping for both: the triton metadata built beside every plan must split the rows
+        # where the plan does (a verify row planned as decode but built as extend reads garbage).
+        self.triton.decode_q_lens = counts
+
     # ------------------------------------------------------------ plans
     def eager_wrapper(self, mode: str, kind: Kind) -> _Planned:
         key = (mode, kind)
@@ -215,7 +225,7 @@ class FlashInferBackend(AttentionBackend):
             return HostPlan(None, None)
         q_lens = np.asarray(q_lens, dtype=np.int64)
         kv_exact = np.asarray(kv_exact, dtype=np.int64)
-        first, b = decode_start(q_lens), len(q_lens)
+        first, b = decode_start(q_lens, self.decode_q_lens), len(q_lens)
         split = int(q_lens[:first].sum())
         ps, mp = self.pool.page_size, self.max_pages
         ext = host_group(q_lens[:first], slots[:first], kv_exact[:first], 0, ps, mp) if first else None

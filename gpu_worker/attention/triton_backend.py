@@ -1,9 +1,9 @@
 """Our Triton backend: paged decode / verify / draft reads and paged extend, no gathers.
 
-Per forward ``build`` splits the rows in two groups by the host-known query counts: rows with
-at most ``DECODE_MAX_Q`` queries that all share one count (decode T=1, MTP verify T=S+1, the
-draft's Q-only read) go to the split-KV decode kernel; every other row (prefill chunks) goes to
-the extend kernel. Rows are token-contiguous and the plan puts extend rows first, so each group
+Per forward ``build`` splits the rows in two groups by the host-known query counts: the tail of
+rows sharing one of the engine's decode counts (decode T=1, MTP verify T=S+1, the draft's
+Q-only read) go to the split-KV decode kernel; every other row (prefill chunks, however short)
+goes to the extend kernel. Rows are token-contiguous and the plan puts extend rows first, so each group
 is one contiguous token range. Per layer there are at most two launches.
 
 The decode metadata can also be built from device tensors alone (``decode_meta``): that is what
@@ -80,11 +80,15 @@ def decode_part(tok0: int, t: int, slots, kv_lens, q_pos, kv_heads: int, sms: in
     return DecodePart(tok0, t, slots, kv_lens, q_pos, splits, launch_order(kv_lens, kv_heads, splits, sms))
 
 
-def decode_start(q_lens: np.ndarray) -> int:
-    """First row of the decode group: the longest tail of rows sharing one small query count."""
+def decode_start(q_lens: np.ndarray, decode_q_lens: frozenset = frozenset({1})) -> int:
+    """First row of the decode group: the longest tail of rows sharing one query count that the
+    engine's decode steps use (``decode_q_lens``: 1 for decode and the draft's read, S+1 for
+    MTP verify). A short prefill row of another count (a prompt or last chunk of a few tokens)
+    goes to the extend kernel: the decode kernel's query count is a compile-time constant, so
+    each new count compiled a variant while serving (0.6 s on the H200 for an 8-token prompt)."""
     b = len(q_lens)
     first = b
-    if b and q_lens[-1] <= DECODE_MAX_Q:
+    if b and q_lens[-1] <= DECODE_MAX_Q and int(q_lens[-1]) in decode_q_lens:
         while first > 0 and q_lens[first - 1] == q_lens[-1]:
             first -= 1
     return first
@@ -105,14 +109,14 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonMeta(decode_part(0, t, slots, kv_lens, q_pos, self.kv_heads, self.sms), None)
 
     def stage(self, q_lens: np.ndarray, staged, **_) -> None:
-        first_dec = decode_start(q_lens)
+        first_dec = decode_start(q_lens, self.decode_q_lens)
         if first_dec:
             staged.put("ext_blocks", extend_blocks(q_lens[:first_dec], self.block_m))
 
     def build(self, layout: RowLayout, windows: tuple[int, ...] = (), staged=None) -> TritonMeta:
         q_lens = np.asarray(layout.q_lens, dtype=np.int64)
         b = len(q_lens)
-        first_dec = decode_start(q_lens)
+        first_dec = decode_start(q_lens, self.decode_q_lens)
         tok_split = int(q_lens[:first_dec].sum())
         dec = ext = None
         if first_dec < b:

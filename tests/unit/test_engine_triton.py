@@ -71,6 +71,27 @@ def test_longest_first_launch_order_keeps_hf_tokens(ckpts, arch, draft, graphs, 
     assert got == [hf_greedy(ckpts[arch], p, NEW, ignore_eos=True) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("arch,draft", [("qwen3", False), ("gemma4", True)])
+def test_short_prompts_take_the_extend_kernel(ckpts, arch, draft, monkeypatch):
+    """Prompts of a few tokens, alone or beside others: the decode kernel only ever runs with
+    the engine's decode query counts (1; S+1 = 4 with MTP), so no short prompt builds a new
+    variant of it while serving; tokens still HF's."""
+    from gpu_worker.attention import triton_backend
+
+    ts = set()
+    real = triton_backend.paged_decode
+    monkeypatch.setattr(triton_backend, "paged_decode", lambda *a, **kw: ts.add(kw["t"]) or real(*a, **kw))
+    prompts = [[11, 12, 13], [7] * 8, [300], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    eng = InProcEngine(ckpts[arch], draft=ckpts["assistant"] if draft else None, attention_backend="triton",
+                       page_size=4, chunked_prefill_size=16)
+    for i, p in enumerate(prompts):  # one at a time: each short prompt alone in its step
+        eng.submit(f"r{i}", p, max_new_tokens=NEW, ignore_eos=True)
+        eng.run()
+    assert ts <= ({1, 4} if draft else {1}) and 1 in ts
+    assert [eng.tokens[f"r{i}"] for i in range(len(prompts))] == \
+        [hf_greedy(ckpts[arch], p, NEW, ignore_eos=True) for p in prompts]
+
+
 def test_graph_path_keeps_penalties_min_tokens_and_seeds(ckpts, monkeypatch):
     """Token selection runs after the replay: the graph path gives the eager path's tokens for
     penalised, min_tokens and seeded-sampling requests, with MTP and overlap."""

@@ -94,3 +94,22 @@ def test_backend_resolution(name, device, expect, monkeypatch):
         assert resolve_backend(name, device) == "triton"
     else:
         assert resolve_backend(name, device) == expect
+
+
+def test_decode_group_takes_only_the_engines_decode_query_counts():
+    """Only a tail of rows with a decode count (1; S+1 with MTP) is a decode group; a short
+    prefill row of another count goes to the extend kernel, whose launch shape does not depend
+    on it (the decode kernel compiled a variant per new count while serving)."""
+    import numpy as np
+
+    from gpu_worker.attention.triton_backend import decode_start
+
+    plain, mtp = frozenset({1}), frozenset({1, 4})
+    assert decode_start(np.array([30, 1, 1]), plain) == 1
+    assert decode_start(np.array([8]), plain) == 1  # an 8-token prompt alone: extend
+    assert decode_start(np.array([30, 8]), plain) == 2
+    assert decode_start(np.array([1]), plain) == 0  # a 1-token prompt: the T=1 decode variant
+    assert decode_start(np.array([30, 4, 4]), mtp) == 1  # verify rows
+    assert decode_start(np.array([4]), mtp) == 0  # a 4-token prompt shares verify's variant
+    assert decode_start(np.array([30, 3]), mtp) == 2
+    assert decode_start(np.array([20, 20]), frozenset({20})) == 2  # never past DECODE_MAX_Q
