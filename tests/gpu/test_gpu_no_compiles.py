@@ -1,6 +1,6 @@
-"""After start-up (prefill warm-up + graph capture), serving compiles no Triton variant: mixed
-steps whose decode rows start at odd offsets, greedy selection and the longest-first order all
-reuse what start-up built. A compile mid-serving cost the first process 0.5 s a variant on the
+"""After start-up (prefill warm-up + graph capture), serving compiles no Triton variant: short
+prompts alone in their step, mixed steps whose decode rows start at odd offsets, greedy
+selection and the longest-first order all reuse what start-up built. A compile mid-serving cost the first process 0.5 s a variant on the
 H200 (BENCHMARKS.md, start-up transient)."""
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ def test_serving_compiles_nothing_after_start_up(tmp_path, monkeypatch):
                        max_total_tokens=65536)
     compiled = []
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled.append(str(kw.get("repr"))[:120]))
+    for n in (2, 8, 13):  # short prompts alone in their step: extend rows, not a decode variant per length
+        eng.submit(f"short{n}", [(5 * j + n) % 300 + 6 for j in range(n)], max_new_tokens=4, ignore_eos=True)
+        eng.run()
     for wave in range(3):  # later waves prefill beside the earlier ones' decode rows
         for i in range(20):
             n = 5 + (37 * i + 11 * wave) % 150
@@ -27,6 +30,6 @@ def test_serving_compiles_nothing_after_start_up(tmp_path, monkeypatch):
         done = eng.core.counters.steps
         eng.run(until=lambda: eng.core.counters.steps >= done + 4)
     eng.run()
-    assert sum(len(v) for v in eng.tokens.values()) == sum(3 * (12 + i) for i in range(20))
+    assert sum(len(v) for v in eng.tokens.values()) == sum(3 * (12 + i) for i in range(20)) + 3 * 4
     torch.cuda.synchronize()
     assert compiled == []
