@@ -1,10 +1,10 @@
 """Our Triton backend: paged decode / verify / draft reads and paged extend, no gathers.
 
-Per forward ``build`` splits the rows in two groups by the host-known query counts: the tail of
+Per forward ``build`` splits the rows in two groups by the host-known query counts: a tail of
 rows sharing one of the engine's decode counts (decode T=1, MTP verify T=S+1, the draft's
-Q-only read) go to the split-KV decode kernel; every other row (prefill chunks, however short)
-goes to the extend kernel. Rows are token-contiguous and the plan puts extend rows first, so each group
-is one contiguous token range. Per layer there are at most two launches.
+Q-only read) goes to the split-KV decode kernel; every other row (prefill chunks, however
+short) goes to the extend kernel. Rows are token-contiguous and the plan puts extend rows
+first, so each group is one contiguous token range. Per layer there are at most two launches.
 
 The decode metadata can also be built from device tensors alone (``decode_meta``): that is what
 CUDA graphs capture, with the split count a function of the batch size only.
