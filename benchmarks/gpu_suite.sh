@@ -25,6 +25,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 DM=/tmp/tandem-dummy; python3 benchmarks/dummy_models.py $DM > /dev/null
 T=models/tiny-shakespeare/target; A=models/tiny-shakespeare/assistant
+# The two workloads every A/B part re-runs: (a, b) the 8B shape at 1 and 64 requests, and (c)
+# nano-vllm's recipe on the Qwen3-0.6B shape (256 requests, lengths U[100, 1024]).
+LLAMA8B=(--model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 --max-running-requests 64)
+RECIPE=(--model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024
+        --max-running-requests 256)
 python3 benchmarks/hbm_bandwidth.py --model-path $T > "$OUT/hbm.json" && grep -m1 bandwidth "$OUT/hbm.json"
 
 if has tests; then
@@ -53,18 +58,14 @@ if has llama; then
   echo "== (a, b, d) Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"
   # One untimed round of each workload first: the first seconds of an engine process are slow
   # (BENCHMARKS.md, "start-up transient").
-  off llama_no_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
-    --max-running-requests 64 --disable-overlap-schedule --warmup-rounds 1
-  off llama_overlap 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
-    --max-running-requests 64 --warmup-rounds 1
+  off llama_no_overlap 150 "${LLAMA8B[@]}" --disable-overlap-schedule --warmup-rounds 1
+  off llama_overlap 150 "${LLAMA8B[@]}" --warmup-rounds 1
 fi
 if has fi; then
   echo "== attention backends side by side: flashinfer vs triton (8B 1 / 64 requests, Qwen3 recipe)"
   for be in flashinfer triton; do
-    off llama_$be 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
-      --max-running-requests 64 --warmup-rounds 1 --attention-backend $be
-    off qwen_nano_$be 150 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
-      --output-len-range 100 1024 --max-running-requests 256 --warmup-rounds 1 --attention-backend $be
+    off llama_$be 150 "${LLAMA8B[@]}" --warmup-rounds 1 --attention-backend $be
+    off qwen_nano_$be 150 "${RECIPE[@]}" --warmup-rounds 1 --attention-backend $be
   done
   for f in "$OUT"/llama_{flashinfer,triton}.json "$OUT"/qwen_nano_{flashinfer,triton}.json; do
     [ -e "$f" ] && python3 -c "import json,sys; [print(sys.argv[1].split('/')[-1], w['num_prompts'], 'tok/s %.1f' % w['output_tok_s'],
@@ -79,13 +80,11 @@ if has pdl; then
   tail -11 "$OUT/pdl_bench.log"
   for v in ${PDL_VARIANTS:-"0 0" "1 1"}; do
     set -- $v; export TANDEM_PDL=$1 TANDEM_FUSED_DOWN=$2
-    off llama_pdl$1_fused$2 150 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
-      --max-running-requests 64 --warmup-rounds 1
+    off llama_pdl$1_fused$2 150 "${LLAMA8B[@]}" --warmup-rounds 1
   done
   for p in 0 1; do
     export TANDEM_PDL=$p TANDEM_FUSED_DOWN=$p
-    off qwen_nano_pdl$p 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
-      --output-len-range 100 1024 --max-running-requests 256 --warmup-rounds 1
+    off qwen_nano_pdl$p 200 "${RECIPE[@]}" --warmup-rounds 1
   done
   export TANDEM_PDL=1 TANDEM_FUSED_DOWN=1
   timeout ${PDL_TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_pdl.py \
@@ -100,8 +99,7 @@ if has lpt; then
   tail -8 "$OUT/launch_order.log"
   for v in 0 1; do
     export TANDEM_DECODE_LPT=$v
-    off qwen_nano_lpt$v 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
-      --output-len-range 100 1024 --max-running-requests 256 --warmup-rounds 1
+    off qwen_nano_lpt$v 200 "${RECIPE[@]}" --warmup-rounds 1
   done
   unset TANDEM_DECODE_LPT
   timeout ${LPT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_launch_order.py \
@@ -120,8 +118,7 @@ if has transient; then
   export TANDEM_LOG_COMPILES=1
   for v in lazy1 eager lazy2; do
     [ $v = eager ] && export CUDA_MODULE_LOADING=EAGER
-    off qwen_first_$v 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
-      --output-len-range 100 1024 --max-running-requests 256
+    off qwen_first_$v 200 "${RECIPE[@]}"
     unset CUDA_MODULE_LOADING
   done
   unset TANDEM_LOG_COMPILES
@@ -139,8 +136,7 @@ if has gemma; then
 fi
 if has qwen; then
   echo "== (c) Qwen3-0.6B shape, nano-vllm recipe (256 requests, lengths U[100, 1024]) + HF generate"
-  off qwen_nano 200 --model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 \
-    --output-len-range 100 1024 --max-running-requests 256 --hf --hf-output-len 64
+  off qwen_nano 200 "${RECIPE[@]}" --hf --hf-output-len 64
 fi
 if has pair; then
   # A round takes ~0.1 s here: one warm-up round, then the median of 5 (same prompts, no prefix cache).
