@@ -35,11 +35,11 @@ except ImportError:
 if triton is not None:
 
     # Per-call views (a row group's slice of q, out and the index arrays) start at varying offsets:
-    # specialising on their 16-byte alignment would JIT-compile new variants mid-serving. That
-    # includes order_ptr, po_ptr and plse_ptr, which receive the slots / out views when unused
-    # (the H200 compiled two variants mid-serving for order_ptr: 0.55 s each, BENCHMARKS.md).
-    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr", "order_ptr",
-                                                "po_ptr", "plse_ptr"])
+    # specialising on their 16-byte alignment would JIT-compile new variants mid-serving. Unused
+    # pointers (order_ptr unordered, po_ptr / plse_ptr with one split) receive the whole page
+    # table, whose alignment never varies: given the slots / out views, the H200 compiled two
+    # variants mid-serving (0.55 s each, BENCHMARKS.md 2026-12-02 night).
+    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"])
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, order_ptr,
         sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
@@ -175,14 +175,15 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
                                   tune.get("num_stages", stages))
     bdv = next_pow2(dv)
     splits = next_pow2(max(1, num_splits))
-    part = lse = out
+    part = lse = page_table  # stand-ins when unused (one split): a whole tensor, fixed alignment
     on = pdl(q)
     if splits > 1:
         part = torch.empty((n, hq, splits, bdv), dtype=torch.float32, device=q.device)
         lse = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
     grid = (hkv, b, splits) if order is not None else (b, hkv, splits)
     _decode_kernel[grid](
-        q, k_cache, v_cache, out, part, lse, page_table, slots, kv_lens, q_pos, order if order is not None else slots,
+        q, k_cache, v_cache, out, part, lse, page_table, slots, kv_lens, q_pos,
+        order if order is not None else page_table,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
         T=t, G=g, HKV=hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
