@@ -6,7 +6,9 @@
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
 # (and, not in the default: fi = flashinfer vs triton; pdl = PDL / fused-down A/B;
 #  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
-#  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager)
+#  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
+#  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
+#          and a profile of a recipe-sized decode step)
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
@@ -126,6 +128,21 @@ if has transient; then
     echo "$v: $(grep -c 'specialised while serving' "$OUT/qwen_first_$v.log") variants specialised while serving"
     grep 'specialised while serving' "$OUT/qwen_first_$v.log" | cut -c1-230 | head -6
   done
+fi
+if has chunk; then
+  # Prefill steps are host-bound at 8192 tokens (~26 ms host for ~16 ms of kernels on Qwen3-0.6B):
+  # a larger step budget halves their number. A fresh process each, first round (as a user sees).
+  echo "== prefill step budget: Qwen3 recipe, first round, --chunked-prefill-size A/B"
+  for c in ${CHUNKS:-8192 16384 8192 16384 32768}; do
+    n=qwen_chunk$c; [ -e "$OUT/$n.json" ] && n=${n}_b
+    off $n 200 "${RECIPE[@]}" --chunked-prefill-size $c
+    python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['engine']; print(sys.argv[2], 'tok/s %.0f' % w['output_tok_s'],
+      'steps', w['steps'], 'decode ms/step %.3f' % w['decode_busy_ms_per_step'], 'wall %.3f s' % w['wall_s'])" \
+      "$OUT/$n.json" $n 2>/dev/null
+  done
+  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --decode-only --batch 256 --input-len 900 \
+    --steps 24 > "$OUT/profile_qwen_decode256.txt" 2>&1 || echo "profile qwen decode failed"
+  grep -A4 '"steps"' "$OUT/profile_qwen_decode256.txt"
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"
