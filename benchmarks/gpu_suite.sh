@@ -34,9 +34,34 @@ RECIPE=(--model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024
         --max-running-requests 256)
 python3 benchmarks/hbm_bandwidth.py --model-path $T > "$OUT/hbm.json" && grep -m1 bandwidth "$OUT/hbm.json"
 
+off() {  # name, timeout, args...
+  local name=$1 t=$2; shift 2
+  timeout "$t" python3 benchmarks/offline.py --device cuda --load-format dummy --log-level warning \
+    --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -5 "$OUT/$name.log"; }
+}
 if has tests; then
   echo "== tests/gpu"
   timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+fi
+if has chunk; then
+  # Prefill steps are host-bound at 8192 tokens (~26 ms host for ~16 ms of kernels on Qwen3-0.6B):
+  # a larger step budget halves their number. A fresh process each, first round (as a user sees).
+  echo "== prefill step budget: Qwen3 recipe, first round, --chunked-prefill-size A/B"
+  # Runs before the other engine parts: with CHUNKS=default, the machine's first engine process
+  # serves the recipe with no speed flags, as a checker's first run on a fresh machine would.
+  for c in ${CHUNKS:-8192 16384 8192 16384 32768}; do
+    n=qwen_chunk$c; [ -e "$OUT/$n.json" ] && n=${n}_b
+    flag=(--chunked-prefill-size $c); [ $c = default ] && flag=()
+    off $n 200 "${RECIPE[@]}" "${flag[@]}"
+    python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['engine']; print(sys.argv[2], 'tok/s %.0f' % w['output_tok_s'],
+      'steps', w['steps'], 'decode ms/step %.3f' % w['decode_busy_ms_per_step'], 'wall %.3f s' % w['wall_s'])" \
+      "$OUT/$n.json" $n 2>/dev/null
+  done
+  if [ "${CHUNK_PROFILE:-1}" = 1 ]; then
+    timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --decode-only --batch 256 --input-len 900 \
+      --steps 24 > "$OUT/profile_qwen_decode256.txt" 2>&1 || echo "profile qwen decode failed"
+    grep -A4 '"steps"' "$OUT/profile_qwen_decode256.txt"
+  fi
 fi
 if has profile; then
   # Decode at 1 request (the 8B step), then one prefill step of 8192 tokens on each model.
@@ -51,11 +76,6 @@ if has profile; then
     > "$OUT/profile_qwen_prefill.txt" 2>&1 || echo "profile qwen prefill failed"
   for f in profile_8b profile_8b_prefill profile_qwen_prefill; do echo "$f"; grep -A4 '"steps"' "$OUT/$f.txt"; done
 fi
-off() {  # name, timeout, args...
-  local name=$1 t=$2; shift 2
-  timeout "$t" python3 benchmarks/offline.py --device cuda --load-format dummy --log-level warning \
-    --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -5 "$OUT/$name.log"; }
-}
 if has llama; then
   echo "== (a, b, d) Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"
   # One untimed round of each workload first: the first seconds of an engine process are slow
@@ -128,21 +148,6 @@ if has transient; then
     echo "$v: $(grep -c 'specialised while serving' "$OUT/qwen_first_$v.log") variants specialised while serving"
     grep 'specialised while serving' "$OUT/qwen_first_$v.log" | cut -c1-230 | head -6
   done
-fi
-if has chunk; then
-  # Prefill steps are host-bound at 8192 tokens (~26 ms host for ~16 ms of kernels on Qwen3-0.6B):
-  # a larger step budget halves their number. A fresh process each, first round (as a user sees).
-  echo "== prefill step budget: Qwen3 recipe, first round, --chunked-prefill-size A/B"
-  for c in ${CHUNKS:-8192 16384 8192 16384 32768}; do
-    n=qwen_chunk$c; [ -e "$OUT/$n.json" ] && n=${n}_b
-    off $n 200 "${RECIPE[@]}" --chunked-prefill-size $c
-    python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['engine']; print(sys.argv[2], 'tok/s %.0f' % w['output_tok_s'],
-      'steps', w['steps'], 'decode ms/step %.3f' % w['decode_busy_ms_per_step'], 'wall %.3f s' % w['wall_s'])" \
-      "$OUT/$n.json" $n 2>/dev/null
-  done
-  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --decode-only --batch 256 --input-len 900 \
-    --steps 24 > "$OUT/profile_qwen_decode256.txt" 2>&1 || echo "profile qwen decode failed"
-  grep -A4 '"steps"' "$OUT/profile_qwen_decode256.txt"
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"
