@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import warnings
+import zlib
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--decode-only", action="store_true", help="profile decode steps only")
     ap.add_argument("--sync-debug", action="store_true", help="list host syncs in the profiled steps")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="host side instead: cProfile of one prefill step (Python time by function), repeated 3x")
     a = ap.parse_args()
     eng = InProcEngine(a.model_path, draft=a.draft, device=a.device, load_format="dummy",
                        attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
@@ -57,7 +60,8 @@ def main() -> None:
     def prompt(tag: str, r: int) -> list[int]:
         # Distinct per request: a shared prompt would hit the prefix cache (no prefill to profile)
         # and let every row's attention read the same pages from L2.
-        off = 7919 * r + (0 if tag == "warm" else 104729)
+        salt = {"warm": 0, "p": 104729}.get(tag, zlib.crc32(tag.encode()) % 65521 + 1)
+        off = 7919 * r + salt
         return [(17 * i + off) % (vocab - 10) + 5 for i in range(a.input_len)]
 
     def batch(tag, n_new):
@@ -66,6 +70,9 @@ def main() -> None:
         eng.run()
 
     batch("warm", 8)
+    if a.cprofile:
+        host_profile(eng, batch, a.device)
+        return
     if a.decode_only:  # prefill every row, then profile the next `steps` results
         for r in range(a.batch):
             eng.submit(f"p{r}", prompt("p", r), max_new_tokens=a.steps + 8, ignore_eos=True)
@@ -98,6 +105,33 @@ def main() -> None:
         prof.export_chrome_trace("/tmp/_trace.json")
         with open("/tmp/_trace.json", "rb") as f, gzip.open(a.trace, "wb") as g:
             g.write(f.read())
+
+
+def host_profile(eng, batch, device: str) -> None:
+    """Where the host's time goes in an eager prefill step (one step of ``batch`` x input-len
+    tokens, then one decode step): wall time without a profiler, then cProfile's top functions.
+    The torch profiler shows operators and driver calls but not the Python between them."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    walls = []
+    for i in range(3):
+        sync()
+        t0 = time.perf_counter()
+        batch(f"h{i}_", 2)
+        sync()
+        walls.append(1e3 * (time.perf_counter() - t0))
+    print(json.dumps({"prefill_plus_one_decode_ms": [round(w, 2) for w in walls]}))
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    batch("cp_", 2)
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
 
 
 def report(prof, steps: int, wall: float) -> None:
