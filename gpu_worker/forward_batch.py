@@ -25,6 +25,7 @@ class ForwardBatch:
     attn: Any  # backend metadata, built once per forward and shared by every layer
     num_tokens: int
     rope_cache: dict = field(default_factory=dict)  # reference path: cos/sin per RoPE kind
+    scratch: Any = None  # piecewise prefill graphs: static buffers for rotated q (prefill_graphs.py)
 
     @property
     def writes_kv(self) -> bool:

@@ -110,6 +110,12 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
         log.warning("CUDA graphs off: --attention-backend %s cannot be captured (use triton or flashinfer)", backend)
         return
     runner.enable_graphs(graph_buckets(args.cuda_graph_bs, args.cuda_graph_max_bs or 256, max_slots), emulate)
+    if args.disable_piecewise_cuda_graph:
+        return
+    if backend not in ("triton", "flashinfer") or tp_size() > 1:
+        log.warning("piecewise prefill graphs off: they need --attention-backend triton or flashinfer at TP=1")
+        return
+    runner.enable_prefill_graphs(args.chunked_prefill_size or 8192, runner.state.hidden.dtype, emulate)
 
 
 class HostClock:

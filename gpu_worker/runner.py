@@ -16,6 +16,7 @@ import torch
 from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, stage_target_batch
 from gpu_worker.cuda_graphs import DecodeBody, DecodeGraphs
 from gpu_worker.kernels import enable_cpu_kernels
+from gpu_worker.prefill_graphs import PrefillGraphs
 from gpu_worker.processors import LogitProcessors
 from gpu_worker.prompt_logprobs import prompt_logprob_rows
 from gpu_worker.sampling import RowSampling, sample, token_logprobs
@@ -92,8 +93,9 @@ def _no_tick(phase: str, step: bool = False) -> None:
 
 class ModelRunner:
     """Launches steps. Decode-only steps whose batch fits a bucket replay CUDA graphs
-    (``cuda_graphs.py``); steps with prefill chunks run eagerly. Either way the step's host data
-    crosses to the device in one staged copy (``staging.py``)."""
+    (``cuda_graphs.py``); other steps (prefill chunks) replay the piecewise prefill graphs
+    (``prefill_graphs.py``) up to the step budget, eagerly beyond it. Either way the step's host
+    data crosses to the device in one staged copy (``staging.py``)."""
 
     def __init__(self, target, assistant, backend, state: SlotState, tokens_per_step: int, device,
                  eos_ids: tuple[int, ...] = ()):
@@ -107,6 +109,7 @@ class ModelRunner:
         self.windows = tuple(sorted(set(target.sliding_windows) | set(getattr(assistant, "sliding_windows", ()))))
         self.staging = Staging(device)
         self.graphs: DecodeGraphs | None = None
+        self.prefill: PrefillGraphs | None = None
         self._last_timer: StepTimer | None = None
         self.tick = _no_tick  # HostClock.tick when TANDEM_HOST_TIMING=1 (worker main)
         self.cpu_kernels = False  # CPU tensors through the Triton kernels (interpreter)
@@ -120,6 +123,14 @@ class ModelRunner:
         self.graphs = DecodeGraphs(body, buckets, emulate=emulate)
         self.graphs.capture()
         return self.graphs
+
+    def enable_prefill_graphs(self, max_tokens: int, dtype: torch.dtype, emulate: bool = False) -> PrefillGraphs:
+        """Forwards of up to ``max_tokens`` tokens that are not decode-graph steps replay the
+        piecewise graphs (``prefill_graphs.py``, captured here)."""
+        enable_cpu_kernels(self.cpu_kernels)
+        self.prefill = PrefillGraphs(self.target, self.backend, max_tokens, dtype, self.device, emulate=emulate)
+        self.prefill.capture()
+        return self.prefill
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Pending:
@@ -152,7 +163,7 @@ class ModelRunner:
             dec_tokens = self._decode_tokens(rows, b)
             timer.mark()
             fb = build_target_batch(rows, st, self.backend, self.windows, self.t, dec_tokens, b)
-            hidden = self.target.forward(fb, self.backend)
+            hidden = self._target_forward(fb)
             sel_hidden = hidden[b["logit_rows"]]
             logits = self.target.compute_logits(sel_hidden)
         self.tick("l.forward")
@@ -166,6 +177,11 @@ class ModelRunner:
         return self._copy_out(plan.step_id, rows, out, accept, lps, prompt_lps, timer)
 
     # ------------------------------------------------------------ pieces
+    def _target_forward(self, fb) -> torch.Tensor:
+        if self.prefill is not None and self.prefill.bucket(fb.num_tokens) is not None:
+            return self.prefill.forward(fb)
+        return self.target.forward(fb, self.backend)
+
     def _stage_rows(self, rows: PlanRows, b: StageBatch, bucket: int | None) -> None:
         """Every host array the step's device work reads, into the staging batch."""
         e_rows = rows.sampled_ext_rows()

@@ -44,6 +44,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # default: min(256, max running requests)
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
+    disable_piecewise_cuda_graph: bool = False  # prefill steps eager instead of piecewise graphs
     log_level: str = "info"
     num_threads: int | None = None  # worker torch threads on CPU; default all cores but one
     random_seed: int = 0
@@ -239,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--load-format", default="auto")
     a("--attention-backend", default="auto", help="auto (triton, else flashinfer, on CUDA; torch on the CPU), "
       "torch, triton, flashinfer")
-    a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
+    a("--disable-cuda-graph", action="store_true", help="run every step eagerly on CUDA (no graphs at all)")
+    a("--disable-piecewise-cuda-graph", action="store_true",
+      help="run prefill steps eagerly (default: piecewise graphs per token bucket, attention eager)")
     a("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured (default 256)")
     a("--cuda-graph-bs", type=int, nargs="+", default=None, help="decode batch sizes to capture")
     a("--log-level", default="info")

@@ -72,5 +72,7 @@ class AttentionBackend(ABC):
         k: torch.Tensor | None,
         v: torch.Tensor | None,
         fb: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D] -> [T, Hq, Dv]; writes k/v at fb.out_loc first when given."""
+        """q [T, Hq, D] -> [T, Hq, Dv] (into ``out`` when given: the piecewise prefill graphs'
+        static buffer); writes k/v at fb.out_loc first when given."""

@@ -300,14 +300,15 @@ class FlashInferBackend(AttentionBackend):
                                     float(layer.scaling), q.dtype) if ok else None
         return self._kinds[key]
 
-    def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         meta = fb.attn
         if not isinstance(meta, FiMeta):
-            return self.triton.forward(layer, q, k, v, fb)
+            return self.triton.forward(layer, q, k, v, fb, out)
         if k is not None:
             self.pool.write(layer.kv_layer, fb.out_loc, k, v)
         kc, vc = self.pool.k[layer.kv_layer], self.pool.v[layer.kv_layer]
-        out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
+        if out is None:
+            out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
         kind = self._kind(layer, q)
         tm, ps = meta.triton, self.pool.page_size
         paged = (kc.view(-1, ps, kc.shape[1], kc.shape[2]), vc.view(-1, ps, vc.shape[1], vc.shape[2]))

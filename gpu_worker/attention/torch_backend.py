@@ -75,14 +75,15 @@ class TorchAttentionBackend(AttentionBackend):
         sel_t = h2d(sel, dev)
         return _Group(gather_t, sel_t, gather_t.reshape(-1)[sel_t], kv_loc, masks)
 
-    def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         if layer.logit_softcap is not None:
             raise NotImplementedError("attention logit softcap is not supported by the torch backend")
         kc, vc = self.pool.k[layer.kv_layer], self.pool.v[layer.kv_layer]
         if k is not None:
             self.pool.write(layer.kv_layer, fb.out_loc, k, v)
         meta: TorchMeta = fb.attn
-        out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
+        if out is None:
+            out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
         q_ext = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
         for g in meta.groups:
             qp = q_ext[g.gather].transpose(1, 2)  # [B, H, Q, D]

@@ -134,11 +134,12 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonMeta(dec, ext)
 
     # ------------------------------------------------------------ per layer
-    def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         if k is not None:
             self.pool.write(layer.kv_layer, fb.out_loc, k, v)
         meta: TritonMeta = fb.attn
-        out = q.new_empty(q.shape[0], q.shape[1], self.pool.v[layer.kv_layer].shape[-1])
+        if out is None:
+            out = q.new_empty(q.shape[0], q.shape[1], self.pool.v[layer.kv_layer].shape[-1])
         if meta.extend is not None:
             self.run_extend(layer, q, meta.extend, out)
         if meta.decode is not None:

@@ -117,12 +117,14 @@ def heads_per_program(tokens: int, heads: int) -> int:
 
 def rope_store(q, k, v, positions, inv_freq, out_loc, k_cache, v_cache, *, norm: int = NORM_NONE,
                q_weight=None, k_weight=None, v_norm: bool = False, eps: float = 1e-6,
-               heads_per_prog: int | None = None) -> torch.Tensor:
-    """q [T, Hq, D] -> rotated (normed) q, contiguous. With ``out_loc``, also writes the rotated
-    (normed) k and the (normed) v of every token into the caches; ``k``/``v`` may be strided views
-    (columns of a merged qkv output) and may alias each other (Gemma 4's k_eq_v)."""
+               heads_per_prog: int | None = None, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] -> rotated (normed) q, contiguous (into ``q_out`` when given: a static buffer
+    of the piecewise prefill graphs). With ``out_loc``, also writes the rotated (normed) k and
+    the (normed) v of every token into the caches; ``k``/``v`` may be strided views (columns of
+    a merged qkv output) and may alias each other (Gemma 4's k_eq_v)."""
     t, hq, d = q.shape
-    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if q_out is None:
+        q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     store = out_loc is not None
     hkv = k.shape[1] if store else 0
     if t == 0:

@@ -269,6 +269,7 @@ def rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBatch, 
             norm=_norm_style(q_norm), q_weight=getattr(q_norm, "weight", None),
             k_weight=getattr(k_norm, "weight", None), v_norm=v_norm is not None,
             eps=q_norm.eps if q_norm is not None else 1e-6,
+            q_out=None if fb.scratch is None else fb.scratch.view("q", *q.shape),
         )
         return paged_attention(backend, layer, q, None, None, fb)
     key = id(rotary)
