@@ -18,6 +18,7 @@ import argparse
 import collections
 import gzip
 import json
+import logging
 import os
 import sys
 import time
@@ -52,6 +53,8 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true",
                     help="host side instead: cProfile of one prefill step (Python time by function), repeated 3x")
     a = ap.parse_args()
+    if a.cprofile:  # start-up lines too: prefill warm-up, graph capture (buckets, seconds, memory)
+        logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     eng = InProcEngine(a.model_path, draft=a.draft, device=a.device, load_format="dummy",
                        attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
                        max_running_requests=max(8, a.batch), context_length=a.input_len + a.steps + 64,
