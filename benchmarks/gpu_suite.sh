@@ -70,7 +70,8 @@ if has host; then
     > "$OUT/host_qwen_prefill.txt" 2>&1 || echo "host profile qwen failed"
   timeout 150 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --batch 16 --input-len 512 --cprofile \
     > "$OUT/host_8b_prefill.txt" 2>&1 || echo "host profile 8b failed"
-  for f in host_qwen_prefill host_8b_prefill; do echo "$f"; grep -m1 prefill_plus "$OUT/$f.txt"
+  for f in host_qwen_prefill host_8b_prefill; do echo "$f"; grep "CUDA graphs\|prefill warm-up" "$OUT/$f.txt" | cut -c1-220
+    grep -m1 prefill_plus "$OUT/$f.txt"
     grep -A22 "Ordered by: internal" "$OUT/$f.txt" | tail -20 | cut -c1-150; done
 fi
 if has profile; then
