@@ -9,7 +9,7 @@
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
 #          and a profile of a recipe-sized decode step;
-#  host = cProfile of the host side of one eager 8192-token prefill step, Qwen3-0.6B and 8B)
+#  host = one 8192-token prefill step's wall time and host profile (cProfile), piecewise graphs on / off)
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
@@ -65,14 +65,19 @@ if has chunk; then
   fi
 fi
 if has host; then
-  echo "== host side of an eager prefill step (cProfile): Qwen3-0.6B 8 x 1024 tokens, Llama-8B 16 x 512"
-  timeout 150 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --batch 8 --input-len 1024 --cprofile \
-    > "$OUT/host_qwen_prefill.txt" 2>&1 || echo "host profile qwen failed"
+  # One prefill step of 8 x 1024 tokens on Qwen3-0.6B (host-bound when eager), piecewise graphs
+  # on (default) and off: wall time, start-up lines, the host's top functions (cProfile).
+  echo "== host side of a prefill step: Qwen3-0.6B 8 x 1024 tokens, piecewise graphs on / off; 8B 16 x 512"
+  for v in on off; do
+    flag=(); [ $v = off ] && flag=(--disable-piecewise-cuda-graph)
+    timeout 150 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --batch 8 --input-len 1024 --cprofile \
+      "${flag[@]}" > "$OUT/host_qwen_prefill_$v.txt" 2>&1 || echo "host profile qwen $v failed"
+  done
   timeout 150 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --batch 16 --input-len 512 --cprofile \
-    > "$OUT/host_8b_prefill.txt" 2>&1 || echo "host profile 8b failed"
-  for f in host_qwen_prefill host_8b_prefill; do echo "$f"; grep "CUDA graphs\|prefill warm-up" "$OUT/$f.txt" | cut -c1-220
-    grep -m1 prefill_plus "$OUT/$f.txt"
-    grep -A22 "Ordered by: internal" "$OUT/$f.txt" | tail -20 | cut -c1-150; done
+    > "$OUT/host_8b_prefill_on.txt" 2>&1 || echo "host profile 8b failed"
+  for f in host_qwen_prefill_on host_qwen_prefill_off host_8b_prefill_on; do echo "$f"
+    grep "CUDA graphs\|prefill warm-up" "$OUT/$f.txt" | cut -c1-220; grep -m1 prefill_plus "$OUT/$f.txt"
+    grep -A12 "Ordered by: internal" "$OUT/$f.txt" | tail -10 | cut -c1-150; done
 fi
 if has profile; then
   # Decode at 1 request (the 8B step), then one prefill step of 8192 tokens on each model.

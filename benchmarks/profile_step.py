@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--trace", default=None)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--disable-piecewise-cuda-graph", action="store_true", help="prefill steps eager")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--decode-only", action="store_true", help="profile decode steps only")
@@ -57,6 +58,7 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     eng = InProcEngine(a.model_path, draft=a.draft, device=a.device, load_format="dummy",
                        attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
+                       disable_piecewise_cuda_graph=a.disable_piecewise_cuda_graph,
                        max_running_requests=max(8, a.batch), context_length=a.input_len + a.steps + 64,
                        overlap=not a.no_overlap)
     vocab = eng.ready.vocab_size
