@@ -25,6 +25,7 @@ from gpu_worker.kv_pool import KVPool
 from gpu_worker.models.config import read_eos_token_ids
 from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
+from gpu_worker.prefill_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
 from gpu_worker.runner import ModelRunner
 from gpu_worker.slots import SlotState
 from gpu_worker.warmup import prefill_sizes, warm_prefill
@@ -101,8 +102,9 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
 
 
 def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: torch.device, max_slots: int):
-    """CUDA graphs for decode steps: on by default on CUDA with a graph-capable backend.
-    ``TANDEM_EMULATE_CUDA_GRAPHS=1`` runs the same bucket/padding path eagerly (CPU tests)."""
+    """CUDA graphs for decode steps, then piecewise graphs for prefill steps of up to the step
+    budget (at most ``PIECEWISE_MAX_TOKENS``): on by default on CUDA with a graph-capable backend.
+    ``TANDEM_EMULATE_CUDA_GRAPHS=1`` runs the same bucket/padding paths eagerly (CPU tests)."""
     emulate = os.environ.get("TANDEM_EMULATE_CUDA_GRAPHS") == "1"
     if args.disable_cuda_graph or (device.type != "cuda" and not emulate):
         return
@@ -115,7 +117,8 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
     if backend not in ("triton", "flashinfer") or tp_size() > 1:
         log.warning("piecewise prefill graphs off: they need --attention-backend triton or flashinfer at TP=1")
         return
-    runner.enable_prefill_graphs(args.chunked_prefill_size or 8192, runner.state.hidden.dtype, emulate)
+    budget = min(args.chunked_prefill_size or 8192, PIECEWISE_MAX_TOKENS)
+    runner.enable_prefill_graphs(budget, runner.state.hidden.dtype, emulate)
 
 
 class HostClock:
