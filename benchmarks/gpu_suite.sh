@@ -53,6 +53,7 @@ if has chunk; then
   for c in ${CHUNKS:-8192 16384 8192 16384 32768}; do
     n=qwen_chunk$c; [ -e "$OUT/$n.json" ] && n=${n}_b
     flag=(--chunked-prefill-size $c); [ $c = default ] && flag=()
+    [ $c = eager ] && flag=(--disable-piecewise-cuda-graph)  # CHUNKS=eager: prefill steps without graphs
     off $n 200 "${RECIPE[@]}" "${flag[@]}"
     python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['engine']; print(sys.argv[2], 'tok/s %.0f' % w['output_tok_s'],
       'steps', w['steps'], 'decode ms/step %.3f' % w['decode_busy_ms_per_step'], 'wall %.3f s' % w['wall_s'])" \
