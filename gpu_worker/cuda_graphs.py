@@ -23,6 +23,7 @@ checks the padding and bucket logic that the graphs rely on.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -45,6 +46,12 @@ def graph_buckets(requested: tuple[int, ...] | None, max_bs: int | None, max_slo
     if not requested and (not base or base[-1] < cap):
         base.append(cap)
     return base
+
+
+def fitting_bucket(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted ``sizes`` that holds ``n``, or None."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 class DecodeBody:
@@ -101,10 +108,7 @@ class DecodeGraphs:
         self.sizes = sorted(buckets)
 
     def bucket(self, n: int) -> int | None:
-        for b in self.sizes:
-            if b >= n:
-                return b
-        return None
+        return fitting_bucket(self.sizes, n)
 
     def capture(self) -> None:
         if not self.capture_graphs:

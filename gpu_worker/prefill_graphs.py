@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker.cuda_graphs import fitting_bucket
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 
 log = logging.getLogger("tandem.worker")
@@ -129,10 +130,7 @@ class PrefillGraphs:
         self.buckets: dict[int, _Bucket] = {}
 
     def bucket(self, n: int) -> int | None:
-        for b in self.sizes:
-            if b >= n:
-                return b
-        return None
+        return fitting_bucket(self.sizes, n)
 
     def _padded_batch(self, n: int) -> ForwardBatch:
         return ForwardBatch(self.ids[:n], self.pos[:n], self.loc[:n], None, n, scratch=self.scratch)
