@@ -35,7 +35,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 log = logging.getLogger("tandem.worker")
 
 # Bucket steps: fine where padding would cost most relative to the work, coarser above 4096
-# (at most 1023 pad tokens on 5121+, under 20 %; full-budget chunks land on the top bucket).
+# (at most 1023 pad tokens there, under 25 %; full-budget chunks land on the top bucket).
 _SMALL = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2560, 3072, 3584, 4096)
 # Captured up to the step budget, at most this many tokens: past it a step's kernels outlast its
 # launches' host time even eagerly, and each bucket costs start-up time (a warm-up forward).
