@@ -9,7 +9,9 @@
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
 #          and a profile of a recipe-sized decode step;
-#  host = one 8192-token prefill step's wall time and host profile (cProfile), piecewise graphs on / off)
+#  host = one 8192-token prefill step's wall time and host profile (cProfile), piecewise graphs on / off;
+#  tune = the recipe and the 8B at 64 requests with the decode kernel's launch shape varied,
+#         TANDEM_DECODE_TUNE, fresh processes)
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
@@ -165,6 +167,23 @@ if has transient; then
     echo "$v: $(grep -c 'specialised while serving' "$OUT/qwen_first_$v.log") variants specialised while serving"
     grep 'specialised while serving' "$OUT/qwen_first_$v.log" | cut -c1-230 | head -6
   done
+fi
+if has tune; then
+  # kernel_sweep.py picked the decode kernel's launch shape on uniform lengths; the recipe mixes
+  # 100 to 2048 keys a row. Each shape in a fresh process (first round), default first.
+  echo "== decode kernel launch shape on served mixes: Qwen3 recipe, 8B 64 requests (TANDEM_DECODE_TUNE)"
+  i=0
+  for cfg in ${TUNES:-"" "block_n=32" "num_stages=2" "block_n=32,num_stages=4" "block_n=128,num_warps=8,num_stages=2"}; do
+    [ "$cfg" = '""' ] && cfg=""
+    export TANDEM_DECODE_TUNE=$cfg; i=$((i + 1))
+    off qwen_tune$i 200 "${RECIPE[@]}"
+    off llama64_tune$i 150 --model-path $DM/llama-3.1-8b --num-prompts 64 --input-len 512 --output-len 256 \
+      --max-running-requests 64
+    for f in qwen_tune$i llama64_tune$i; do python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['engine']
+print(sys.argv[2], repr(sys.argv[3]), 'tok/s %.0f' % w['output_tok_s'], 'decode ms/step %.3f' % w['decode_busy_ms_per_step'])" \
+      "$OUT/$f.json" $f "$cfg" 2>/dev/null || echo "$f ($cfg) failed"; done
+  done
+  unset TANDEM_DECODE_TUNE
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

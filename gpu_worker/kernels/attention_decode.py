@@ -21,6 +21,8 @@ row's arithmetic is the same.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from gpu_worker.kernels import interpreting, next_pow2, pdl
@@ -151,6 +153,29 @@ def decode_blocks(d: int, dv: int) -> tuple[int, int, int]:
     return 16, 8, 2
 
 
+_TUNE_KEYS = ("block_n", "num_warps", "num_stages")
+_ENV_TUNE: list = []  # parsed once: [dict | None]
+
+
+def env_tune() -> dict | None:
+    """``TANDEM_DECODE_TUNE="block_n=32,num_stages=2"``: the decode kernel's launch shape for
+    every call instead of ``decode_blocks`` (an engine A/B of what ``kernel_sweep.py`` finds on
+    uniform shapes, on a served mix of lengths: ``gpu_suite.sh`` part ``tune``). It applies to
+    every layer, whatever its head dim: meant for one-head-dim models. Unset: None."""
+    if not _ENV_TUNE:
+        raw = os.environ.get("TANDEM_DECODE_TUNE", "").strip()
+        tune = {}
+        for item in filter(None, (x.strip() for x in raw.split(","))):
+            key, _, val = item.partition("=")
+            pow2 = val.isdigit() and int(val) > 0 and int(val) & (int(val) - 1) == 0
+            if key not in _TUNE_KEYS or not val.isdigit() or int(val) <= 0 or (key != "num_stages" and not pow2):
+                raise ValueError(f"TANDEM_DECODE_TUNE: expected comma-separated {'/'.join(_TUNE_KEYS)}=N "
+                                 f"(positive; block_n and num_warps powers of 2), got {item!r}")
+            tune[key] = int(val)
+        _ENV_TUNE.append(tune or None)
+    return _ENV_TUNE[0]
+
+
 def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: int, page_size: int,
                  scale: float, window: int | None = None, softcap: float | None = None, num_splits: int = 1,
                  out: torch.Tensor | None = None, tune: dict | None = None,
@@ -170,6 +195,7 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
     if b == 0:
         return out
     block_n, warps, stages = decode_blocks(d, dv)
+    tune = tune or env_tune()
     if tune:
         block_n, warps, stages = (tune.get("block_n", block_n), tune.get("num_warps", warps),
                                   tune.get("num_stages", stages))

@@ -148,3 +148,36 @@ def test_extend_blocks_cover_every_token_once():
     assert np.array_equal(np.sort(covered), np.arange(lens.sum()))
     assert (b[2] > 0).all() and (b[2] <= 32).all()
     assert list(b[0]) == [1, 2, 2, 3, 3, 3, 4]
+
+
+def test_decode_launch_shape_from_the_environment(monkeypatch):
+    """TANDEM_DECODE_TUNE overrides the decode kernel's launch shape on every call (an engine
+    A/B knob): same values as the default shape within rounding; a bad value is one clear error."""
+    from gpu_worker.kernels import attention_decode as ad
+
+    ps, hkv, hq, d = 4, 2, 4, 32
+    kc, vc = _pool(40, ps, hkv, d, d, torch.float32, seed=8)
+    pt = _page_table(6, 8, 40, seed=9)
+    slots = torch.tensor([3, 1, 4], device=DEV)
+    kv_lens = torch.tensor([9, 23, 30], device=DEV)
+    q = torch.randn(3, hq, d).to(DEV)
+    kw = dict(t=1, page_size=ps, scale=d**-0.5)
+    monkeypatch.setattr(ad, "_ENV_TUNE", [])
+    monkeypatch.delenv("TANDEM_DECODE_TUNE", raising=False)
+    assert ad.env_tune() is None
+    plain = paged_decode(q, kc, vc, pt, slots, kv_lens, kv_lens - 1, **kw)
+    seen = []
+    real = ad._decode_kernel.__getitem__
+    monkeypatch.setattr(ad, "_ENV_TUNE", [])
+    monkeypatch.setenv("TANDEM_DECODE_TUNE", "block_n=16, num_stages=2")
+    assert ad.env_tune() == {"block_n": 16, "num_stages": 2}
+    monkeypatch.setattr(type(ad._decode_kernel), "__getitem__",
+                        lambda self, grid: (lambda *a, **k: seen.append(k["BLOCK_N"]) or real(grid)(*a, **k)))
+    tuned = paged_decode(q, kc, vc, pt, slots, kv_lens, kv_lens - 1, **kw)
+    assert seen == [16]
+    assert _rel_err(tuned, plain.double().cpu()) < TOL[torch.float32]
+    for bad in ("block_n=48", "warps=4", "num_stages=0", "block_n"):
+        monkeypatch.setattr(ad, "_ENV_TUNE", [])
+        monkeypatch.setenv("TANDEM_DECODE_TUNE", bad)
+        with pytest.raises(ValueError, match="TANDEM_DECODE_TUNE"):
+            ad.env_tune()
