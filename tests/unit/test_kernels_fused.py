@@ -61,10 +61,20 @@ def test_norm_modes(dtype, gemma):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh"])
 def test_gated_act_on_merged_halves(dtype, act):
+    torch.manual_seed(0)
     gu = torch.randn(6, 2 * 40).to(dtype).to(DEV) * 3
     g, u = gu[:, :40], gu[:, 40:]
     ref_act = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}[act]
-    _close(gated_act(g, u, act), ref_act(g) * u, dtype)
+    out, ref = gated_act(g, u, act), ref_act(g) * u
+    if dtype == torch.float32 and act == "gelu":
+        # Far left of 0, 1 + erf(g / sqrt 2) cancels, so erf's last bits (the interpreter's
+        # and torch's differ by a few ulps, 2^-24 each near +-1) show at the scale of 0.5 |g u|:
+        # up to 11 such ulps over 300 seeds. Unseeded, the old fixed 2e-6 bound failed CI now
+        # and then (2.9e-6 at g ~ -6, u ~ 9; 5 of 300 seeds).
+        bound = 2e-6 + 16 * 2.0**-24 * (0.5 * g * u).abs()
+        assert ((out - ref).abs() <= bound).all()
+    else:
+        _close(out, ref, dtype)
 
 
 def _rope_case(dtype, norm, partial):
