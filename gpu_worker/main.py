@@ -118,7 +118,7 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
         log.warning("piecewise prefill graphs off: they need --attention-backend triton or flashinfer at TP=1")
         return
     budget = min(args.chunked_prefill_size or 8192, PIECEWISE_MAX_TOKENS)
-    runner.enable_prefill_graphs(budget, runner.state.hidden.dtype, emulate)
+    runner.enable_prefill_graphs(budget, emulate)
 
 
 class HostClock:

@@ -124,10 +124,11 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs
 
-    def enable_prefill_graphs(self, max_tokens: int, dtype: torch.dtype, emulate: bool = False) -> PrefillGraphs:
+    def enable_prefill_graphs(self, max_tokens: int, emulate: bool = False) -> PrefillGraphs:
         """Forwards of up to ``max_tokens`` tokens that are not decode-graph steps replay the
         piecewise graphs (``prefill_graphs.py``, captured here)."""
         enable_cpu_kernels(self.cpu_kernels)
+        dtype = self.state.hidden.dtype  # the model's
         self.prefill = PrefillGraphs(self.target, self.backend, max_tokens, dtype, self.device, emulate=emulate)
         self.prefill.capture()
         return self.prefill

@@ -21,6 +21,7 @@ row's arithmetic is the same.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -154,26 +155,23 @@ def decode_blocks(d: int, dv: int) -> tuple[int, int, int]:
 
 
 _TUNE_KEYS = ("block_n", "num_warps", "num_stages")
-_ENV_TUNE: list = []  # parsed once: [dict | None]
 
 
+@functools.cache
 def env_tune() -> dict | None:
     """``TANDEM_DECODE_TUNE="block_n=32,num_stages=2"``: the decode kernel's launch shape for
     every call instead of ``decode_blocks`` (an engine A/B of what ``kernel_sweep.py`` finds on
     uniform shapes, on a served mix of lengths: ``gpu_suite.sh`` part ``tune``). It applies to
-    every layer, whatever its head dim: meant for one-head-dim models. Unset: None."""
-    if not _ENV_TUNE:
-        raw = os.environ.get("TANDEM_DECODE_TUNE", "").strip()
-        tune = {}
-        for item in filter(None, (x.strip() for x in raw.split(","))):
-            key, _, val = item.partition("=")
-            pow2 = val.isdigit() and int(val) > 0 and int(val) & (int(val) - 1) == 0
-            if key not in _TUNE_KEYS or not val.isdigit() or int(val) <= 0 or (key != "num_stages" and not pow2):
-                raise ValueError(f"TANDEM_DECODE_TUNE: expected comma-separated {'/'.join(_TUNE_KEYS)}=N "
-                                 f"(positive; block_n and num_warps powers of 2), got {item!r}")
-            tune[key] = int(val)
-        _ENV_TUNE.append(tune or None)
-    return _ENV_TUNE[0]
+    every layer, whatever its head dim: meant for one-head-dim models. Unset: None. Read once."""
+    tune = {}
+    for item in filter(None, (x.strip() for x in os.environ.get("TANDEM_DECODE_TUNE", "").split(","))):
+        key, _, val = item.partition("=")
+        n = int(val) if val.isdigit() else 0
+        if key not in _TUNE_KEYS or n <= 0 or (key != "num_stages" and n & (n - 1)):
+            raise ValueError(f"TANDEM_DECODE_TUNE: expected comma-separated {'/'.join(_TUNE_KEYS)}=N "
+                             f"(positive; block_n and num_warps powers of 2), got {item!r}")
+        tune[key] = n
+    return tune or None
 
 
 def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: int, page_size: int,

@@ -162,13 +162,13 @@ def test_decode_launch_shape_from_the_environment(monkeypatch):
     kv_lens = torch.tensor([9, 23, 30], device=DEV)
     q = torch.randn(3, hq, d).to(DEV)
     kw = dict(t=1, page_size=ps, scale=d**-0.5)
-    monkeypatch.setattr(ad, "_ENV_TUNE", [])
+    ad.env_tune.cache_clear()
     monkeypatch.delenv("TANDEM_DECODE_TUNE", raising=False)
     assert ad.env_tune() is None
     plain = paged_decode(q, kc, vc, pt, slots, kv_lens, kv_lens - 1, **kw)
     seen = []
     real = ad._decode_kernel.__getitem__
-    monkeypatch.setattr(ad, "_ENV_TUNE", [])
+    ad.env_tune.cache_clear()
     monkeypatch.setenv("TANDEM_DECODE_TUNE", "block_n=16, num_stages=2")
     assert ad.env_tune() == {"block_n": 16, "num_stages": 2}
     monkeypatch.setattr(type(ad._decode_kernel), "__getitem__",
@@ -177,7 +177,8 @@ def test_decode_launch_shape_from_the_environment(monkeypatch):
     assert seen == [16]
     assert _rel_err(tuned, plain.double().cpu()) < TOL[torch.float32]
     for bad in ("block_n=48", "warps=4", "num_stages=0", "block_n"):
-        monkeypatch.setattr(ad, "_ENV_TUNE", [])
+        ad.env_tune.cache_clear()
         monkeypatch.setenv("TANDEM_DECODE_TUNE", bad)
         with pytest.raises(ValueError, match="TANDEM_DECODE_TUNE"):
             ad.env_tune()
+    ad.env_tune.cache_clear()
