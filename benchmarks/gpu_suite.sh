@@ -4,7 +4,7 @@
 #   device run: carry [".whl"], command: bash benchmarks/gpu_suite.sh
 # tests/gpu first, then the benchmarks of issue 8 (a-f); JSON + logs under $OUT; a table last.
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
-# (and, not in the default: fi = flashinfer vs triton; pdl = PDL / fused-down A/B;
+# (and, not in the default: fi = flashinfer vs triton; fuse = the one-row MLP fusions and PDL, A/B;
 #  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
@@ -114,24 +114,25 @@ if has fi; then
       for w in json.load(open(sys.argv[1]))['workloads']]" "$f"
   done
 fi
-if has pdl; then
-  echo "== PDL and the fused act+down GEMV: kernel chain, GPU tests, engine A/B"
-  timeout 150 python3 benchmarks/pdl_bench.py --json "$OUT/pdl_bench.json" > "$OUT/pdl_bench.log" 2>&1 \
-    || echo "pdl bench failed"
-  tail -11 "$OUT/pdl_bench.log"
-  for v in ${PDL_VARIANTS:-"0 0" "1 1"}; do
-    set -- $v; export TANDEM_PDL=$1 TANDEM_FUSED_DOWN=$2
-    off llama_pdl$1_fused$2 150 "${LLAMA8B[@]}" --warmup-rounds 1
+if has fuse; then
+  # The one-row MLP: gated gate_up GEMV (activation in its epilogue) and a split-K down GEMV
+  # (one kernel, deterministic) vs the act kernel + cuBLAS split-K pair; PDL on top.
+  echo "== one-row decode chain: layer-chain bench, 8B engine A/B (fusions off / on / + PDL), GPU tests"
+  timeout 150 python3 benchmarks/layer_chain_bench.py --json "$OUT/layer_chain.json" > "$OUT/layer_chain.log" 2>&1 \
+    || echo "layer chain bench failed"
+  tail -9 "$OUT/layer_chain.log"
+  for v in ${FUSE_VARIANTS:-"0 0 0" "1 4 0" "1 4 1"}; do
+    set -- $v; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_PDL=$3
+    off llama1_gated$1_split$2_pdl$3 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
+    python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],
+      'tok/s %.1f' % w['output_tok_s'], 'decode tok/s %.1f' % w.get('decode_tok_s', 0),
+      'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" "$OUT/llama1_gated$1_split$2_pdl$3.json" \
+      "gated=$1 splitk=$2 pdl=$3" 2>/dev/null
   done
-  for p in 0 1; do
-    export TANDEM_PDL=$p TANDEM_FUSED_DOWN=$p
-    off qwen_nano_pdl$p 200 "${RECIPE[@]}" --warmup-rounds 1
-  done
-  export TANDEM_PDL=1 TANDEM_FUSED_DOWN=1
-  timeout ${PDL_TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_pdl.py \
+  unset TANDEM_GATED_GEMV TANDEM_GEMV_SPLITK TANDEM_PDL
+  timeout ${FUSE_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_decode_chain.py \
     "tests/gpu/test_gpu_parity.py::test_inproc_mtp_parity_cuda[True]" \
-    "tests/gpu/test_gpu_parity.py::test_inproc_parity_cuda[True-gemma4]" 2>&1 | tail -15 | tee "$OUT/pdl_tests.log"
-  unset TANDEM_PDL TANDEM_FUSED_DOWN
+    "tests/gpu/test_gpu_parity.py::test_inproc_parity_cuda[True-gemma4]" 2>&1 | tail -15 | tee "$OUT/fuse_tests.log"
 fi
 if has lpt; then
   echo "== decode launch order (longest row first): the kernel alone, the Qwen3 recipe A/B, GPU tests"

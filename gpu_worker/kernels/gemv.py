@@ -1,22 +1,31 @@
 """Skinny GEMM for decode: ``y [M, N] = x [M, K] @ W [N, K]^T`` with M <= GEMV_MAX_M rows.
 
 At one decode row the linear layers are weight streams: every weight byte is read once and
-used M times. cuBLAS picks split-K kernels there for the smaller projections (a second,
-reducing kernel per GEMM) and reaches ~70 % of copy bandwidth on the 30-50 MB ones. This kernel
-splits only N: each program owns ``BLOCK_N`` output columns, streams their rows of W over the
-whole K, and keeps M fp32 accumulators, so one launch writes the final bf16 result.
+used M times, and a 4096-wide layer's 8-12 kernels each cost ~2-3 us of launch, ramp and tail
+beside a 101 us weight floor. This kernel owns ``BLOCK_N`` output columns per program, streams
+their rows of W and keeps M fp32 accumulators. Two variants remove a kernel each:
 
-Two additions for the decode chain:
+- **gated** (``act``): W is a merged ``[gate; up]`` weight [2N, K]; a program streams gate rows
+  n and up rows N + n and writes ``act(gate) * up`` with the rounding of the unfused pair (the
+  gate_up output rounded to the model dtype, then ``gated_act``'s roundings), so the MLP middle
+  costs no separate activation kernel and no [M, 2N] round trip — bitwise the unfused result;
+- **split-K** (``splits``): the K range is cut into ``splits`` pieces run by separate programs
+  (a long-K projection such as Llama's down, K = 14336, needs more programs in flight than N
+  alone gives), each writing fp32 partial sums; the last program of a column tile to finish
+  (an atomic ticket per tile) adds the partials in split order and writes the result. One
+  kernel instead of cuBLAS's split-K GEMM + reduce pair, and deterministic: the sum order
+  never depends on which program finished last.
 
-- PDL (``kernels/__init__.py``): before waiting for the previous kernel, a program prefetches the
-  first ``PREFETCH_K`` columns of its weight rows into L2, so the weight stream starts while
-  the norm / attention kernel before it finishes;
-- ``gated_linear``: the MLP's ``down(act(gate) * up)`` in one launch, the input computed per
-  chunk from the merged gate_up output with the rounding of ``gated_act`` (one kernel and one
-  [M, I] round trip fewer per layer).
+Tickets (invariant): ``_tickets(device)`` is one zeroed int32 buffer per device; a split-K
+launch takes tickets 0..tiles-1 and its last program per tile puts the ticket back to 0, so
+the buffer is all zeros between kernels. Launches sharing it never run concurrently: the
+worker issues every forward on one stream (PDL, when on, lets a kernel start only its weight
+prefetch before the previous one completed).
 
-Rounding as F.linear: fp32 accumulation, one rounding to the output dtype at the end (the
-summation order differs from cuBLAS's, as cuBLAS's differs between its own kernels).
+PDL (``kernels/__init__.py``): before waiting for the previous kernel, a program prefetches the
+first ``PREFETCH_K`` columns of its weight rows into L2. Rounding as F.linear: fp32
+accumulation, one rounding to the output dtype (the summation order differs from cuBLAS's, as
+cuBLAS's differs between its own kernels).
 """
 
 from __future__ import annotations
@@ -41,114 +50,179 @@ except ImportError:
 GEMV_MAX_M = 4
 # Where the kernel beat cuBLAS on the H200 (benchmarks/kernel_sweep.py, 2026-12-02, in a CUDA
 # graph, weights rotated past L2): one row, K <= 8192, a weight of at least 16 MB — Llama-8B's
-# qkv 16.5 -> 14.7 us, o 13.4 -> 11.9, gate_up 59.8 -> 54.8; its down (K = 14336) lost, 32.1 -> 34.5,
-# and at four rows the kernel lost everywhere. Elsewhere cuBLAS stays.
+# qkv 16.5 -> 14.7 us, o 13.4 -> 11.9, gate_up 59.8 -> 54.8; without split-K its down (K =
+# 14336) lost, 32.1 -> 34.5, and at four rows the kernel lost everywhere. Elsewhere cuBLAS stays.
 SKINNY_MAX_K = 8192
 SKINNY_MIN_WEIGHT = 8 << 20  # elements
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (16 KB a program)
+TICKETS = 1 << 16  # column tiles a split-K launch may have (N / BLOCK_N)
+_TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
-def fused_down_enabled() -> bool:
-    """``gated_linear`` on: TANDEM_FUSED_DOWN=1. Off by default: on the H200 it measured slower
-    than the act kernel + cuBLAS's split-K down (BENCHMARKS.md, 2026-12-02 evening)."""
-    return os.environ.get("TANDEM_FUSED_DOWN", "0") != "0"
+def long_k_splits() -> int:
+    """K splits for one-row projections with K > SKINNY_MAX_K (``TANDEM_GEMV_SPLITK``; 0 or 1 =
+    cuBLAS there, as before split-K existed)."""
+    return int(os.environ.get("TANDEM_GEMV_SPLITK", "4"))
+
+
+def gated_enabled() -> bool:
+    """The gated gate_up GEMV at one row (``TANDEM_GATED_GEMV=0``: GEMV + activation kernel)."""
+    return os.environ.get("TANDEM_GATED_GEMV", "1") != "0"
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    t = _TICKETS.get(device)
+    if t is None:  # first use is an eager warm-up forward, before any graph capture
+        t = _TICKETS[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return t
 
 
 if triton is not None:
 
     @triton.jit
-    def _x_chunk(x_ptr, row, k, km, K, ACT: tl.constexpr):
-        """Input row ``row``'s columns ``k`` as float32: x itself, or act(gate) * up from the
-        merged [gate | up] row when ACT >= 0."""
-        if ACT < 0:
-            x = tl.load(x_ptr + row + k, mask=km, other=0.0).to(tl.float32)
-        else:
-            g = tl.load(x_ptr + row + k, mask=km, other=0.0).to(tl.float32)
-            u = tl.load(x_ptr + row + K + k, mask=km, other=0.0).to(tl.float32)
-            x = gated_value(g, u, ACT, x_ptr.dtype.element_ty)
-        return x
+    def _accumulate(w, x_ptr, sxm, k, km, M: tl.constexpr, a0, a1, a2, a3):
+        """a_m += W_tile . x[m, k] for each of the M rows (x read as float32)."""
+        a0 += tl.sum(w * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
+        if M > 1:
+            a1 += tl.sum(w * tl.load(x_ptr + sxm + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
+        if M > 2:
+            a2 += tl.sum(w * tl.load(x_ptr + 2 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
+        if M > 3:
+            a3 += tl.sum(w * tl.load(x_ptr + 3 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
+        return a0, a1, a2, a3
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, sxm, swn, sym, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+    def _finish(a, b, ACT: tl.constexpr, DT: tl.constexpr):
+        """The output value of one row: the sum, or act(gate) * up from the gate and up sums."""
+        if ACT >= 0:
+            return gated_value(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), ACT, DT).to(DT)
+        return a.to(DT)
+
+    @triton.jit
+    def _store_row(y_ptr, ws_ptr, m, n, nm, a, b, N, SPLITS: tl.constexpr, ACT: tl.constexpr):
+        """Row m's result, or (split-K) its fp32 partials: ws[split, m, 0:N] gate, [N:2N] up."""
+        if SPLITS == 1:
+            tl.store(y_ptr + n, _finish(a, b, ACT, y_ptr.dtype.element_ty), mask=nm)
+        else:
+            tl.store(ws_ptr + m * 2 * N + n, a, mask=nm)
+            if ACT >= 0:
+                tl.store(ws_ptr + m * 2 * N + N + n, b, mask=nm)
+
+    @triton.jit
+    def _reduce_row(y_ptr, ws_ptr, m, n, nm, N, M: tl.constexpr, SPLITS: tl.constexpr, ACT: tl.constexpr):
+        """The last program of a tile: partials summed in split order (deterministic)."""
+        a = tl.zeros(n.shape, tl.float32)
+        b = tl.zeros(n.shape, tl.float32)
+        for s in tl.static_range(SPLITS):
+            base = ws_ptr + (s * M + m) * 2 * N
+            a += tl.load(base + n, mask=nm, other=0.0, cache_modifier=".cg")
+            if ACT >= 0:
+                b += tl.load(base + N + n, mask=nm, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + n, _finish(a, b, ACT, y_ptr.dtype.element_ty), mask=nm)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
+                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         pid = tl.program_id(0)
+        k_lo = tl.program_id(1) * K_CHUNK
+        k_hi = tl.minimum(K, k_lo + K_CHUNK)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
+        g_rows = w_ptr + n.to(tl.int64)[:, None] * swn
+        u_rows = w_ptr + (n + N).to(tl.int64)[:, None] * swn  # gated: the up half of [gate; up]
         if PREFETCH_K > 0:  # weights only, before the wait (one prefetch per 32-byte sector)
-            sec = tl.minimum(tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
-            rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn
-            prefetch_l2(rows + sec[None, :], PDL)
+            sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
+            prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
         k0 = tl.arange(0, BLOCK_K)
-        acc0 = tl.zeros([BLOCK_N], tl.float32)
-        acc1 = tl.zeros([BLOCK_N], tl.float32)
-        acc2 = tl.zeros([BLOCK_N], tl.float32)
-        acc3 = tl.zeros([BLOCK_N], tl.float32)
-        w_rows = w_ptr + n.to(tl.int64)[:, None] * swn
-        for start in range(0, K, BLOCK_K):
+        a0 = tl.zeros([BLOCK_N], tl.float32)
+        a1, a2, a3 = a0, a0, a0
+        b0, b1, b2, b3 = a0, a0, a0, a0
+        for start in range(k_lo, k_hi, BLOCK_K):
             k = start + k0
-            km = k < K
-            w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-            acc0 += tl.sum(w * _x_chunk(x_ptr, 0, k, km, K, ACT)[None, :], axis=1)
-            if M > 1:
-                acc1 += tl.sum(w * _x_chunk(x_ptr, sxm, k, km, K, ACT)[None, :], axis=1)
-            if M > 2:
-                acc2 += tl.sum(w * _x_chunk(x_ptr, 2 * sxm, k, km, K, ACT)[None, :], axis=1)
-            if M > 3:
-                acc3 += tl.sum(w * _x_chunk(x_ptr, 3 * sxm, k, km, K, ACT)[None, :], axis=1)
-        DT = y_ptr.dtype.element_ty
-        tl.store(y_ptr + n, acc0.to(DT), mask=nm)
+            km = k < k_hi
+            wm = nm[:, None] & km[None, :]
+            w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
+            if ACT >= 0:
+                w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
+        ws = ws_ptr + tl.program_id(1) * M * 2 * N
+        _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, SPLITS, ACT)
         if M > 1:
-            tl.store(y_ptr + sym + n, acc1.to(DT), mask=nm)
+            _store_row(y_ptr + sym, ws, 1, n, nm, a1, b1, N, SPLITS, ACT)
         if M > 2:
-            tl.store(y_ptr + 2 * sym + n, acc2.to(DT), mask=nm)
+            _store_row(y_ptr + 2 * sym, ws, 2, n, nm, a2, b2, N, SPLITS, ACT)
         if M > 3:
-            tl.store(y_ptr + 3 * sym + n, acc3.to(DT), mask=nm)
+            _store_row(y_ptr + 3 * sym, ws, 3, n, nm, a3, b3, N, SPLITS, ACT)
+        if SPLITS > 1:
+            # every thread's partial stores precede the ticket (the barrier), which releases them
+            # at GPU scope; the last taker acquires them and bypasses L1 to read them
+            tl.debug_barrier()
+            if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                for m in tl.static_range(M):
+                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, ACT)
+                tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, block_n: int = 16, block_k: int = 512,
-         num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: int = 1, block_n: int = 16,
+         block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M, unit column stride), w [N, K] contiguous -> [M, N].
 
-    With ``act``, x is a merged [M, 2K] gate_up output and the product is
-    ``(act(gate) * up) @ W^T``. ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
-    m = x.shape[0]
-    n, k = w.shape
-    assert m <= GEMV_MAX_M and x.stride(1) == 1 and w.stride(1) == 1
-    assert x.shape[1] == (2 * k if act else k), (x.shape, w.shape, act)
+    With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
+    (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
+    sum). ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
+    m, k = x.shape
+    rows = w.shape[0]
+    n = rows // 2 if act else rows
+    assert m <= GEMV_MAX_M and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (x.shape, w.shape)
+    assert not act or rows % 2 == 0, w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m:
-        on = pdl(x)
-        pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, w, y, n, k, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n, BLOCK_K=block_k,
-            ACT=ACTS[act] if act else -1, PDL=on, PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages,
-            launch_pdl=on,
-        )
+    if not m:
+        return y
+    tiles = triton.cdiv(n, block_n)
+    splits = max(1, min(int(splits), triton.cdiv(k, block_k)))
+    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, chunk)  # no empty split: every program takes its ticket after real work
+    ws = tk = y
+    if splits > 1:
+        assert tiles <= TICKETS, (n, block_n)
+        ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
+        tk = _tickets(x.device)
+    on = pdl(x)
+    pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
+    _gemv_kernel[(tiles, splits)](
+        x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n,
+        BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
+    )
     return y
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, max_k: int) -> bool:
+def _one_row(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and w.shape[1] <= max_k and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1
-            and w.is_contiguous() and use_triton(x))
+            and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1 and w.is_contiguous() and use_triton(x))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the GEMV where it measured faster (one decode row, mid-sized weight).
-    Decode batches (16-256 rows) stay with cuBLAS: a Triton small-M GEMM (M x N tiles, split K)
-    measured slower there on the H200 (BENCHMARKS.md, 2026-12-02 night)."""
-    if bias is None and _skinny(x, w, SKINNY_MAX_K):
-        return gemv(x, w, **CONFIG)
+    """F.linear, or the GEMV where it measured faster: one decode row through a mid-sized weight,
+    split-K past SKINNY_MAX_K. Decode batches (16-256 rows) stay with cuBLAS: a Triton small-M
+    GEMM (M x N tiles, split K) measured slower there on the H200 (BENCHMARKS.md, 2026-12-02 night)."""
+    if bias is None and _one_row(x, w):
+        if w.shape[1] <= SKINNY_MAX_K:
+            return gemv(x, w, **CONFIG)
+        splits = long_k_splits()
+        if splits > 1:
+            return gemv(x, w, splits=splits, **CONFIG)
     return F.linear(x, w, bias)
 
 
-def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, act: str) -> torch.Tensor | None:
-    """``down(act(gate) * up)`` in one GEMV for one decode row, or None where the caller should
-    run the activation and the projection separately (more rows, small weights, CPU path)."""
-    if not fused_down_enabled() or act not in ACTS or gate_up.shape[-1] != 2 * w.shape[1]:
+def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
+    """``act(x @ gate^T) * (x @ up^T)`` for one decode row in one GEMV (gate_up = [gate; up],
+    [2I, K]), or None where the caller should run the merged projection and the activation
+    separately (more rows, small weights, the torch path, switched off)."""
+    if act not in ACTS or not gated_enabled() or not _one_row(x, gate_up) or gate_up.shape[1] > SKINNY_MAX_K:
         return None
-    if not _skinny(gate_up, w, 1 << 30):
-        return None
-    return gemv(gate_up, w, act=act, **CONFIG)
+    return gemv(x, gate_up, act=act, **CONFIG)

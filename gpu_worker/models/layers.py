@@ -217,13 +217,13 @@ class GatedMLP(nn.Module):
         activation(act)  # fail at build time on an unsupported activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # One decode row at TP=1: act and down in one GEMV (a row-parallel down all-reduces).
-        if type(self.down_proj) is Linear and self.down_proj.bias is None:
-            out = gated_linear(gate_up, self.down_proj.weight, self.act_name)
-            if out is not None:
-                return out
-        gate, up = self.gate_up_proj.split(gate_up)
+        # One decode row at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py). Under
+        # TP the column-parallel subclass may lay its shard out differently: the general path.
+        if type(self.gate_up_proj) is MergedLinear and self.gate_up_proj.bias is None:
+            h = gated_linear(x, self.gate_up_proj.weight, self.act_name)
+            if h is not None:
+                return self.down_proj(h)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         return self.down_proj(gated(self.act_name, gate, up))
 
 

@@ -1,5 +1,6 @@
-"""The skinny decode GEMM (kernels/gemv.py) against fp32 matmul, and the dispatch rule that
-decides where it replaces F.linear."""
+"""The skinny decode GEMM (kernels/gemv.py) against fp32 matmul — plain, gated (the MLP's
+``act(gate) * up`` as its epilogue) and split-K (one kernel, tickets) — and the dispatch rules
+that decide where it replaces F.linear."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k,block_n,block_k", [(70, 300, 16, 128), (8, 64, 8, 64), (33, 1000, 32, 256)])
-def test_gemv_matches_matmul(m, n, k, block_n, block_k):
+def test_gemv_matches_matmul(m, n, k, block_n, block_k, splits):
     g = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16).to(DEV)
-    y = G.gemv(x, w, block_n=block_n, block_k=block_k, num_stages=2)
+    y = G.gemv(x, w, splits=splits, block_n=block_n, block_k=block_k, num_stages=2)
     ref = x.float() @ w.float().t()
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     # one rounding of an fp32 sum: within a bf16 ulp of the exact product (plus fp32 reordering)
@@ -66,72 +68,126 @@ def _gated_ref(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return (a.float() * u).to(gate_up.dtype)
 
 
+def _tickets_clear() -> bool:
+    return all(int(t.abs().sum()) == 0 for t in G._TICKETS.values())
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("m", [1, 3])
-def test_gemv_gated_input_matches_act_then_matmul(act, m):
-    """``down(act(gate) * up)`` in one launch equals the activation kernel followed by the GEMV
-    (same rounding of the input, same summation order), and the float reference within the
-    input's rounding (fresh random inputs per case, ragged K and N tiles)."""
+def test_gated_gemv_is_gemv_then_act(act, m, splits):
+    """``act(x @ gate^T) * (x @ up^T)`` from one launch has exactly the bits of the plain GEMV
+    (same splits, so the same sums) followed by the activation kernel, and matches the float
+    reference within the roundings; ragged N and K tiles, fresh inputs per case."""
     from gpu_worker.kernels.activation import gated_act
 
-    g = torch.Generator().manual_seed(7 + m)
+    g = torch.Generator().manual_seed(7 + m + 10 * splits)
     k, n = 300, 70
-    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(torch.bfloat16).to(DEV)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16).to(DEV)
-    y = G.gemv(gate_up, w, act=act, block_n=16, block_k=128, num_stages=2)
-    gate, up = gate_up.chunk(2, dim=-1)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(2 * n, k, generator=g) * 0.3).to(torch.bfloat16).to(DEV)
+    y = G.gemv(x, w, act=act, splits=splits, block_n=16, block_k=64, num_stages=2)
+    gate_up = G.gemv(x, w, splits=splits, block_n=16, block_k=64, num_stages=2)
     enable_cpu_kernels(True)
     try:
-        two_step = G.gemv(gated_act(gate, up, act), w, block_n=16, block_k=128, num_stages=2)
+        two_step = gated_act(gate_up[:, :n], gate_up[:, n:], act)
     finally:
         enable_cpu_kernels(False)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y, two_step, rtol=2.0**-7, atol=0)  # at most a last-bit difference
-    x = _gated_ref(gate_up, act).float()
-    bound = (w.float().abs() @ x.abs().t()).t() * 2.0**-7 + y.float().abs() * 2.0**-7  # input + output rounding
-    assert ((y.float() - x @ w.float().t()).abs() <= bound).all()
+    assert torch.equal(y, two_step)
+    ref = _gated_ref((x.float() @ w.float().t()).to(torch.bfloat16), act).float()
+    # the inputs of act and of the product are each within an ulp (the interpreter truncates)
+    torch.testing.assert_close(y.float(), ref, rtol=2.0**-5, atol=5e-2)
+    assert _tickets_clear()
+
+
+def test_split_k_is_deterministic_and_leaves_tickets_clear():
+    """Every launch of a split-K GEMV gives the same bits (the partials are summed in split
+    order, whichever program finishes last) and puts every ticket back to 0, so launches in a
+    row (a CUDA graph replaying one layer after another) never see a stale count."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 700, generator=g).to(torch.bfloat16).to(DEV)
+    ws = [torch.randn(40, 700, generator=g).to(torch.bfloat16).to(DEV) for _ in range(3)]
+    first = [G.gemv(x, w, splits=4, block_n=8, block_k=64) for w in ws]
+    assert _tickets_clear()
+    again = [G.gemv(x, w, splits=4, block_n=8, block_k=64) for w in ws]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    # more splits than K blocks: clamped, no empty split waits for a ticket it never gets
+    y = G.gemv(x, ws[0], splits=64, block_n=8, block_k=256)
+    torch.testing.assert_close(y.float(), x.float() @ ws[0].float().t(), rtol=2e-2, atol=0.5)
+    assert _tickets_clear()
+
+
+def test_linear_takes_split_k_past_max_k(monkeypatch):
+    """One row through a weight with K > SKINNY_MAX_K takes the split-K GEMV (TANDEM_GEMV_SPLITK
+    splits), and cuBLAS with TANDEM_GEMV_SPLITK=0."""
+    calls = []
+    real = G.gemv
+    monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append(kw.get("splits", 1)) or real(x, w, **kw))
+    monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 1)
+    monkeypatch.setattr(G, "SKINNY_MAX_K", 64)
+    torch.manual_seed(2)
+    w = torch.randn(16, 256).to(torch.bfloat16).to(DEV)
+    x = torch.randn(1, 256).to(torch.bfloat16).to(DEV)
+    enable_cpu_kernels(True)
+    try:
+        monkeypatch.setenv("TANDEM_GEMV_SPLITK", "3")
+        y = G.linear(x, w)
+        G.linear(x[:, :64], w[:, :64].contiguous())
+        assert calls == [3, 1]
+        monkeypatch.setenv("TANDEM_GEMV_SPLITK", "0")
+        G.linear(x, w)
+        assert calls == [3, 1]
+    finally:
+        enable_cpu_kernels(False)
+    torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2e-2, atol=0.2)
 
 
 def test_gated_linear_dispatch(monkeypatch):
-    """One row through a large-enough down weight is fused; otherwise (more rows, flag off, wrong
-    width, the plain CPU path) the caller runs act and down separately (None)."""
+    """One row through a large-enough gate_up weight takes the gated GEMV; otherwise (more rows,
+    switched off, an unknown activation, the plain CPU path) None: the caller runs the merged
+    projection and the activation separately."""
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 16 * 32)
-    monkeypatch.setenv("TANDEM_FUSED_DOWN", "1")
-    w = torch.randn(16, 32).to(torch.bfloat16).to(DEV)
-    one = torch.randn(1, 64).to(torch.bfloat16).to(DEV)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(32, 32, generator=g).to(torch.bfloat16).to(DEV)
+    one = torch.randn(1, 32, generator=g).to(torch.bfloat16).to(DEV)
     enable_cpu_kernels(True)
     try:
         out = G.gated_linear(one, w, "silu")
-        assert out is not None
-        torch.testing.assert_close(out.float(), _gated_ref(one, "silu").float() @ w.float().t(), rtol=2e-2, atol=5e-2)
-        assert G.gated_linear(torch.randn(2, 64).to(torch.bfloat16).to(DEV), w, "silu") is None
-        assert G.gated_linear(one[:, :48], w, "silu") is None
-        monkeypatch.setenv("TANDEM_FUSED_DOWN", "0")
+        assert out is not None and out.shape == (1, 16)
+        # within the roundings of gate / up (an ulp each; the interpreter truncates) and the product
+        ref = _gated_ref(F.linear(one, w), "silu").float()
+        torch.testing.assert_close(out.float(), ref, rtol=2.0**-5, atol=5e-2)
+        assert G.gated_linear(torch.randn(2, 32).to(torch.bfloat16).to(DEV), w, "silu") is None
+        assert G.gated_linear(one, w, "relu2") is None
+        monkeypatch.setenv("TANDEM_GATED_GEMV", "0")
         assert G.gated_linear(one, w, "silu") is None
     finally:
         enable_cpu_kernels(False)
     if DEV == "cpu":
+        monkeypatch.setenv("TANDEM_GATED_GEMV", "1")
         assert G.gated_linear(one, w, "silu") is None  # kernels off: the torch reference path
 
 
-def test_gated_mlp_fused_equals_unfused(monkeypatch):
-    """GatedMLP at one row takes the fused GEMV and gives the unfused path's output."""
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_mlp_one_row_equals_unfused(monkeypatch, act):
+    """GatedMLP at one row takes the gated GEMV (and a split-K down) and gives exactly the
+    unfused kernels' output."""
     from gpu_worker.models.layers import GatedMLP
 
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 1)
-    monkeypatch.setenv("TANDEM_FUSED_DOWN", "1")
+    monkeypatch.setattr(G, "SKINNY_MAX_K", 64)
     torch.manual_seed(3)
-    mlp = GatedMLP(64, 96, "silu").to(torch.bfloat16).to(DEV)
+    mlp = GatedMLP(64, 96, act).to(torch.bfloat16).to(DEV)
     x = torch.randn(1, 64).to(torch.bfloat16).to(DEV)
     calls = []
     real = G.gemv
-    monkeypatch.setattr(G, "gemv", lambda *a, **kw: calls.append(kw.get("act")) or real(*a, **kw))
+    monkeypatch.setattr(G, "gemv", lambda *a, **kw: calls.append((kw.get("act"), kw.get("splits", 1))) or real(*a, **kw))
     enable_cpu_kernels(True)
     try:
         fused = mlp(x)
-        monkeypatch.setenv("TANDEM_FUSED_DOWN", "0")
+        assert calls == [(act, 1), (None, G.long_k_splits())]  # gated gate_up, then down (K = 96 > 64) split
+        monkeypatch.setenv("TANDEM_GATED_GEMV", "0")
         unfused = mlp(x)
     finally:
         enable_cpu_kernels(False)
-    assert "silu" in calls  # the fused path ran
-    torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(fused, unfused)

@@ -1,14 +1,17 @@
-"""One Llama-3.1-8B decode layer's kernel chain at one row, inside a CUDA graph, with and without
-programmatic dependent launch (PDL) and the fused act+down GEMV (``gpu_worker/kernels``).
+"""One Llama-3.1-8B decode layer's kernel chain at one row, inside a CUDA graph, as the engine's
+dispatch runs it (``kernels/gemv.py: linear, gated_linear``) under each variant's environment:
+the MLP as gate_up GEMV + activation kernel + cuBLAS split-K down (the chain before 2026-12-03),
+the gated GEMV (activation in its epilogue), its split-K down at 2 / 4 / 8 splits, and
+programmatic dependent launch (PDL) on top.
 
 Chain per layer (the engine's order, attention replaced by a same-sized norm so no KV pool is
-needed): add+norm -> qkv GEMV -> norm(q) -> o GEMV -> add+norm -> gate_up GEMV -> act + down.
-Eight layers of distinct weights (3.5 GB) so nothing is served from L2. Per variant: time per
-layer (graph replays, median) against the weight bytes over the copy bandwidth, and a race
-check: fresh random inputs copied into the graph's static buffers, replayed, compared bitwise
-with the same kernels run eagerly without PDL.
+needed): add+norm -> qkv -> norm(q) -> o -> add+norm -> MLP. Eight layers of distinct weights
+(3.5 GB) so nothing is served from L2. Per variant: time per layer (graph replays, median)
+against the weight bytes over the copy bandwidth, and a race check: fresh random inputs copied
+into the graph's static buffers, replayed, compared bitwise with the same kernels run eagerly
+without PDL (split-K's tickets or a PDL read before the wait would show as a moving error).
 
-    python benchmarks/pdl_bench.py [--json OUT] [--layers 8]
+    python benchmarks/layer_chain_bench.py [--json OUT] [--layers 8]
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,10 +31,21 @@ from gpu_worker.kernels.activation import gated_act  # noqa: E402
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, launch_norm  # noqa: E402
 
 H, I, QKV, Q = 4096, 14336, 6144, 4096
-# (name, TANDEM_PDL, fused down, prefetch columns)
-VARIANTS = [("base", "0", False, 0), ("pdl", "1", False, 1024), ("pdl+fused", "1", True, 1024),
-            ("fused", "0", True, 0), ("pdl+fused, no prefetch", "1", True, 0),
-            ("pdl+fused, prefetch 2048", "1", True, 2048), ("pdl+fused, prefetch 512", "1", True, 512)]
+ENV_KEYS = ("TANDEM_PDL", "TANDEM_GATED_GEMV", "TANDEM_GEMV_SPLITK")
+VARIANTS = [
+    ("before: act kernel + cuBLAS down", dict(TANDEM_GATED_GEMV="0", TANDEM_GEMV_SPLITK="0")),
+    ("gated, cuBLAS down", dict(TANDEM_GEMV_SPLITK="0")),
+    ("gated, split-K down 2", dict(TANDEM_GEMV_SPLITK="2")),
+    ("gated, split-K down 4 (default)", dict()),
+    ("gated, split-K down 8", dict(TANDEM_GEMV_SPLITK="8")),
+    ("default + PDL", dict(TANDEM_PDL="1")),
+]
+
+
+def set_env(env: dict) -> None:
+    for key in ENV_KEYS:
+        os.environ.pop(key, None)
+    os.environ.update(env)
 
 
 def make_layers(n: int) -> list[dict]:
@@ -42,25 +55,29 @@ def make_layers(n: int) -> list[dict]:
             for _ in range(n)]
 
 
-def chain(layers, x, r, fused: bool):
+def mlp(h, gu_w, down_w):
+    """GatedMLP.forward at TP=1."""
+    a = G.gated_linear(h, gu_w, "silu")
+    if a is None:
+        gu = G.linear(h, gu_w)
+        a = gated_act(gu[:, :I], gu[:, I:], "silu")
+    return G.linear(a, down_w)
+
+
+def chain(layers, x, r):
     """Returns the last layer's output; ``r`` (the residual stream) is updated in place."""
     for L in layers:
         h = launch_norm(MODE_ADD_NORM, x, r, L["n1"], None, None, 1e-5, gemma=False)
-        qkv = G.gemv(h, L["qkv"], **G.CONFIG)
+        qkv = G.linear(h, L["qkv"])
         a = launch_norm(MODE_NORM, qkv[:, :Q], None, L["nq"], None, None, 1e-5, gemma=False)  # attention's slot
-        x = G.gemv(a, L["o"], **G.CONFIG)
+        x = G.linear(a, L["o"])
         h = launch_norm(MODE_ADD_NORM, x, r, L["n2"], None, None, 1e-5, gemma=False)
-        gu = G.gemv(h, L["gu"], **G.CONFIG)
-        if fused:
-            x = G.gemv(gu, L["down"], act="silu", **G.CONFIG)
-        else:
-            x = F.linear(gated_act(gu[:, :I], gu[:, I:], "silu"), L["down"])
+        x = mlp(h, L["gu"], L["down"])
     return x
 
 
-def run_variant(layers, name: str, pdl: str, fused: bool, prefetch: int, checks: int) -> dict:
-    os.environ["TANDEM_PDL"] = pdl
-    G.PREFETCH_K = prefetch
+def run_variant(layers, name: str, env: dict, checks: int) -> dict:
+    set_env(env)
     x0 = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     r0 = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     xs, rs = x0.clone(), r0.clone()
@@ -68,23 +85,22 @@ def run_variant(layers, name: str, pdl: str, fused: bool, prefetch: int, checks:
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            chain(layers, xs.clone(), rs.clone(), fused)  # compile every variant first
+            chain(layers, xs.clone(), rs.clone())  # compile every variant first
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = chain(layers, xs, rs, fused)
-    # race check: fresh inputs, replay, compare with the same kernels eagerly and without PDL
+        out = chain(layers, xs, rs)
     mismatches = 0
-    for i in range(checks):
+    for _ in range(checks):
         x1 = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
         r1 = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
         xs.copy_(x1)
         rs.copy_(r1)
         graph.replay()
         got = out.clone()
-        os.environ["TANDEM_PDL"] = "0"
-        ref = chain(layers, x1.clone(), r1.clone(), fused)
-        os.environ["TANDEM_PDL"] = pdl
+        set_env(env | {"TANDEM_PDL": "0"})
+        ref = chain(layers, x1.clone(), r1.clone())
+        set_env(env)
         mismatches += int(not torch.equal(got, ref))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -96,9 +112,7 @@ def run_variant(layers, name: str, pdl: str, fused: bool, prefetch: int, checks:
         end.synchronize()
         times.append(start.elapsed_time(end) / 10)
     times.sort()
-    ms = times[len(times) // 2]
-    return dict(name=name, pdl=pdl, fused=fused, prefetch=prefetch, ms_per_chain=ms, race_mismatches=mismatches,
-                checks=checks)
+    return dict(name=name, env=env, ms_per_chain=times[len(times) // 2], race_mismatches=mismatches, checks=checks)
 
 
 def main() -> None:
@@ -112,23 +126,24 @@ def main() -> None:
     layer_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
     floor_us = layer_bytes / bw * 1e6
     rows = []
-    for name, pdl, fused, pre in VARIANTS:
+    for name, env in VARIANTS:
         try:
-            row = run_variant(layers, name, pdl, fused, pre, args.checks)
+            row = run_variant(layers, name, env, args.checks)
         except Exception as exc:  # a variant that cannot capture is a finding, not the end of the run
-            row = dict(name=name, error=repr(exc))
+            row = dict(name=name, env=env, error=repr(exc))
         if "ms_per_chain" in row:
             row["us_per_layer"] = row["ms_per_chain"] * 1e3 / args.layers
             row["of_floor"] = floor_us / row["us_per_layer"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+    set_env({})
     print(f"\nper layer: {layer_bytes / 1e6:.1f} MB of weights, floor {floor_us:.1f} us at {bw / 1e12:.2f} TB/s")
-    print(f"{'variant':28s} {'us/layer':>9s} {'% floor':>8s} {'races':>6s}")
+    print(f"{'variant':34s} {'us/layer':>9s} {'% floor':>8s} {'races':>6s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:28s} ERROR {r['error'][:80]}")
+            print(f"{r['name']:34s} ERROR {r['error'][:80]}")
         else:
-            print(f"{r['name']:28s} {r['us_per_layer']:9.1f} {100 * r['of_floor']:7.1f}% "
+            print(f"{r['name']:34s} {r['us_per_layer']:9.1f} {100 * r['of_floor']:7.1f}% "
                   f"{r['race_mismatches']}/{r['checks']}")
     if args.json:
         with open(args.json, "w") as f:
