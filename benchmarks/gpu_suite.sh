@@ -121,16 +121,20 @@ if has fuse; then
   timeout 150 python3 benchmarks/layer_chain_bench.py --json "$OUT/layer_chain.json" > "$OUT/layer_chain.log" 2>&1 \
     || echo "layer chain bench failed"
   tail -9 "$OUT/layer_chain.log"
-  for v in ${FUSE_VARIANTS:-"0 0 0" "1 4 0" "1 4 1"}; do
-    set -- $v; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_PDL=$3
-    off llama1_gated$1_split$2_pdl$3 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
+  # gated GEMV, split-K down splits, PDL, split-KV merged in the decode kernel: all off (the chain
+  # before 2026-12-03), the MLP fusions, the default, the default + PDL
+  for v in ${FUSE_VARIANTS:-"0 0 0 0" "1 4 0 0" "1 4 0 1" "1 4 1 1"}; do
+    set -- $v; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_PDL=$3 TANDEM_DECODE_FUSED_MERGE=$4
+    n=llama1_fuse_$1_$2_$3_$4
+    off $n 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
     python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],
       'tok/s %.1f' % w['output_tok_s'], 'decode tok/s %.1f' % w.get('decode_tok_s', 0),
-      'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" "$OUT/llama1_gated$1_split$2_pdl$3.json" \
-      "gated=$1 splitk=$2 pdl=$3" 2>/dev/null
+      'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" "$OUT/$n.json" \
+      "gated=$1 splitk=$2 pdl=$3 merge=$4" 2>/dev/null
   done
-  unset TANDEM_GATED_GEMV TANDEM_GEMV_SPLITK TANDEM_PDL
-  timeout ${FUSE_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_decode_chain.py \
+  unset TANDEM_GATED_GEMV TANDEM_GEMV_SPLITK TANDEM_PDL TANDEM_DECODE_FUSED_MERGE
+  # (with PARTS containing tests, tests/gpu already ran these: FUSE_TESTS=0 skips them here)
+  [ "${FUSE_TESTS:-1}" = 1 ] && timeout ${FUSE_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_decode_chain.py \
     "tests/gpu/test_gpu_parity.py::test_inproc_mtp_parity_cuda[True]" \
     "tests/gpu/test_gpu_parity.py::test_inproc_parity_cuda[True-gemma4]" 2>&1 | tail -15 | tee "$OUT/fuse_tests.log"
 fi

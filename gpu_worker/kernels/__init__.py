@@ -101,6 +101,30 @@ def pdl(x: torch.Tensor) -> bool:
     return _pdl_device(index, os.environ.get("TANDEM_PDL", "0"))
 
 
+# --------------------------------------------------------------------------- tickets
+# Split kernels that finish in one launch (split-K GEMV, split-KV decode attention) count their
+# finished programs per output tile on a ticket; the last one to take it sums the partials and
+# puts the ticket back to 0. Invariant: the buffer is all zeros between kernels, and launches
+# sharing it never run concurrently (the worker issues every forward on one stream; PDL lets a
+# kernel run only its weight prefetch before the previous one completed).
+TICKETS = 1 << 16
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def tickets(device: torch.device) -> torch.Tensor:
+    """The device's zeroed int32 ticket buffer (TICKETS entries), made on first use: an eager
+    warm-up forward, before any graph capture."""
+    t = _TICKETS.get(device)
+    if t is None:
+        t = _TICKETS[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return t
+
+
+def tickets_clear() -> bool:
+    """Every ticket back at 0 (tests)."""
+    return all(int(t.abs().sum()) == 0 for t in _TICKETS.values())
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

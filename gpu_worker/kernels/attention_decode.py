@@ -7,9 +7,11 @@ t of row b at mask position ``q_pos`` sees key j iff ``j < kv_len[b]``, ``j <= q
 a sliding layer, ``j > q_pos - window`` — the backend contract of ``attention/base.py``.
 
 Split-KV (flash-decoding): with few rows the key range is cut into ``num_splits`` pieces that
-run in parallel and a second kernel merges them by log-sum-exp; the split count depends only on
-the batch bucket, so the launch is the same on every CUDA-graph replay (splits past the row's
-keys exit at once). Rows with no visible key (graph padding) produce zeros, never NaN.
+run in parallel and are merged by log-sum-exp — by the last split of each (row, KV head) to
+finish, which takes a ticket (``kernels/__init__.py``) and reads the others' partials, or by a
+second kernel (``TANDEM_DECODE_FUSED_MERGE=0``); the split count depends only on the batch
+bucket, so the launch is the same on every CUDA-graph replay (splits past the row's keys store
+an empty partial at once). Rows with no visible key (graph padding) produce zeros, never NaN.
 
 Launch order (``order``): rows of one batch can differ 20x in length (a served mix), and with
 more programs than the SMs hold at once the GPU starts them in grid order, so a long row that
@@ -26,7 +28,7 @@ import os
 
 import torch
 
-from gpu_worker.kernels import interpreting, next_pow2, pdl
+from gpu_worker.kernels import TICKETS, interpreting, next_pow2, pdl, tickets
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
@@ -44,12 +46,12 @@ if triton is not None:
     # variants mid-serving (0.55 s each, BENCHMARKS.md 2026-12-02 night).
     @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"])
     def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, order_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, order_ptr, tk_ptr,
         sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
         T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-        PDL: tl.constexpr, ORDERED: tl.constexpr,
+        PDL: tl.constexpr, ORDERED: tl.constexpr, FUSED_MERGE: tl.constexpr,
     ):
         gdc_enter(PDL)
         if ORDERED:
@@ -123,6 +125,35 @@ if triton is not None:
             lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(plse_ptr + row, lse, mask=mvalid)
             tl.store(po_ptr + row[:, None] * BLOCK_DV + dv[None, :], out, mask=mvalid[:, None])
+            if FUSED_MERGE:  # the last split of (row, KV head) to finish merges them all
+                tl.debug_barrier()  # every thread's partials precede the ticket, which releases them
+                if tl.atomic_add(tk_ptr + b * HKV + kvh, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                    _merge_tile(po_ptr, plse_ptr, o_ptr, tok, qh, mvalid, dv, dvm, sot, soh,
+                                HKV * G, BLOCK_M, BLOCK_DV, SPLITS)
+                    tl.atomic_xchg(tk_ptr + b * HKV + kvh, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _merge_tile(po_ptr, plse_ptr, o_ptr, tok, qh, mvalid, dv, dvm, sot, soh, HQ: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr):
+        """``_merge_kernel``'s arithmetic for one tile of query rows, in split order (reads bypass
+        L1: other programs wrote them)."""
+        base = (tok * HQ + qh) * SPLITS
+        mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for sp in tl.static_range(SPLITS):
+            mx = tl.maximum(mx, tl.load(plse_ptr + base + sp, mask=mvalid, other=float("-inf"), cache_modifier=".cg"))
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        tot = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        for sp in tl.static_range(SPLITS):
+            lse = tl.load(plse_ptr + base + sp, mask=mvalid, other=float("-inf"), cache_modifier=".cg")
+            w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
+            tot += w
+            part = tl.load(po_ptr + (base + sp)[:, None] * BLOCK_DV + dv[None, :], mask=mvalid[:, None], other=0.0,
+                           cache_modifier=".cg")
+            acc += part * w[:, None]
+        out = acc / tl.where(tot > 0, tot, 1.0)[:, None]
+        tl.store(o_ptr + tok[:, None] * sot + qh[:, None] * soh + dv[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=mvalid[:, None] & dvm[None, :])
 
     @triton.jit
     def _merge_kernel(po_ptr, plse_ptr, o_ptr, sot, soh, HQ: tl.constexpr, DV: tl.constexpr,
@@ -152,6 +183,13 @@ def decode_blocks(d: int, dv: int) -> tuple[int, int, int]:
     if big <= 256:
         return 32, 4, 2
     return 16, 8, 2
+
+
+def fused_merge_enabled() -> bool:
+    """Split-KV partials merged by the last split of each (row, KV head) inside the decode kernel
+    (one launch fewer per layer at small batches); ``TANDEM_DECODE_FUSED_MERGE=0``: the separate
+    merge kernel."""
+    return os.environ.get("TANDEM_DECODE_FUSED_MERGE", "1") != "0"
 
 
 _TUNE_KEYS = ("block_n", "num_warps", "num_stages")
@@ -199,24 +237,27 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
                                   tune.get("num_stages", stages))
     bdv = next_pow2(dv)
     splits = next_pow2(max(1, num_splits))
-    part = lse = page_table  # stand-ins when unused (one split): a whole tensor, fixed alignment
+    part = lse = tk = page_table  # stand-ins when unused (one split): a whole tensor, fixed alignment
     on = pdl(q)
+    fused = splits > 1 and b * hkv <= TICKETS and fused_merge_enabled()
     if splits > 1:
         part = torch.empty((n, hq, splits, bdv), dtype=torch.float32, device=q.device)
         lse = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
+    if fused:
+        tk = tickets(q.device)
     grid = (hkv, b, splits) if order is not None else (b, hkv, splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, out, part, lse, page_table, slots, kv_lens, q_pos,
-        order if order is not None else page_table,
+        order if order is not None else page_table, tk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
         T=t, G=g, HKV=hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
         BLOCK_M=max(16, next_pow2(t * g)), BLOCK_N=block_n, SPLITS=splits, USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), PDL=on,
-        ORDERED=order is not None,
+        ORDERED=order is not None, FUSED_MERGE=fused,
         num_warps=warps, num_stages=stages, launch_pdl=on,
     )
-    if splits > 1:
+    if splits > 1 and not fused:
         _merge_kernel[(n, hq)](part, lse, out, out.stride(0), out.stride(1), HQ=hq, DV=dv, BLOCK_DV=bdv,
                                SPLITS=splits, PDL=on, num_warps=4, launch_pdl=on)
     return out

@@ -16,11 +16,8 @@ their rows of W and keeps M fp32 accumulators. Two variants remove a kernel each
   kernel instead of cuBLAS's split-K GEMM + reduce pair, and deterministic: the sum order
   never depends on which program finished last.
 
-Tickets (invariant): ``_tickets(device)`` is one zeroed int32 buffer per device; a split-K
-launch takes tickets 0..tiles-1 and its last program per tile puts the ticket back to 0, so
-the buffer is all zeros between kernels. Launches sharing it never run concurrently: the
-worker issues every forward on one stream (PDL, when on, lets a kernel start only its weight
-prefetch before the previous one completed).
+A split-K launch takes tickets 0..tiles-1 of the device's ticket buffer (``kernels/__init__.py``,
+where the invariant is stated).
 
 PDL (``kernels/__init__.py``): before waiting for the previous kernel, a program prefetches the
 first ``PREFETCH_K`` columns of its weight rows into L2. Rounding as F.linear: fp32
@@ -35,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import pdl, use_triton
+from gpu_worker.kernels import TICKETS, pdl, tickets, use_triton
 from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 
@@ -56,8 +53,6 @@ SKINNY_MAX_K = 8192
 SKINNY_MIN_WEIGHT = 8 << 20  # elements
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (16 KB a program)
-TICKETS = 1 << 16  # column tiles a split-K launch may have (N / BLOCK_N)
-_TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
 def long_k_splits() -> int:
@@ -69,13 +64,6 @@ def long_k_splits() -> int:
 def gated_enabled() -> bool:
     """The gated gate_up GEMV at one row (``TANDEM_GATED_GEMV=0``: GEMV + activation kernel)."""
     return os.environ.get("TANDEM_GATED_GEMV", "1") != "0"
-
-
-def _tickets(device: torch.device) -> torch.Tensor:
-    t = _TICKETS.get(device)
-    if t is None:  # first use is an eager warm-up forward, before any graph capture
-        t = _TICKETS[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
-    return t
 
 
 if triton is not None:
@@ -190,7 +178,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
     if splits > 1:
         assert tiles <= TICKETS, (n, block_n)
         ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
-        tk = _tickets(x.device)
+        tk = tickets(x.device)
     on = pdl(x)
     pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
     _gemv_kernel[(tiles, splits)](

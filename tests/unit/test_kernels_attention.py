@@ -89,6 +89,35 @@ def test_paged_decode_launch_order_changes_no_bit(t, splits):
     assert torch.equal(plain, ordered)
 
 
+@pytest.mark.parametrize("t,splits,window", [(1, 4, None), (3, 2, None), (1, 8, 5)])
+def test_split_merge_in_the_decode_kernel(monkeypatch, t, splits, window):
+    """Split-KV partials merged by the last split of each (row, KV head) inside the decode kernel
+    give the merge kernel's result (the same arithmetic, summed in split order), the same bits
+    on every launch, zeros for a row with no keys, and leave every ticket at 0."""
+    from gpu_worker.kernels import tickets_clear
+
+    ps, hkv, hq, d = 4, 2, 4, 32
+    kc, vc = _pool(40, ps, hkv, d, d, torch.float32, seed=9 + t)
+    pt = _page_table(6, 8, 40, seed=10)
+    slots = torch.tensor([3, 1, 0, 4, 5], device=DEV)
+    kv_lens = torch.tensor([9, 23, 0, 1 + t, 30], device=DEV)
+    q_pos = ((kv_lens - t).clamp_min(0)[:, None] + torch.arange(t, device=DEV)[None, :]).reshape(-1)
+    q_pos[2 * t : 3 * t] = 0
+    q = torch.randn(5 * t, hq, d, generator=torch.Generator().manual_seed(t)).to(DEV)
+    kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window)
+    monkeypatch.setenv("TANDEM_DECODE_FUSED_MERGE", "0")
+    two_kernels = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
+    monkeypatch.setenv("TANDEM_DECODE_FUSED_MERGE", "1")
+    fused = [paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw) for _ in range(2)]
+    assert tickets_clear()
+    assert torch.equal(fused[0], fused[1])
+    assert torch.equal(fused[0][2 * t : 3 * t], torch.zeros_like(fused[0][2 * t : 3 * t]))
+    torch.testing.assert_close(fused[0], two_kernels, rtol=1e-5, atol=1e-6)
+    ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), pt.cpu(), slots.repeat_interleave(t).cpu(),
+                              kv_lens.repeat_interleave(t).cpu(), q_pos.cpu(), ps, d**-0.5, window)
+    assert _rel_err(fused[0], ref) < 2e-5
+
+
 def test_paged_decode_draft_read_sees_exactly_committed_keys():
     """The frozen-KV draft: q_pos = kv_len - 1, so each row sees [0, kv_len), on sliding layers
     the last `window` of them, whatever its RoPE position."""

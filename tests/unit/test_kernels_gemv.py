@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import enable_cpu_kernels
+from gpu_worker.kernels import enable_cpu_kernels, tickets_clear
 from gpu_worker.kernels import gemv as G
 
 pytest.importorskip("triton")
@@ -68,10 +68,6 @@ def _gated_ref(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return (a.float() * u).to(gate_up.dtype)
 
 
-def _tickets_clear() -> bool:
-    return all(int(t.abs().sum()) == 0 for t in G._TICKETS.values())
-
-
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("m", [1, 3])
@@ -97,7 +93,7 @@ def test_gated_gemv_is_gemv_then_act(act, m, splits):
     ref = _gated_ref((x.float() @ w.float().t()).to(torch.bfloat16), act).float()
     # the inputs of act and of the product are each within an ulp (the interpreter truncates)
     torch.testing.assert_close(y.float(), ref, rtol=2.0**-5, atol=5e-2)
-    assert _tickets_clear()
+    assert tickets_clear()
 
 
 def test_split_k_is_deterministic_and_leaves_tickets_clear():
@@ -108,13 +104,13 @@ def test_split_k_is_deterministic_and_leaves_tickets_clear():
     x = torch.randn(1, 700, generator=g).to(torch.bfloat16).to(DEV)
     ws = [torch.randn(40, 700, generator=g).to(torch.bfloat16).to(DEV) for _ in range(3)]
     first = [G.gemv(x, w, splits=4, block_n=8, block_k=64) for w in ws]
-    assert _tickets_clear()
+    assert tickets_clear()
     again = [G.gemv(x, w, splits=4, block_n=8, block_k=64) for w in ws]
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     # more splits than K blocks: clamped, no empty split waits for a ticket it never gets
     y = G.gemv(x, ws[0], splits=64, block_n=8, block_k=256)
     torch.testing.assert_close(y.float(), x.float() @ ws[0].float().t(), rtol=2e-2, atol=0.5)
-    assert _tickets_clear()
+    assert tickets_clear()
 
 
 def test_linear_takes_split_k_past_max_k(monkeypatch):
