@@ -120,7 +120,7 @@ if has fuse; then
   echo "== one-row decode chain: layer-chain bench, 8B engine A/B (fusions off / on / + PDL), GPU tests"
   timeout 150 python3 benchmarks/layer_chain_bench.py --json "$OUT/layer_chain.json" > "$OUT/layer_chain.log" 2>&1 \
     || echo "layer chain bench failed"
-  tail -9 "$OUT/layer_chain.log"
+  tail -11 "$OUT/layer_chain.log"
   # gated GEMV, split-K down splits, PDL, split-KV merged in the decode kernel: all off (the chain
   # before 2026-12-03), the MLP fusions, the default, the default + PDL
   for v in ${FUSE_VARIANTS:-"0 0 0 0" "1 4 0 0" "1 4 0 1" "1 4 1 1"}; do

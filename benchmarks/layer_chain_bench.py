@@ -1,8 +1,8 @@
 """One Llama-3.1-8B decode layer's kernel chain at one row, inside a CUDA graph, as the engine's
 dispatch runs it (``kernels/gemv.py: linear, gated_linear``) under each variant's environment:
 the MLP as gate_up GEMV + activation kernel + cuBLAS split-K down (the chain before 2026-12-03),
-the gated GEMV (activation in its epilogue), its split-K down at 2 / 4 / 8 splits, and
-programmatic dependent launch (PDL) on top.
+the gated GEMV (activation in its epilogue), its split-K down at 2 / 4 / 8 splits, split K
+on the shorter projections too, and programmatic dependent launch (PDL) on top.
 
 Chain per layer (the engine's order, attention replaced by a same-sized norm so no KV pool is
 needed): add+norm -> qkv -> norm(q) -> o -> add+norm -> MLP. Eight layers of distinct weights
@@ -31,13 +31,15 @@ from gpu_worker.kernels.activation import gated_act  # noqa: E402
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, launch_norm  # noqa: E402
 
 H, I, QKV, Q = 4096, 14336, 6144, 4096
-ENV_KEYS = ("TANDEM_PDL", "TANDEM_GATED_GEMV", "TANDEM_GEMV_SPLITK")
+ENV_KEYS = ("TANDEM_PDL", "TANDEM_GATED_GEMV", "TANDEM_GEMV_SPLITK", "TANDEM_GEMV_SPLITK_SHORT")
 VARIANTS = [
     ("before: act kernel + cuBLAS down", dict(TANDEM_GATED_GEMV="0", TANDEM_GEMV_SPLITK="0")),
     ("gated, cuBLAS down", dict(TANDEM_GEMV_SPLITK="0")),
     ("gated, split-K down 2", dict(TANDEM_GEMV_SPLITK="2")),
     ("gated, split-K down 4 (default)", dict()),
     ("gated, split-K down 8", dict(TANDEM_GEMV_SPLITK="8")),
+    ("default, K<=8192 split 2", dict(TANDEM_GEMV_SPLITK_SHORT="2")),
+    ("default, K<=8192 split 4", dict(TANDEM_GEMV_SPLITK_SHORT="4")),
     ("default + PDL", dict(TANDEM_PDL="1")),
 ]
 

@@ -61,6 +61,12 @@ def long_k_splits() -> int:
     return int(os.environ.get("TANDEM_GEMV_SPLITK", "4"))
 
 
+def short_k_splits() -> int:
+    """K splits for one-row projections with K <= SKINNY_MAX_K (``TANDEM_GEMV_SPLITK_SHORT``,
+    default 1: their N alone gives 512-3584 programs)."""
+    return max(1, int(os.environ.get("TANDEM_GEMV_SPLITK_SHORT", "1")))
+
+
 def gated_enabled() -> bool:
     """The gated gate_up GEMV at one row (``TANDEM_GATED_GEMV=0``: GEMV + activation kernel)."""
     return os.environ.get("TANDEM_GATED_GEMV", "1") != "0"
@@ -200,7 +206,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     GEMM (M x N tiles, split K) measured slower there on the H200 (BENCHMARKS.md, 2026-12-02 night)."""
     if bias is None and _one_row(x, w):
         if w.shape[1] <= SKINNY_MAX_K:
-            return gemv(x, w, **CONFIG)
+            return gemv(x, w, splits=short_k_splits(), **CONFIG)
         splits = long_k_splits()
         if splits > 1:
             return gemv(x, w, splits=splits, **CONFIG)
@@ -213,4 +219,4 @@ def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tens
     separately (more rows, small weights, the torch path, switched off)."""
     if act not in ACTS or not gated_enabled() or not _one_row(x, gate_up) or gate_up.shape[1] > SKINNY_MAX_K:
         return None
-    return gemv(x, gate_up, act=act, **CONFIG)
+    return gemv(x, gate_up, act=act, splits=short_k_splits(), **CONFIG)
