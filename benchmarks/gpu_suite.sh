@@ -123,8 +123,8 @@ if has fuse; then
   tail -11 "$OUT/layer_chain.log"
   # gated GEMV, split-K down splits, PDL, split-KV merged in the decode kernel: all off (the chain
   # before 2026-12-03), the MLP fusions, the default, the default + PDL
-  for v in ${FUSE_VARIANTS:-"0 0 0 0" "1 4 0 0" "1 4 0 1" "1 4 1 1"}; do
-    set -- $v; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_PDL=$3 TANDEM_DECODE_FUSED_MERGE=$4
+  for v in ${FUSE_VARIANTS:-0,0,0,0 1,4,0,0 1,4,0,1 1,4,1,1}; do
+    set -- ${v//,/ }; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_PDL=$3 TANDEM_DECODE_FUSED_MERGE=$4
     n=llama1_fuse_$1_$2_$3_$4
     off $n 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
     python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],
