@@ -5,6 +5,7 @@
 # tests/gpu first, then the benchmarks of issue 8 (a-f); JSON + logs under $OUT; a table last.
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
 # (and, not in the default: fi = flashinfer vs triton; fuse = the one-row MLP fusions and PDL, A/B;
+#  gfuse = the same on the Gemma-4 9B shape;
 #  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
@@ -120,7 +121,7 @@ if has fuse; then
   echo "== one-row decode chain: layer-chain bench, 8B engine A/B (fusions off / on / + PDL), GPU tests"
   timeout 150 python3 benchmarks/layer_chain_bench.py --json "$OUT/layer_chain.json" > "$OUT/layer_chain.log" 2>&1 \
     || echo "layer chain bench failed"
-  tail -11 "$OUT/layer_chain.log"
+  tail -12 "$OUT/layer_chain.log"
   # gated GEMV, split-K down splits, PDL, split-KV merged in the decode kernel: all off (the chain
   # before 2026-12-03), the MLP fusions, the default, the default + PDL
   for v in ${FUSE_VARIANTS:-0,0,0,0 1,4,0,0 1,4,0,1 1,4,1,1}; do
@@ -189,6 +190,24 @@ print(sys.argv[2], repr(sys.argv[3]), 'tok/s %.0f' % w['output_tok_s'], 'decode 
       "$OUT/$f.json" $f "$cfg" 2>/dev/null || echo "$f ($cfg) failed"; done
   done
   unset TANDEM_DECODE_TUNE
+fi
+if has gfuse; then
+  # The same fusions on the Gemma-4-9B shape (hidden 3840, intermediate 15360, gelu-tanh,
+  # head dims 256/512): chain bench and plain decode at one request, A/B per fusion.
+  echo "== one-row decode chain on the Gemma-4 9B shape: chain bench, plain-decode A/B"
+  timeout 150 python3 benchmarks/layer_chain_bench.py --shape gemma4-9b --json "$OUT/layer_chain_gemma.json" \
+    > "$OUT/layer_chain_gemma.log" 2>&1 || echo "layer chain bench (gemma) failed"
+  tail -12 "$OUT/layer_chain_gemma.log"
+  G1=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
+  for v in ${GFUSE_VARIANTS:-0,0,0 0,0,1 1,0,1 0,4,1 1,4,1}; do
+    set -- ${v//,/ }; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_DECODE_FUSED_MERGE=$3
+    n=gemma1_fuse_$1_$2_$3
+    off $n 150 "${G1[@]}"
+    python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],
+      'tok/s %.1f' % w['output_tok_s'], 'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" \
+      "$OUT/$n.json" "gated=$1 splitk=$2 merge=$3" 2>/dev/null
+  done
+  unset TANDEM_GATED_GEMV TANDEM_GEMV_SPLITK TANDEM_DECODE_FUSED_MERGE
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

@@ -1,6 +1,7 @@
-"""One Llama-3.1-8B decode layer's kernel chain at one row, inside a CUDA graph, as the engine's
-dispatch runs it (``kernels/gemv.py: linear, gated_linear``) under each variant's environment:
-the MLP as gate_up GEMV + activation kernel + cuBLAS split-K down (the chain before 2026-12-03),
+"""One Llama-3.1-8B (or Gemma-4-9B-shaped, ``--shape``) decode layer's kernel chain at one row,
+inside a CUDA graph, as the engine's dispatch runs it (``kernels/gemv.py: linear,
+gated_linear``) under each variant's environment: the MLP as gate_up GEMV + activation kernel
++ cuBLAS split-K down (the chain before 2026-12-03),
 the gated GEMV (activation in its epilogue), its split-K down at 2 / 4 / 8 splits, split K
 on the shorter projections too, and programmatic dependent launch (PDL) on top.
 
@@ -11,7 +12,7 @@ against the weight bytes over the copy bandwidth, and a race check: fresh random
 into the graph's static buffers, replayed, compared bitwise with the same kernels run eagerly
 without PDL (split-K's tickets or a PDL read before the wait would show as a moving error).
 
-    python benchmarks/layer_chain_bench.py [--json OUT] [--layers 8]
+    python benchmarks/layer_chain_bench.py [--json OUT] [--layers 8] [--shape llama-8b|gemma4-9b]
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ from gpu_worker.kernels import gemv as G  # noqa: E402
 from gpu_worker.kernels.activation import gated_act  # noqa: E402
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, launch_norm  # noqa: E402
 
-H, I, QKV, Q = 4096, 14336, 6144, 4096
+# (hidden, intermediate, qkv rows, q rows, activation) of each model's sliding / plain layer
+SHAPES = {"llama-8b": (4096, 14336, 6144, 4096, "silu"),
+          "gemma4-9b": (3840, 15360, 8192, 4096, "gelu_pytorch_tanh")}
+H, I, QKV, Q, ACT = SHAPES["llama-8b"]
 ENV_KEYS = ("TANDEM_PDL", "TANDEM_GATED_GEMV", "TANDEM_GEMV_SPLITK", "TANDEM_GEMV_SPLITK_SHORT")
 VARIANTS = [
     ("before: act kernel + cuBLAS down", dict(TANDEM_GATED_GEMV="0", TANDEM_GEMV_SPLITK="0")),
     ("gated, cuBLAS down", dict(TANDEM_GEMV_SPLITK="0")),
+    ("act kernel, split-K down 4", dict(TANDEM_GATED_GEMV="0")),
     ("gated, split-K down 2", dict(TANDEM_GEMV_SPLITK="2")),
     ("gated, split-K down 4 (default)", dict()),
     ("gated, split-K down 8", dict(TANDEM_GEMV_SPLITK="8")),
@@ -53,16 +58,16 @@ def set_env(env: dict) -> None:
 def make_layers(n: int) -> list[dict]:
     def w(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02
-    return [dict(n1=1 + w(H), qkv=w(QKV, H), nq=1 + w(H), o=w(H, Q), n2=1 + w(H), gu=w(2 * I, H), down=w(H, I))
+    return [dict(n1=1 + w(H), qkv=w(QKV, H), nq=1 + w(Q), o=w(H, Q), n2=1 + w(H), gu=w(2 * I, H), down=w(H, I))
             for _ in range(n)]
 
 
 def mlp(h, gu_w, down_w):
     """GatedMLP.forward at TP=1."""
-    a = G.gated_linear(h, gu_w, "silu")
+    a = G.gated_linear(h, gu_w, ACT)
     if a is None:
         gu = G.linear(h, gu_w)
-        a = gated_act(gu[:, :I], gu[:, I:], "silu")
+        a = gated_act(gu[:, :I], gu[:, I:], ACT)
     return G.linear(a, down_w)
 
 
@@ -122,7 +127,10 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--checks", type=int, default=5)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     args = ap.parse_args()
+    global H, I, QKV, Q, ACT
+    H, I, QKV, Q, ACT = SHAPES[args.shape]
     bw = copy_bandwidth()
     layers = make_layers(args.layers)
     layer_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
@@ -139,7 +147,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     set_env({})
-    print(f"\nper layer: {layer_bytes / 1e6:.1f} MB of weights, floor {floor_us:.1f} us at {bw / 1e12:.2f} TB/s")
+    print(f"\n{args.shape} per layer: {layer_bytes / 1e6:.1f} MB of weights, floor {floor_us:.1f} us at {bw / 1e12:.2f} TB/s")
     print(f"{'variant':34s} {'us/layer':>9s} {'% floor':>8s} {'races':>6s}")
     for r in rows:
         if "error" in r:
@@ -149,7 +157,7 @@ def main() -> None:
                   f"{r['race_mismatches']}/{r['checks']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(bandwidth=bw, layer_bytes=layer_bytes, floor_us=floor_us, rows=rows), f, indent=1)
+            json.dump(dict(shape=args.shape, bandwidth=bw, layer_bytes=layer_bytes, floor_us=floor_us, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
