@@ -121,7 +121,7 @@ if has fuse; then
   echo "== one-row decode chain: layer-chain bench, 8B engine A/B (fusions off / on / + PDL), GPU tests"
   timeout 150 python3 benchmarks/layer_chain_bench.py --json "$OUT/layer_chain.json" > "$OUT/layer_chain.log" 2>&1 \
     || echo "layer chain bench failed"
-  tail -12 "$OUT/layer_chain.log"
+  tail -14 "$OUT/layer_chain.log"
   # gated GEMV, split-K down splits, PDL, split-KV merged in the decode kernel: all off (the chain
   # before 2026-12-03), the MLP fusions, the default, the default + PDL
   for v in ${FUSE_VARIANTS:-0,0,0,0 1,4,0,0 1,4,0,1 1,4,1,1}; do
@@ -197,7 +197,10 @@ if has gfuse; then
   echo "== one-row decode chain on the Gemma-4 9B shape: chain bench, plain-decode A/B"
   timeout 150 python3 benchmarks/layer_chain_bench.py --shape gemma4-9b --json "$OUT/layer_chain_gemma.json" \
     > "$OUT/layer_chain_gemma.log" 2>&1 || echo "layer chain bench (gemma) failed"
-  tail -12 "$OUT/layer_chain_gemma.log"
+  tail -14 "$OUT/layer_chain_gemma.log"
+  timeout 150 python3 benchmarks/layer_chain_bench.py --json "$OUT/layer_chain.json" > "$OUT/layer_chain.log" 2>&1 \
+    || echo "layer chain bench failed"
+  tail -14 "$OUT/layer_chain.log"
   G1=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
   for v in ${GFUSE_VARIANTS:-0,0,0 0,0,1 1,0,1 0,4,1 1,4,1}; do
     set -- ${v//,/ }; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_DECODE_FUSED_MERGE=$3
@@ -208,6 +211,10 @@ if has gfuse; then
       "$OUT/$n.json" "gated=$1 splitk=$2 merge=$3" 2>/dev/null
   done
   unset TANDEM_GATED_GEMV TANDEM_GEMV_SPLITK TANDEM_DECODE_FUSED_MERGE
+  off llama1_default 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1  # (a) at the final defaults
+  python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print('llama 1 request, defaults:',
+    'tok/s %.1f' % w['output_tok_s'], 'decode tok/s %.1f' % w.get('decode_tok_s', 0),
+    'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" "$OUT/llama1_default.json" 2>/dev/null
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

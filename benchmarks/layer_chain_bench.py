@@ -2,8 +2,9 @@
 inside a CUDA graph, as the engine's dispatch runs it (``kernels/gemv.py: linear,
 gated_linear``) under each variant's environment: the MLP as gate_up GEMV + activation kernel
 + cuBLAS split-K down (the chain before 2026-12-03),
-the gated GEMV (activation in its epilogue), its split-K down at 2 / 4 / 8 splits, split K
-on the shorter projections too, and programmatic dependent launch (PDL) on top.
+the gated GEMV (activation in its epilogue; 4 or 8 rows of gate and of up per program), its
+split-K down at 2 / 4 / 8 splits, split K on the shorter projections too, and programmatic
+dependent launch (PDL) on top.
 
 Chain per layer (the engine's order, attention replaced by a same-sized norm so no KV pool is
 needed): add+norm -> qkv -> norm(q) -> o -> add+norm -> MLP. Eight layers of distinct weights
@@ -35,16 +36,18 @@ from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, launch_norm  # noq
 SHAPES = {"llama-8b": (4096, 14336, 6144, 4096, "silu"),
           "gemma4-9b": (3840, 15360, 8192, 4096, "gelu_pytorch_tanh")}
 H, I, QKV, Q, ACT = SHAPES["llama-8b"]
-ENV_KEYS = ("TANDEM_PDL", "TANDEM_GATED_GEMV", "TANDEM_GEMV_SPLITK", "TANDEM_GEMV_SPLITK_SHORT")
+ENV_KEYS = ("TANDEM_PDL", "TANDEM_GATED_GEMV", "TANDEM_GEMV_SPLITK", "TANDEM_GEMV_SPLITK_SHORT",
+            "TANDEM_GATED_BLOCK_N")
 VARIANTS = [
     ("before: act kernel + cuBLAS down", dict(TANDEM_GATED_GEMV="0", TANDEM_GEMV_SPLITK="0")),
-    ("gated, cuBLAS down", dict(TANDEM_GEMV_SPLITK="0")),
     ("act kernel, split-K down 4", dict(TANDEM_GATED_GEMV="0")),
-    ("gated, split-K down 2", dict(TANDEM_GEMV_SPLITK="2")),
-    ("gated, split-K down 4 (default)", dict()),
-    ("gated, split-K down 8", dict(TANDEM_GEMV_SPLITK="8")),
+    ("gated 2x4 rows, cuBLAS down", dict(TANDEM_GEMV_SPLITK="0")),
+    ("gated 2x8 rows, cuBLAS down", dict(TANDEM_GEMV_SPLITK="0", TANDEM_GATED_BLOCK_N="8")),
+    ("gated 2x4, split-K down 2", dict(TANDEM_GEMV_SPLITK="2")),
+    ("gated 2x4, split-K down 4 (default)", dict()),
+    ("gated 2x8, split-K down 4", dict(TANDEM_GATED_BLOCK_N="8")),
+    ("gated 2x4, split-K down 8", dict(TANDEM_GEMV_SPLITK="8")),
     ("default, K<=8192 split 2", dict(TANDEM_GEMV_SPLITK_SHORT="2")),
-    ("default, K<=8192 split 4", dict(TANDEM_GEMV_SPLITK_SHORT="4")),
     ("default + PDL", dict(TANDEM_PDL="1")),
 ]
 

@@ -67,6 +67,13 @@ def short_k_splits() -> int:
     return max(1, int(os.environ.get("TANDEM_GEMV_SPLITK_SHORT", "1")))
 
 
+def gated_config() -> dict:
+    """The gated GEMV streams two row blocks per program (gate n and up I + n): half CONFIG's
+    block_n each keeps a program at the 8 weight rows that measured best for the plain GEMV
+    (``TANDEM_GATED_BLOCK_N`` overrides, for the layer-chain bench)."""
+    return dict(CONFIG, block_n=int(os.environ.get("TANDEM_GATED_BLOCK_N", CONFIG["block_n"] // 2)))
+
+
 def gated_enabled() -> bool:
     """The gated gate_up GEMV at one row (``TANDEM_GATED_GEMV=0``: GEMV + activation kernel)."""
     return os.environ.get("TANDEM_GATED_GEMV", "1") != "0"
@@ -219,4 +226,4 @@ def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tens
     separately (more rows, small weights, the torch path, switched off)."""
     if act not in ACTS or not gated_enabled() or not _one_row(x, gate_up) or gate_up.shape[1] > SKINNY_MAX_K:
         return None
-    return gemv(x, gate_up, act=act, splits=short_k_splits(), **CONFIG)
+    return gemv(x, gate_up, act=act, splits=short_k_splits(), **gated_config())
