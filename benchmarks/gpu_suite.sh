@@ -202,19 +202,25 @@ if has gfuse; then
     || echo "layer chain bench failed"
   tail -14 "$OUT/layer_chain.log"
   G1=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
-  for v in ${GFUSE_VARIANTS:-0,0,0 0,0,1 1,0,1 0,4,1 1,4,1}; do
-    set -- ${v//,/ }; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_DECODE_FUSED_MERGE=$3
-    n=gemma1_fuse_$1_$2_$3
+  # gated GEMV, split-K down splits, in-kernel merge, PDL
+  for v in ${GFUSE_VARIANTS:-0,0,0,0 1,0,1,0 0,4,1,0 1,4,1,0 1,4,1,1}; do
+    set -- ${v//,/ }; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_DECODE_FUSED_MERGE=$3 TANDEM_PDL=$4
+    n=gemma1_fuse_$1_$2_$3_$4
     off $n 150 "${G1[@]}"
     python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],
       'tok/s %.1f' % w['output_tok_s'], 'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" \
-      "$OUT/$n.json" "gated=$1 splitk=$2 merge=$3" 2>/dev/null
+      "$OUT/$n.json" "gemma gated=$1 splitk=$2 merge=$3 pdl=$4" 2>/dev/null
   done
   unset TANDEM_GATED_GEMV TANDEM_GEMV_SPLITK TANDEM_DECODE_FUSED_MERGE
-  off llama1_default 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1  # (a) at the final defaults
-  python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print('llama 1 request, defaults:',
-    'tok/s %.1f' % w['output_tok_s'], 'decode tok/s %.1f' % w.get('decode_tok_s', 0),
-    'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" "$OUT/llama1_default.json" 2>/dev/null
+  for p in 0 1; do  # (a) at the defaults, and with PDL
+    export TANDEM_PDL=$p
+    off llama1_default_pdl$p 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
+    python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],
+      'tok/s %.1f' % w['output_tok_s'], 'decode tok/s %.1f' % w.get('decode_tok_s', 0),
+      'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" "$OUT/llama1_default_pdl$p.json" \
+      "llama 1 request, defaults, pdl=$p" 2>/dev/null
+  done
+  unset TANDEM_PDL
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"
