@@ -195,10 +195,11 @@ if has gfuse; then
   # The same fusions on the Gemma-4-9B shape (hidden 3840, intermediate 15360, gelu-tanh,
   # head dims 256/512): chain bench and plain decode at one request, A/B per fusion.
   echo "== one-row decode chain on the Gemma-4 9B shape: chain bench, plain-decode A/B"
-  timeout 150 python3 benchmarks/layer_chain_bench.py --shape gemma4-9b --json "$OUT/layer_chain_gemma.json" \
+  # GFUSE_BENCH=0 skips the two chain benches, GFUSE_LLAMA=0 the Llama engine runs (short calls)
+  [ "${GFUSE_BENCH:-1}" = 1 ] && timeout 150 python3 benchmarks/layer_chain_bench.py --shape gemma4-9b --json "$OUT/layer_chain_gemma.json" \
     > "$OUT/layer_chain_gemma.log" 2>&1 || echo "layer chain bench (gemma) failed"
   tail -14 "$OUT/layer_chain_gemma.log"
-  timeout 150 python3 benchmarks/layer_chain_bench.py --json "$OUT/layer_chain.json" > "$OUT/layer_chain.log" 2>&1 \
+  [ "${GFUSE_BENCH:-1}" = 1 ] && timeout 150 python3 benchmarks/layer_chain_bench.py --json "$OUT/layer_chain.json" > "$OUT/layer_chain.log" 2>&1 \
     || echo "layer chain bench failed"
   tail -14 "$OUT/layer_chain.log"
   G1=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
@@ -212,7 +213,7 @@ if has gfuse; then
       "$OUT/$n.json" "gemma gated=$1 splitk=$2 merge=$3 pdl=$4" 2>/dev/null
   done
   unset TANDEM_GATED_GEMV TANDEM_GEMV_SPLITK TANDEM_DECODE_FUSED_MERGE
-  for p in 0 1; do  # (a) at the defaults, and with PDL
+  for p in $([ "${GFUSE_LLAMA:-1}" = 1 ] && echo 0 1); do  # (a) at the defaults, and with PDL
     export TANDEM_PDL=$p
     off llama1_default_pdl$p 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
     python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],
