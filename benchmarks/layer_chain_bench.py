@@ -40,13 +40,12 @@ ENV_KEYS = ("TANDEM_PDL", "TANDEM_GATED_GEMV", "TANDEM_GEMV_SPLITK", "TANDEM_GEM
             "TANDEM_GATED_BLOCK_N")
 VARIANTS = [
     ("before: act kernel + cuBLAS down", dict(TANDEM_GATED_GEMV="0", TANDEM_GEMV_SPLITK="0")),
-    ("act kernel, split-K down 4", dict(TANDEM_GATED_GEMV="0")),
-    ("gated 2x4 rows, cuBLAS down", dict(TANDEM_GEMV_SPLITK="0")),
-    ("gated 2x8 rows, cuBLAS down", dict(TANDEM_GEMV_SPLITK="0", TANDEM_GATED_BLOCK_N="8")),
-    ("gated 2x4, split-K down 2", dict(TANDEM_GEMV_SPLITK="2")),
-    ("gated 2x4, split-K down 4 (default)", dict()),
-    ("gated 2x8, split-K down 4", dict(TANDEM_GATED_BLOCK_N="8")),
-    ("gated 2x4, split-K down 8", dict(TANDEM_GEMV_SPLITK="8")),
+    ("act kernel, split-K down 4 (default)", dict()),
+    ("act kernel, split-K down 2", dict(TANDEM_GEMV_SPLITK="2")),
+    ("act kernel, split-K down 8", dict(TANDEM_GEMV_SPLITK="8")),
+    ("gated 2x4 rows, cuBLAS down", dict(TANDEM_GATED_GEMV="1", TANDEM_GEMV_SPLITK="0")),
+    ("gated 2x8 rows, cuBLAS down", dict(TANDEM_GATED_GEMV="1", TANDEM_GEMV_SPLITK="0", TANDEM_GATED_BLOCK_N="8")),
+    ("gated 2x4, split-K down 4", dict(TANDEM_GATED_GEMV="1")),
     ("default, K<=8192 split 2", dict(TANDEM_GEMV_SPLITK_SHORT="2")),
     ("default + PDL", dict(TANDEM_PDL="1")),
 ]

@@ -5,16 +5,18 @@ used M times, and a 4096-wide layer's 8-12 kernels each cost ~2-3 us of launch, 
 beside a 101 us weight floor. This kernel owns ``BLOCK_N`` output columns per program, streams
 their rows of W and keeps M fp32 accumulators. Two variants remove a kernel each:
 
-- **gated** (``act``): W is a merged ``[gate; up]`` weight [2N, K]; a program streams gate rows
-  n and up rows N + n and writes ``act(gate) * up`` with the rounding of the unfused pair (the
-  gate_up output rounded to the model dtype, then ``gated_act``'s roundings), so the MLP middle
-  costs no separate activation kernel and no [M, 2N] round trip — bitwise the unfused result;
+- **gated** (``act``, off by default: measured slower, see ``gated_enabled``): W is a merged
+  ``[gate; up]`` weight [2N, K]; a program streams gate rows n and up rows N + n and writes
+  ``act(gate) * up`` with the rounding of the unfused pair (the gate_up output rounded to the
+  model dtype, then ``gated_act``'s roundings) — bitwise the unfused result, one kernel and one
+  [M, 2N] round trip fewer;
 - **split-K** (``splits``): the K range is cut into ``splits`` pieces run by separate programs
   (a long-K projection such as Llama's down, K = 14336, needs more programs in flight than N
   alone gives), each writing fp32 partial sums; the last program of a column tile to finish
   (an atomic ticket per tile) adds the partials in split order and writes the result. One
   kernel instead of cuBLAS's split-K GEMM + reduce pair, and deterministic: the sum order
-  never depends on which program finished last.
+  never depends on which program finished last. On by default for K > SKINNY_MAX_K (4 splits):
+  Gemma-4-9B's plain decode step 5.986 -> 5.870 ms with it and the in-kernel attention merge.
 
 A split-K launch takes tickets 0..tiles-1 of the device's ticket buffer (``kernels/__init__.py``,
 where the invariant is stated).
@@ -75,8 +77,11 @@ def gated_config() -> dict:
 
 
 def gated_enabled() -> bool:
-    """The gated gate_up GEMV at one row (``TANDEM_GATED_GEMV=0``: GEMV + activation kernel)."""
-    return os.environ.get("TANDEM_GATED_GEMV", "1") != "0"
+    """The gated gate_up GEMV at one row, ``TANDEM_GATED_GEMV=1``. Off by default: on the H200
+    it cost more than the activation kernel it saves (Gemma-4-9B shape, plain decode at one
+    request: 5.870 -> 5.944 ms a step with 4 + 4 rows a program, +0.5 ms with 8 + 8;
+    BENCHMARKS.md 2026-12-03)."""
+    return os.environ.get("TANDEM_GATED_GEMV", "0") != "0"
 
 
 if triton is not None:

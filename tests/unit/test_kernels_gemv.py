@@ -146,6 +146,8 @@ def test_gated_linear_dispatch(monkeypatch):
     g = torch.Generator().manual_seed(5)
     w = torch.randn(32, 32, generator=g).to(torch.bfloat16).to(DEV)
     one = torch.randn(1, 32, generator=g).to(torch.bfloat16).to(DEV)
+    assert G.gated_linear(one, w, "silu") is None  # off by default (measured slower)
+    monkeypatch.setenv("TANDEM_GATED_GEMV", "1")
     enable_cpu_kernels(True)
     try:
         out = G.gated_linear(one, w, "silu")
@@ -166,12 +168,13 @@ def test_gated_linear_dispatch(monkeypatch):
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_gated_mlp_one_row_equals_unfused(monkeypatch, act):
-    """GatedMLP at one row takes the gated GEMV (and a split-K down) and gives exactly the
-    unfused kernels' output."""
+    """GatedMLP at one row takes the gated GEMV when switched on (and a split-K down) and gives
+    exactly the unfused kernels' output."""
     from gpu_worker.models.layers import GatedMLP
 
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 1)
     monkeypatch.setattr(G, "SKINNY_MAX_K", 64)
+    monkeypatch.setenv("TANDEM_GATED_GEMV", "1")
     torch.manual_seed(3)
     mlp = GatedMLP(64, 96, act).to(torch.bfloat16).to(DEV)
     x = torch.randn(1, 64).to(torch.bfloat16).to(DEV)
