@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from gpu_worker.kernels import gemv as G
 from gpu_worker.kernels import pdl, tickets_clear
 from gpu_worker.kernels.activation import gated_act
 from gpu_worker.kernels.norm import MODE_ADD_NORM, launch_norm
+from tests.helpers.inproc import top_alternatives
 
 H, I = 4096, 14336
 KEYS = ("TANDEM_PDL", "TANDEM_GATED_GEMV", "TANDEM_GEMV_SPLITK")
@@ -135,19 +135,6 @@ def test_engine_tokens_equal_with_and_without_pdl(tmp_path, env, overlap):
     assert runs[0] == runs[1]
 
 
-def _top(eng, rid):
-    """Per generated token: {token id: logprob} of its top-2 alternatives."""
-    rows = []
-    for out in eng.outputs[rid]:
-        lp = out.logprobs
-        if lp is None or not lp.top:
-            continue
-        ids = np.frombuffer(lp.top_ids, np.int32).reshape(-1, lp.top)
-        vals = np.frombuffer(lp.top_logprobs, np.float32).reshape(-1, lp.top)
-        rows += [dict(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
-    return rows
-
-
 def test_engine_tokens_track_unfused(tmp_path, env):
     """With the gated GEMV and split-K down the engine decodes what the unfused chain (GEMV +
     activation kernel + cuBLAS down) decodes, up to a row's first differing token, which must
@@ -159,7 +146,7 @@ def test_engine_tokens_track_unfused(tmp_path, env):
         engines.append(_run(d, overlap=True, logprobs=2))
     fused, plain = engines
     for i in range(len(PROMPTS)):
-        got, want, top = fused.tokens[f"r{i}"], plain.tokens[f"r{i}"], _top(fused, f"r{i}")
+        got, want, top = fused.tokens[f"r{i}"], plain.tokens[f"r{i}"], top_alternatives(fused, f"r{i}")
         assert len(got) == len(want) == len(top) == 24
         k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if k is not None:

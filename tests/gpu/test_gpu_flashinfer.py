@@ -19,7 +19,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch  # noqa: E402
 from gpu_worker.kv_pool import KVLayerShape, KVPool  # noqa: E402
 from gpu_worker.staging import Staging  # noqa: E402
 from tests.helpers.checkpoints import build_llama  # noqa: E402
-from tests.helpers.inproc import InProcEngine  # noqa: E402
+from tests.helpers.inproc import InProcEngine, top_alternatives  # noqa: E402
 
 PS, DEV, DT = 16, "cuda", torch.bfloat16
 LAYERS = [(KVLayerShape(8, 128), AttnLayer(0, None, 128 ** -0.5), 32),
@@ -87,19 +87,6 @@ def test_graph_replay_after_replan_matches_triton():
         pad.zero_()
 
 
-def _top(eng, rid):
-    """Per generated token: {token id: logprob} of its top-2 alternatives."""
-    rows = []
-    for out in eng.outputs[rid]:
-        lp = out.logprobs
-        if lp is None or not lp.top:
-            continue
-        ids = np.frombuffer(lp.top_ids, np.int32).reshape(-1, lp.top)
-        vals = np.frombuffer(lp.top_logprobs, np.float32).reshape(-1, lp.top)
-        rows += [dict(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
-    return rows
-
-
 def test_engine_tokens_track_triton(tmp_path):
     """Both engines decode the same context up to a row's first differing token, so there the
     two choices must have been a near-tie in flashinfer's own distribution (bf16 kernels sum in
@@ -122,7 +109,7 @@ def test_engine_tokens_track_triton(tmp_path):
     _, tr = run("triton")
     same = 0
     for i in range(len(prompts)):
-        got, want, top = fi.tokens[f"r{i}"], tr.tokens[f"r{i}"], _top(fi, f"r{i}")
+        got, want, top = fi.tokens[f"r{i}"], tr.tokens[f"r{i}"], top_alternatives(fi, f"r{i}")
         assert len(got) == len(want) == len(top) == 12
         k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         same += k is None

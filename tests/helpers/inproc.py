@@ -10,6 +10,7 @@ import time
 from collections import defaultdict, deque
 
 import msgspec
+import numpy as np
 
 from gpu_worker.main import build_runner
 from proto.arrays import pack_i32, view_i32
@@ -65,3 +66,17 @@ class InProcEngine:
             self.tokens[out.rid].extend(view_i32(out.token_ids).tolist())
             if out.finish_reason:
                 self.finish[out.rid] = out.finish_reason
+
+
+def top_alternatives(eng: InProcEngine, rid: str) -> list[dict[int, float]]:
+    """Per generated token of ``rid`` (submitted with ``logprobs=k``): {token id: logprob} of its
+    top-k alternatives — where two engines' tokens part, both choices should be a near-tie."""
+    rows = []
+    for out in eng.outputs[rid]:
+        lp = out.logprobs
+        if lp is None or not lp.top:
+            continue
+        ids = np.frombuffer(lp.top_ids, np.int32).reshape(-1, lp.top)
+        vals = np.frombuffer(lp.top_logprobs, np.float32).reshape(-1, lp.top)
+        rows += [dict(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
+    return rows
