@@ -57,23 +57,32 @@ CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (16 KB a program)
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{name}: expected a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
 def long_k_splits() -> int:
     """K splits for one-row projections with K > SKINNY_MAX_K (``TANDEM_GEMV_SPLITK``; 0 or 1 =
     cuBLAS there, as before split-K existed)."""
-    return int(os.environ.get("TANDEM_GEMV_SPLITK", "4"))
+    return _env_int("TANDEM_GEMV_SPLITK", 4)
 
 
 def short_k_splits() -> int:
     """K splits for one-row projections with K <= SKINNY_MAX_K (``TANDEM_GEMV_SPLITK_SHORT``,
-    default 1: their N alone gives 512-3584 programs)."""
-    return max(1, int(os.environ.get("TANDEM_GEMV_SPLITK_SHORT", "1")))
+    default 1: their N alone gives 512-3584 programs; 2 and 4 measured slower)."""
+    return max(1, _env_int("TANDEM_GEMV_SPLITK_SHORT", 1))
 
 
 def gated_config() -> dict:
     """The gated GEMV streams two row blocks per program (gate n and up I + n): half CONFIG's
     block_n each keeps a program at the 8 weight rows that measured best for the plain GEMV
     (``TANDEM_GATED_BLOCK_N`` overrides, for the layer-chain bench)."""
-    return dict(CONFIG, block_n=int(os.environ.get("TANDEM_GATED_BLOCK_N", CONFIG["block_n"] // 2)))
+    return dict(CONFIG, block_n=max(1, _env_int("TANDEM_GATED_BLOCK_N", CONFIG["block_n"] // 2)))
 
 
 def gated_enabled() -> bool:

@@ -133,6 +133,9 @@ def test_linear_takes_split_k_past_max_k(monkeypatch):
         monkeypatch.setenv("TANDEM_GEMV_SPLITK", "0")
         G.linear(x, w)
         assert calls == [3, 1]
+        monkeypatch.setenv("TANDEM_GEMV_SPLITK", "four")
+        with pytest.raises(ValueError, match="TANDEM_GEMV_SPLITK"):
+            G.linear(x, w)
     finally:
         enable_cpu_kernels(False)
     torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2e-2, atol=0.2)
