@@ -21,7 +21,6 @@ from gpu_worker.kernels.norm import MODE_ADD_NORM, launch_norm
 from tests.helpers.inproc import top_alternatives
 
 H, I = 4096, 14336
-KEYS = ("TANDEM_PDL", "TANDEM_GATED_GEMV", "TANDEM_GEMV_SPLITK")
 
 
 @pytest.fixture
