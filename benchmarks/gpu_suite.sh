@@ -10,6 +10,7 @@
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
 #          and a profile of a recipe-sized decode step;
+#  (PROFILE_PREFILL=0: profile only the 1-request decode step)
 #  host = one 8192-token prefill step's wall time and host profile (cProfile), piecewise graphs on / off;
 #  tune = the recipe and the 8B at 64 requests with the decode kernel's launch shape varied,
 #         TANDEM_DECODE_TUNE, fresh processes)
@@ -90,11 +91,14 @@ if has profile; then
   echo "== profile: an 8B decode step (1 request), a prefill step of 8192 tokens (8B and Qwen3-0.6B)"
   timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
     --trace "$FINAL/trace_8b_bs1.json.gz" > "$OUT/profile_8b.txt" 2>&1 || echo "profile failed"
-  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 1 --batch 16 \
-    > "$OUT/profile_8b_prefill.txt" 2>&1 || echo "profile 8b prefill failed"
-  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --steps 1 --batch 8 --input-len 1024 \
-    > "$OUT/profile_qwen_prefill.txt" 2>&1 || echo "profile qwen prefill failed"
-  for f in profile_8b profile_8b_prefill profile_qwen_prefill; do echo "$f"; grep -A4 '"steps"' "$OUT/$f.txt"; done
+  if [ "${PROFILE_PREFILL:-1}" = 1 ]; then  # PROFILE_PREFILL=0: the decode step only
+    timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 1 --batch 16 \
+      > "$OUT/profile_8b_prefill.txt" 2>&1 || echo "profile 8b prefill failed"
+    timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --steps 1 --batch 8 --input-len 1024 \
+      > "$OUT/profile_qwen_prefill.txt" 2>&1 || echo "profile qwen prefill failed"
+  fi
+  for f in profile_8b profile_8b_prefill profile_qwen_prefill; do [ -e "$OUT/$f.txt" ] || continue
+    echo "$f"; grep -A4 '"steps"' "$OUT/$f.txt"; done
 fi
 if has llama; then
   echo "== (a, b, d) Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"
