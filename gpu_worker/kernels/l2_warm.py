@@ -6,10 +6,12 @@ beside them, on a side stream of the graph (``gpu_worker/weight_prefetch.py``), 
 streams the next projection's weights into L2, so that projection reads part of them at L2
 speed instead of HBM's.
 
-Each program reads one contiguous chunk of 32-bit words with L2-only loads (``.cg``; by
-default marked evict-last so the weight streams of the projections in between do not push
-them out first) and stores the XOR of its words to ``out[pid]`` — a value nothing reads, which
-keeps the loads from being compiled away and gives the tests a torch reference.
+Each program covers one contiguous chunk of 32-bit words, in one of two ways: L2-only loads
+(``.cg``), whose XOR it stores to ``out[pid]`` — a value nothing reads, which keeps the loads
+from being compiled away and gives the tests a torch reference; or (``evict_last``) one
+``prefetch.global.L2::evict_last`` per 32-byte sector, which marks the lines for eviction after
+the streams of other weights and returns nothing (``out[pid]`` = 0; CUDA only). Triton's own
+``eviction_policy`` cannot be combined with ``.cg`` (ptxas rejects it, H200 2026-12-03).
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ if triton is not None:
         hi = tl.minimum(n_words, lo + CHUNK)
         acc = tl.zeros([BLOCK], tl.int32)
         for start in range(lo, hi, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            if EVICT_LAST:
-                v = tl.load(src_ptr + offs, mask=offs < hi, other=0, cache_modifier=".cg",
-                            eviction_policy="evict_last")
+            if EVICT_LAST:  # one prefetch per 32-byte sector, marked evict-last in L2; no value
+                sec = tl.minimum(start + tl.arange(0, BLOCK // 8) * 8, hi - 1)
+                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0", "=r,l", [src_ptr + sec],
+                                          dtype=tl.int32, is_pure=False, pack=1)
             else:
-                v = tl.load(src_ptr + offs, mask=offs < hi, other=0, cache_modifier=".cg")
-            acc = acc ^ v
+                offs = start + tl.arange(0, BLOCK)
+                acc = acc ^ tl.load(src_ptr + offs, mask=offs < hi, other=0, cache_modifier=".cg")
         tl.store(out_ptr + pid, tl.xor_sum(acc, axis=0))
 
 
@@ -70,7 +72,7 @@ def warm_l2(w: torch.Tensor, max_bytes: int, out: torch.Tensor, *, evict_last: b
     False (nothing launched) where ``w`` is not eligible (``warm_words``) or Triton does not
     run the tensor."""
     words = warm_words(w, max_bytes)
-    if words is None or not use_triton(w):
+    if words is None or not use_triton(w) or (evict_last and not w.is_cuda):
         return False
     programs, chunk = plan(words.numel(), out.numel())
     _warm_kernel[(programs,)](words, out, words.numel(), chunk, BLOCK=BLOCK, EVICT_LAST=evict_last,

@@ -173,6 +173,7 @@ class Linear(nn.Linear):
     (``weight_prefetch.py``; ``prefetch_next`` is set by ``weight_prefetch.link``)."""
 
     prefetch_next: torch.Tensor | None = None
+    prefetch_into_o_proj = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
@@ -181,7 +182,7 @@ class Linear(nn.Linear):
 
     def warm_next(self, x: torch.Tensor) -> None:
         if self.prefetch_next is not None:
-            weight_prefetch.after_projection(self.prefetch_next, x.shape[0])
+            weight_prefetch.after_projection(self.prefetch_next, x.shape[0], self.prefetch_into_o_proj)
 
 
 class MergedLinear(Linear):

@@ -38,7 +38,7 @@ def test_warm_kernel_reads_the_leading_bytes(numel, max_bytes, slots):
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         w = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(torch.bfloat16).to(dev)
         out = torch.full((slots,), -7, dtype=torch.int32, device=dev)
-        assert L2.warm_l2(w, max_bytes, out)
+        assert L2.warm_l2(w, max_bytes, out, evict_last=False)
         words = L2.warm_words(w, max_bytes)
         assert words.numel() * 4 == min(max_bytes, numel * 2) // 16 * 16
         programs, chunk = L2.plan(words.numel(), slots)
@@ -63,6 +63,7 @@ def test_ineligible_weights_are_not_read():
     assert L2.warm_words(w, 8) is None  # under 16 bytes
     assert L2.warm_words(w, 100).numel() == 96 // 4  # rounded down to 16 bytes
     assert not L2.warm_l2(w, 1 << 20, torch.zeros(4, dtype=torch.int32))  # CPU without the interpreter path
+    assert not L2.warm_l2(w, 1 << 20, torch.zeros(4, dtype=torch.int32), evict_last=True)  # prefetches: CUDA only
 
 
 def _record_calls(model_dirs: dict, monkeypatch, **engine_kw) -> tuple[InProcEngine, list]:
@@ -83,8 +84,12 @@ def _record_calls(model_dirs: dict, monkeypatch, **engine_kw) -> tuple[InProcEng
 
 def _check_links(model: torch.nn.Module, calls: list) -> None:
     """In every forward of ``model``, each projection's ``prefetch_next`` is the weight of the one
-    called right after it; the last one links to nothing and the next call starts a new forward."""
-    lins = [m for m in model.modules() if isinstance(m, Linear)]
+    called right after it (flagged when that one is an attention output projection); the last
+    one links to nothing and the next call starts a new forward."""
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    lins = [m for _, m in named]
+    o_projs = {id(m) for n, m in named if n.endswith(".o_proj")}
+    assert o_projs  # every model here has attention output projections
     mine = {id(m) for m in lins}
     seq = [m for m in calls if id(m) in mine]
     assert seq and lins[-1].prefetch_next is None
@@ -93,6 +98,7 @@ def _check_links(model: torch.nn.Module, calls: list) -> None:
             assert b is lins[0]
         else:
             assert a.prefetch_next is not None and a.prefetch_next.data_ptr() == b.weight.data_ptr(), (a, b)
+            assert a.prefetch_into_o_proj == (id(b) in o_projs)
 
 
 def test_links_follow_execution_order(tmp_path, monkeypatch):
@@ -107,21 +113,26 @@ def test_links_follow_execution_order(tmp_path, monkeypatch):
 
 
 def test_armed_is_inert_off_cuda_and_when_off(monkeypatch):
+    monkeypatch.setenv("TANDEM_L2_PREFETCH_MB", "32,8")
     with WP.armed(torch.device("cpu")) as region:
         assert region is None
-        WP.after_projection(torch.zeros(4), 1)  # not armed: nothing to fork, no error
-    monkeypatch.setenv("TANDEM_L2_PREFETCH_MB", "0")
-    assert WP.budget_bytes() == 0
+        WP.after_projection(torch.zeros(4), 1, True)  # not armed: nothing to fork, no error
+    monkeypatch.delenv("TANDEM_L2_PREFETCH_MB")
+    assert WP.budgets() == (0, 0)  # off by default
     monkeypatch.setenv("TANDEM_L2_PREFETCH_MB", "16")
-    assert WP.budget_bytes() == 16 << 20
+    assert WP.budgets() == (16 << 20, 16 << 20)
+    monkeypatch.setenv("TANDEM_L2_PREFETCH_MB", "32,4")
+    assert WP.budgets() == (32 << 20, 4 << 20)
+    assert not WP.evict_last()
 
 
 @pytest.mark.parametrize("name,value", [("TANDEM_L2_PREFETCH_MB", "-1"), ("TANDEM_L2_PREFETCH_MB", "lots"),
+                                        ("TANDEM_L2_PREFETCH_MB", "1,2,3"), ("TANDEM_L2_PREFETCH_MB", "8,"),
                                         ("TANDEM_L2_PREFETCH_EVICT", "first")])
 def test_bad_settings_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        WP.budget_bytes() if name.endswith("_MB") else WP.evict_last()
+        WP.budgets() if name.endswith("_MB") else WP.evict_last()
 
 
 def test_tp_models_are_not_linked(monkeypatch):
