@@ -11,7 +11,6 @@
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
 #          and a profile of a recipe-sized decode step;
 #  (PROFILE_PREFILL=0: profile only the 1-request decode step)
-#  warm = L2 warm-up of the next projection's weights, A/B (WARM_VARIANTS="A,B/evict ...", WARM_GEMMA);
 #  host = one 8192-token prefill step's wall time and host profile (cProfile), piecewise graphs on / off;
 #  tune = the recipe and the 8B at 64 requests with the decode kernel's launch shape varied,
 #         TANDEM_DECODE_TUNE, fresh processes)
@@ -230,29 +229,6 @@ if has gfuse; then
       "llama 1 request, defaults, pdl=$p" 2>/dev/null
   done
   unset TANDEM_PDL
-fi
-if has warm; then
-  # The next projection's weights read into L2 beside the small kernels (weight_prefetch.py):
-  # MB read ahead per projection and the eviction hint, A/B in fresh processes.
-  echo "== L2 warm-up of the next projection: Llama-8B 1 request; Gemma-4 9B plain and MTP, 1 request"
-  # variant "A,B/evict": MB ahead of each o_proj, of the other projections; eviction hint
-  for v in ${WARM_VARIANTS:-0/normal 32,0/normal 32,8/normal 32,0/last 32,8/last}; do
-    export TANDEM_L2_PREFETCH_MB=${v%/*} TANDEM_L2_PREFETCH_EVICT=${v#*/}; n=llama1_warm_${v//[,\/]/_}
-    off $n 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
-    python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],
-      'tok/s %.1f' % w['output_tok_s'], 'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" \
-      "$OUT/$n.json" "llama 1 request, warm-up $v" 2>/dev/null
-  done
-  for v in ${WARM_GEMMA:-0/normal 32,8/last}; do
-    export TANDEM_L2_PREFETCH_MB=${v%/*} TANDEM_L2_PREFETCH_EVICT=${v#*/}; n=${v//[,\/]/_}
-    off gemma_plain_warm_$n 150 "${G[@]}"
-    off gemma_mtp_warm_$n 150 "${G[@]}" "${MTPG[@]}"
-    python3 -c "import json,sys; p, m = (json.load(open(f))['workloads'][0] for f in sys.argv[1:3])
-print(sys.argv[3], 'plain %.3f ms' % p['busy_ms_per_step'], 'MTP %.3f ms' % m['busy_ms_per_step'],
-      '= %.3fx' % (m['busy_ms_per_step'] / p['busy_ms_per_step']), 'MTP tok/s %.1f' % m['output_tok_s'])" \
-      "$OUT/gemma_plain_warm_$n.json" "$OUT/gemma_mtp_warm_$n.json" "gemma warm-up $v" 2>/dev/null
-  done
-  unset TANDEM_L2_PREFETCH_MB TANDEM_L2_PREFETCH_EVICT
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker import weight_prefetch
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain
 
@@ -137,19 +136,17 @@ class DecodeGraphs:
         body = self.body
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        # weight_prefetch.armed: the graphs read each next projection's weights into L2 on a
-        # side branch (joined before each graph ends); the warm-up compiles that kernel too.
-        with torch.cuda.stream(side), weight_prefetch.armed(self.device):  # compiles every kernel
+        with torch.cuda.stream(side):  # warm-up: compiles every kernel for this shape
             for _ in range(2):
                 body.draft(b.slots, b.tokens)
                 body.forward(b.slots, b.tokens)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if body.assistant is not None:
             b.draft = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(b.draft, pool=pool), weight_prefetch.armed(self.device):
+            with torch.cuda.graph(b.draft, pool=pool):
                 body.draft(b.slots, b.tokens)
         b.target = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(b.target, pool=pool), weight_prefetch.armed(self.device):
+        with torch.cuda.graph(b.target, pool=pool):
             b.hidden, b.logits = body.forward(b.slots, b.tokens)
 
     def run(self, n: int, padded_slots: torch.Tensor, mark) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker import weight_prefetch
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.activation import gated_act
@@ -168,21 +167,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py), and
-    which, inside a captured decode graph, starts reading the next projection's weights into L2
-    (``weight_prefetch.py``; ``prefetch_next`` is set by ``weight_prefetch.link``)."""
-
-    prefetch_next: torch.Tensor | None = None
-    prefetch_into_o_proj = False
+    """nn.Linear whose one-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
-        self.warm_next(x)
-        return y
-
-    def warm_next(self, x: torch.Tensor) -> None:
-        if self.prefetch_next is not None:
-            weight_prefetch.after_projection(self.prefetch_next, x.shape[0], self.prefetch_into_o_proj)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -234,7 +222,6 @@ class GatedMLP(nn.Module):
         if type(self.gate_up_proj) is MergedLinear and self.gate_up_proj.bias is None:
             h = gated_linear(x, self.gate_up_proj.weight, self.act_name)
             if h is not None:
-                self.gate_up_proj.warm_next(x)
                 return self.down_proj(h)
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         return self.down_proj(gated(self.act_name, gate, up))

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gpu_worker import weight_prefetch
 from gpu_worker.models import DRAFT_ARCHITECTURES, model_class
 from gpu_worker.models.config import architecture_of, load_config, parse_config
 from gpu_worker.models.layers import MergedLinear
@@ -162,5 +161,4 @@ def load_model(
         raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
     model.eval()
     model.requires_grad_(False)
-    weight_prefetch.link(model)
     return model
