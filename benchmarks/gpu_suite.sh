@@ -4,13 +4,13 @@
 #   device run: carry [".whl"], command: bash benchmarks/gpu_suite.sh
 # tests/gpu first, then the benchmarks of issue 8 (a-f); JSON + logs under $OUT; a table last.
 # PARTS selects stages (default all): tests profile llama qwen gemma pair attn
+# (PROFILE_PREFILL=0: the profile part profiles only the 1-request decode step)
 # (and, not in the default: fi = flashinfer vs triton; fuse = the one-row MLP fusions and PDL, A/B;
 #  gfuse = the same on the Gemma-4 9B shape;
 #  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
 #          and a profile of a recipe-sized decode step;
-#  (PROFILE_PREFILL=0: profile only the 1-request decode step)
 #  host = one 8192-token prefill step's wall time and host profile (cProfile), piecewise graphs on / off;
 #  tune = the recipe and the 8B at 64 requests with the decode kernel's launch shape varied,
 #         TANDEM_DECODE_TUNE, fresh processes)
@@ -35,9 +35,6 @@ T=models/tiny-shakespeare/target; A=models/tiny-shakespeare/assistant
 # The two workloads every A/B part re-runs: (a, b) the 8B shape at 1 and 64 requests, and (c)
 # nano-vllm's recipe on the Qwen3-0.6B shape (256 requests, lengths U[100, 1024]).
 LLAMA8B=(--model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 --max-running-requests 64)
-# (e) the Gemma-4-shaped 9B dense target at one request, plain and with frozen-KV MTP S=3
-G=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
-MTPG=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3)
 RECIPE=(--model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024
         --max-running-requests 256)
 python3 benchmarks/hbm_bandwidth.py --model-path $T > "$OUT/hbm.json" && grep -m1 bandwidth "$OUT/hbm.json"
@@ -232,6 +229,8 @@ if has gfuse; then
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"
+  MTPG=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3)
+  G=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
   off gemma_plain 150 "${G[@]}"
   off gemma_mtp 150 "${G[@]}" "${MTPG[@]}"
 fi
