@@ -3,11 +3,13 @@ engine runs them) with weights/KV rotated over more than L2 holds:
 
 - linear layers at decode shapes: cuBLAS (through F.linear, either BLAS library torch offers)
   against our split-N GEMV (``gpu_worker/kernels/gemv.py``, a config sweep) for M <= 4;
+- (``gemv``) the GEMV at 1, 2 and 4 rows on Llama-8B and Gemma-4 9B projections, per-tile
+  against deferred reduction, and the best several-row launch shape;
 - paged decode attention launch shapes (BLOCK_N, warps, stages) and split counts;
 - the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab] (torch's and ours,
   ``gpu_worker/kernels/argmax.py``).
 
-    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,attn,logits]
+    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,gemv,attn,logits]
 """
 
 from __future__ import annotations
@@ -82,6 +84,52 @@ def gemm_rows(bw: float) -> list[dict]:
     return rows
 
 
+# The GEMV at 1, 2 and 4 rows (plain decode, MTP verify at one request) on Llama-3.1-8B's and
+# the Gemma-4 9B shape's projections (sliding-layer qkv / o), with the split-K the engine uses
+# past SKINNY_MAX_K: the K loop's per-tile reduction (as before) against the deferred one.
+GEMMA = [("qkv", 8192, 3840), ("o", 3840, 4096), ("gate_up", 30720, 3840), ("down", 3840, 15360)]
+ROW_SHAPES = [(f"{model} {n}", m, nn, k) for m in (1, 2, 4) for model, shapes in (("llama", LLAMA), ("gemma", GEMMA))
+              for n, nn, k in shapes]
+ROW_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=3, defer=True)
+               for bn, bk, w in ((4, 256, 4), (8, 128, 4), (8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4))]
+
+
+def gemv_rows(bw: float) -> list[dict]:
+    from gpu_worker.kernels.gemv import CONFIG, SKINNY_MAX_K, long_k_splits
+
+    rows = []
+    for label, m, n, k in ROW_SHAPES:
+        nbytes = n * k * 2
+        copies = max(1, -(-L2_BYTES // nbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0])
+        base = {"shape": label, "m": m, "n": n, "k": k, "weight_mb": nbytes / 1e6}
+        sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
+        rows.append(base | {"impl": "cublaslt", "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
+        splits = long_k_splits() if k > SKINNY_MAX_K else 1
+        cfgs = [dict(CONFIG, defer=False)] + ([dict(CONFIG, defer=True)] if m == 1 else ROW_CONFIGS)
+        for cfg in cfgs:
+            err = (gemv(x, ws[0], splits=splits, **cfg).float() - ref.float()).abs().max().item()
+            sec = graph_time(lambda: [gemv(x, w, splits=splits, **cfg) for w in ws], copies)
+            rows.append(base | {"impl": "gemv", "config": cfg, "splits": splits, "max_abs_err_vs_cublas": err,
+                                "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def best_rows_tune(rows: list[dict]) -> str:
+    """The several-row launch shape with the least summed time over the 4-row shapes, as
+    TANDEM_GEMV_ROWS_TUNE reads it (gpu_suite.sh's ``rows`` part runs the engine with it)."""
+    total: dict[str, float] = {}
+    for r in rows:
+        if r["impl"] == "gemv" and r["m"] == 4 and r["config"].get("defer"):
+            key = ",".join(f"{k}={r['config'][k]}" for k in ("block_n", "block_k", "num_warps", "num_stages"))
+            total[key] = total.get(key, 0.0) + r["us"]
+    return min(total, key=total.get) if total else ""
+
+
 def attn_rows(bw: float, sms: int) -> list[dict]:
     rows = []
     cases = [("qwen3-0.6b", 256, 812, 16, 8, False), ("qwen3-0.6b", 256, 812, 16, 8, True),
@@ -130,7 +178,8 @@ def main() -> None:
     bw = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = {"copy_bandwidth_bytes_s": bw}
-    for part, fn in (("logits", logits_rows), ("gemm", lambda: gemm_rows(bw)), ("attn", lambda: attn_rows(bw, sms))):
+    for part, fn in (("logits", logits_rows), ("gemm", lambda: gemm_rows(bw)), ("gemv", lambda: gemv_rows(bw)),
+                     ("attn", lambda: attn_rows(bw, sms))):
         if part in a.only.split(","):
             try:
                 out[part] = fn()
@@ -148,6 +197,12 @@ def summarize(out: dict) -> None:
     for r in out.get("gemm", []):
         extra = f" {r['config']} err {r['max_abs_err_vs_cublas']:.3g}" if r["impl"] == "gemv" else ""
         print(f"gemm {r['shape']:14} m {r['m']:>3} {r['impl']:8} {r['us']:8.2f} us {r['frac_of_copy_bw']:6.1%}{extra}")
+    for r in out.get("gemv", []):
+        cfg = r.get("config")
+        extra = f" {cfg} err {r['max_abs_err_vs_cublas']:.3g}" if cfg else ""
+        print(f"gemv {r['shape']:14} m {r['m']} {r['impl']:8} {r['us']:8.2f} us {r['frac_of_copy_bw']:6.1%}{extra}")
+    if out.get("gemv"):
+        print("best_rows_tune", best_rows_tune(out["gemv"]))
     best: dict = {}
     for r in out.get("attn", []):
         if "error" in r:

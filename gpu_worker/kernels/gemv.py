@@ -34,7 +34,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import TICKETS, pdl, tickets, use_triton
+from gpu_worker.kernels import TICKETS, env_tune, pdl, tickets, use_triton
 from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 
@@ -54,6 +54,10 @@ GEMV_MAX_M = 4
 SKINNY_MAX_K = 8192
 SKINNY_MIN_WEIGHT = 8 << 20  # elements
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
+# Two to four rows (MTP's verify at one request): the deferred reduction (see ``gemv``), with a
+# K tile small enough that four rows of [block_n, block_k] fp32 partials stay in registers.
+ROWS_CONFIG = dict(block_n=8, block_k=256, num_warps=4, num_stages=3, defer=True)
+DEFAULT_ROWS = 1
 PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (16 KB a program)
 
 
@@ -108,6 +112,19 @@ if triton is not None:
         return a0, a1, a2, a3
 
     @triton.jit
+    def _accumulate_2d(w, x_ptr, sxm, k, km, M: tl.constexpr, a0, a1, a2, a3):
+        """a_m += W_tile * x[m, k] elementwise: the reduction over K waits until after the loop,
+        so the loop body is FMAs only (the per-tile sums cost a cross-warp reduction per row)."""
+        a0 += w * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :]
+        if M > 1:
+            a1 += w * tl.load(x_ptr + sxm + k, mask=km, other=0.0).to(tl.float32)[None, :]
+        if M > 2:
+            a2 += w * tl.load(x_ptr + 2 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :]
+        if M > 3:
+            a3 += w * tl.load(x_ptr + 3 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :]
+        return a0, a1, a2, a3
+
+    @triton.jit
     def _finish(a, b, ACT: tl.constexpr, DT: tl.constexpr):
         """The output value of one row: the sum, or act(gate) * up from the gate and up sums."""
         if ACT >= 0:
@@ -139,7 +156,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, DEFER: tl.constexpr):
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -152,7 +169,10 @@ if triton is not None:
             prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
         k0 = tl.arange(0, BLOCK_K)
-        a0 = tl.zeros([BLOCK_N], tl.float32)
+        if DEFER:  # [BLOCK_N, BLOCK_K] partial sums, reduced once after the loop
+            a0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        else:
+            a0 = tl.zeros([BLOCK_N], tl.float32)
         a1, a2, a3 = a0, a0, a0
         b0, b1, b2, b3 = a0, a0, a0, a0
         for start in range(k_lo, k_hi, BLOCK_K):
@@ -160,10 +180,19 @@ if triton is not None:
             km = k < k_hi
             wm = nm[:, None] & km[None, :]
             w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
+            if DEFER:
+                a0, a1, a2, a3 = _accumulate_2d(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
+            else:
+                a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
             if ACT >= 0:
                 w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
+                if DEFER:
+                    b0, b1, b2, b3 = _accumulate_2d(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
+                else:
+                    b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
+        if DEFER:
+            a0, a1, a2, a3 = tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1)
+            b0, b1, b2, b3 = tl.sum(b0, axis=1), tl.sum(b1, axis=1), tl.sum(b2, axis=1), tl.sum(b3, axis=1)
         ws = ws_ptr + tl.program_id(1) * M * 2 * N
         _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, SPLITS, ACT)
         if M > 1:
@@ -183,12 +212,14 @@ if triton is not None:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: int = 1, block_n: int = 16,
-         block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None) -> torch.Tensor:
+         block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None,
+         defer: bool = False) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M, unit column stride), w [N, K] contiguous -> [M, N].
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
-    sum). ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
+    sum). ``defer`` keeps [block_n, block_k] partial sums per row and reduces them once after
+    the K loop (the several-row variant). ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if act else rows
@@ -210,27 +241,46 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
     pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
     _gemv_kernel[(tiles, splits)](
         x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n,
-        BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
+        BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre, DEFER=bool(defer),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
     )
     return y
 
 
-def _one_row(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+def skinny_rows() -> int:
+    """The most rows a projection sends through the GEMV (``TANDEM_GEMV_ROWS``, 1..GEMV_MAX_M):
+    one decode row, and up to GEMV_MAX_M for MTP's verify at one request (T = S + 1 = 4 rows)."""
+    n = _env_int("TANDEM_GEMV_ROWS", DEFAULT_ROWS)
+    if not 1 <= n <= GEMV_MAX_M:
+        raise ValueError(f"TANDEM_GEMV_ROWS: expected 1..{GEMV_MAX_M}, got {n}")
+    return n
+
+
+def launch_config(m: int) -> dict:
+    """One row: CONFIG (``TANDEM_GEMV_DEFER=1`` defers its reduction too, for A/Bs); more rows:
+    ROWS_CONFIG, whose launch shape ``TANDEM_GEMV_ROWS_TUNE="block_n=8,block_k=256"`` overrides."""
+    if m == 1:
+        return dict(CONFIG, defer=_env_int("TANDEM_GEMV_DEFER", 0) > 0)
+    return ROWS_CONFIG | env_tune("TANDEM_GEMV_ROWS_TUNE", ("block_n", "block_k", "num_warps", "num_stages"))
+
+
+def _skinny(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
+    return (x.dim() == 2 and 1 <= x.shape[0] <= rows and x.dtype in (torch.bfloat16, torch.float16)
             and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1 and w.is_contiguous() and use_triton(x))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the GEMV where it measured faster: one decode row through a mid-sized weight,
-    split-K past SKINNY_MAX_K. Decode batches (16-256 rows) stay with cuBLAS: a Triton small-M
-    GEMM (M x N tiles, split K) measured slower there on the H200 (BENCHMARKS.md, 2026-12-02 night)."""
-    if bias is None and _one_row(x, w):
+    """F.linear, or the GEMV where it measured faster: up to ``skinny_rows()`` rows through a
+    mid-sized weight, split-K past SKINNY_MAX_K. Decode batches (16-256 rows) stay with cuBLAS:
+    a Triton small-M GEMM (M x N tiles, split K) measured slower there on the H200
+    (BENCHMARKS.md, 2026-12-02 night)."""
+    if bias is None and _skinny(x, w, skinny_rows()):
+        cfg = launch_config(x.shape[0])
         if w.shape[1] <= SKINNY_MAX_K:
-            return gemv(x, w, splits=short_k_splits(), **CONFIG)
+            return gemv(x, w, splits=short_k_splits(), **cfg)
         splits = long_k_splits()
         if splits > 1:
-            return gemv(x, w, splits=splits, **CONFIG)
+            return gemv(x, w, splits=splits, **cfg)
     return F.linear(x, w, bias)
 
 
@@ -238,6 +288,6 @@ def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tens
     """``act(x @ gate^T) * (x @ up^T)`` for one decode row in one GEMV (gate_up = [gate; up],
     [2I, K]), or None where the caller should run the merged projection and the activation
     separately (more rows, small weights, the torch path, switched off)."""
-    if act not in ACTS or not gated_enabled() or not _one_row(x, gate_up) or gate_up.shape[1] > SKINNY_MAX_K:
+    if act not in ACTS or not gated_enabled() or not _skinny(x, gate_up, 1) or gate_up.shape[1] > SKINNY_MAX_K:
         return None
     return gemv(x, gate_up, act=act, splits=short_k_splits(), **gated_config())
