@@ -230,32 +230,34 @@ if has gfuse; then
 fi
 if has rows; then
   # MTP's verify at one request runs 4 rows per projection: cuBLAS (TANDEM_GEMV_ROWS=1) against
-  # the GEMV with the deferred reduction (4). The sweep's best several-row launch shape is
-  # A/B'd too, and the deferred reduction at one row (TANDEM_GEMV_DEFER) on plain decode.
-  echo "== several-row GEMV: kernel sweep (1, 2, 4 rows), Gemma MTP and plain A/B, Llama 1 request"
+  # the tensor-core GEMV (4) at the sweep's best launch shape; and the greedy tail in the decode
+  # graphs (TANDEM_GREEDY_TAIL) on MTP, plain Gemma and the 8B at one request.
+  echo "== several-row GEMV and greedy tail: kernel sweep (1, 2, 4 rows), engine A/B, GPU tests"
   timeout ${ROWS_SWEEP_TIMEOUT:-240} python3 benchmarks/kernel_sweep.py --only gemv --json "$OUT/gemv_rows.json" \
     > "$OUT/gemv_rows.log" 2>&1 || { echo "gemv sweep failed"; tail -5 "$OUT/gemv_rows.log"; }
   grep "^gemv\|^best_rows" "$OUT/gemv_rows.log"
   best=$(grep -m1 '^best_rows_tune' "$OUT/gemv_rows.log" | cut -d' ' -f2)
   G1=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
   MTPG=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3)
-  row() { python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['engine']; print(sys.argv[2], 'tok/s %.1f' % w['output_tok_s'],
-    'busy ms/step %.3f' % w['busy_ms_per_step'], 'draft ms/step %.3f' % w.get('draft_ms_per_step', 0))" "$OUT/$1.json" "$1 $2" 2>/dev/null; }
-  for v in ${ROWS_VARIANTS:-1,0,- 4,0,- 4,0,best}; do  # rows, defer at one row, tune
-    set -- ${v//,/ }; tune=""; [ "$3" = best ] && tune=$best
-    export TANDEM_GEMV_ROWS=$1 TANDEM_GEMV_DEFER=$2 TANDEM_GEMV_ROWS_TUNE=$tune
-    off gemma_mtp_rows$1_defer$2_$3 150 "${G1[@]}" "${MTPG[@]}"; row gemma_mtp_rows$1_defer$2_$3 "$tune"
-  done
-  for d in 0 1; do
-    export TANDEM_GEMV_ROWS=4 TANDEM_GEMV_DEFER=$d TANDEM_GEMV_ROWS_TUNE=
-    off gemma_plain_defer$d 150 "${G1[@]}"; row gemma_plain_defer$d
-    off llama1_defer$d 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1; row llama1_defer$d
-  done
-  export TANDEM_GEMV_ROWS=4 TANDEM_GEMV_DEFER=0 TANDEM_GEMV_ROWS_TUNE=
+  ab() {  # name, TANDEM_GEMV_ROWS, TANDEM_GREEDY_TAIL, TANDEM_GEMV_DOT, then offline.py's arguments
+    local name=$1; export TANDEM_GEMV_ROWS=$2 TANDEM_GREEDY_TAIL=$3 TANDEM_GEMV_DOT=$4 TANDEM_GEMV_ROWS_TUNE=$best; shift 4
+    off $name 150 "$@"
+    python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['engine']; print(sys.argv[2], 'tok/s %.1f' % w['output_tok_s'],
+      'busy ms/step %.3f' % w['busy_ms_per_step'], 'draft ms/step %.3f' % w.get('draft_ms_per_step', 0))" "$OUT/$name.json" \
+      "$name rows=$TANDEM_GEMV_ROWS tail=$TANDEM_GREEDY_TAIL dot=$TANDEM_GEMV_DOT tune=$best" 2>/dev/null || echo "$name failed"
+  }
+  ab gemma_mtp_r1_t0 1 0 0 "${G1[@]}" "${MTPG[@]}"
+  ab gemma_mtp_r1_t1 1 1 0 "${G1[@]}" "${MTPG[@]}"
+  ab gemma_mtp_r4_t1 4 1 0 "${G1[@]}" "${MTPG[@]}"
+  ab gemma_plain_t0 1 0 0 "${G1[@]}"
+  ab gemma_plain_t1 1 1 0 "${G1[@]}"
+  ab llama1_t0 1 0 0 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
+  ab llama1_t1 1 1 0 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
+  ab llama1_t1_dot 1 1 1 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
+  unset TANDEM_GEMV_ROWS TANDEM_GREEDY_TAIL TANDEM_GEMV_DOT TANDEM_GEMV_ROWS_TUNE
   [ "${ROWS_TESTS:-1}" = 1 ] && timeout ${ROWS_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider \
-    tests/gpu/test_gpu_verify_rows.py \
+    tests/gpu/test_gpu_verify_rows.py tests/gpu/test_gpu_parity.py -k "several_rows or mtp_engine or inproc" \
     2>&1 | tail -15 | tee "$OUT/rows_tests.log"
-  unset TANDEM_GEMV_ROWS TANDEM_GEMV_DEFER TANDEM_GEMV_ROWS_TUNE
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"

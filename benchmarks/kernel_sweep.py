@@ -4,7 +4,7 @@ engine runs them) with weights/KV rotated over more than L2 holds:
 - linear layers at decode shapes: cuBLAS (through F.linear, either BLAS library torch offers)
   against our split-N GEMV (``gpu_worker/kernels/gemv.py``, a config sweep) for M <= 4;
 - (``gemv``) the GEMV at 1, 2 and 4 rows on Llama-8B and Gemma-4 9B projections, per-tile
-  against deferred reduction, and the best several-row launch shape;
+  against the tensor-core variant, and the best several-row launch shape;
 - paged decode attention launch shapes (BLOCK_N, warps, stages) and split counts;
 - the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab] (torch's and ours,
   ``gpu_worker/kernels/argmax.py``).
@@ -86,12 +86,15 @@ def gemm_rows(bw: float) -> list[dict]:
 
 # The GEMV at 1, 2 and 4 rows (plain decode, MTP verify at one request) on Llama-3.1-8B's and
 # the Gemma-4 9B shape's projections (sliding-layer qkv / o), with the split-K the engine uses
-# past SKINNY_MAX_K: the K loop's per-tile reduction (as before) against the deferred one.
+# past SKINNY_MAX_K: cuBLAS, the one-row FMA kernel, and the tensor-core variant's launch shapes.
+# (The FMA kernel at 2-4 rows, with and without a deferred reduction, lost to cuBLAS by 2-3x on
+# every shape: h200-2026-12-03g.)
 GEMMA = [("qkv", 8192, 3840), ("o", 3840, 4096), ("gate_up", 30720, 3840), ("down", 3840, 15360)]
 ROW_SHAPES = [(f"{model} {n}", m, nn, k) for m in (1, 2, 4) for model, shapes in (("llama", LLAMA), ("gemma", GEMMA))
               for n, nn, k in shapes]
-ROW_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=3, defer=True)
-               for bn, bk, w in ((4, 256, 4), (8, 128, 4), (8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4))]
+ROW_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, dot=True)
+               for bn, bk, st in ((16, 256, 3), (16, 256, 4), (16, 512, 3), (32, 128, 4), (32, 256, 3), (32, 256, 4),
+                                  (64, 128, 3), (64, 128, 4))]
 
 
 def gemv_rows(bw: float) -> list[dict]:
@@ -108,7 +111,7 @@ def gemv_rows(bw: float) -> list[dict]:
         sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
         rows.append(base | {"impl": "cublaslt", "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
         splits = long_k_splits() if k > SKINNY_MAX_K else 1
-        cfgs = [dict(CONFIG, defer=False)] + ([dict(CONFIG, defer=True)] if m == 1 else ROW_CONFIGS)
+        cfgs = ([CONFIG] if m == 1 else []) + ROW_CONFIGS
         for cfg in cfgs:
             err = (gemv(x, ws[0], splits=splits, **cfg).float() - ref.float()).abs().max().item()
             sec = graph_time(lambda: [gemv(x, w, splits=splits, **cfg) for w in ws], copies)
@@ -124,7 +127,7 @@ def best_rows_tune(rows: list[dict]) -> str:
     TANDEM_GEMV_ROWS_TUNE reads it (gpu_suite.sh's ``rows`` part runs the engine with it)."""
     total: dict[str, float] = {}
     for r in rows:
-        if r["impl"] == "gemv" and r["m"] == 4 and r["config"].get("defer"):
+        if r["impl"] == "gemv" and r["m"] == 4 and r["config"].get("dot"):
             key = ",".join(f"{k}={r['config'][k]}" for k in ("block_n", "block_k", "num_warps", "num_stages"))
             total[key] = total.get(key, 0.0) + r["us"]
     return min(total, key=total.get) if total else ""

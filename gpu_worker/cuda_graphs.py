@@ -11,9 +11,15 @@ step's device work is two functions of a static ``slots`` buffer:
 
 ``DecodeGraphs`` captures both per batch bucket at start-up (largest first, one shared memory
 pool) and replays them; rows past the real batch point at slot 0, the padding row, whose
-length is 0 and whose pages are page 0, so they read nothing and write only page 0. Token
-selection that depends on per-request options (sampling, penalties, min_tokens, verify) runs
-after the replay, outside the graph, so graphs stay exact for every request mix.
+length is 0 and whose pages are page 0, so they read nothing and write only page 0. Without an
+assistant the bonus gather is captured at the head of the target graph.
+
+- ``tail``: for steps whose rows are all greedy with no logit processors or logprobs, argmax,
+  MTP's greedy accept and the slot-state update as one more graph (``kernels/decode_tail.py``),
+  writing tokens and accept counts into the bucket's ``result`` buffer: the step then runs no
+  eager op between its replays and its one copy home. Token selection that depends on other
+  per-request options (sampling, penalties, min_tokens, logprobs) runs after the replay, outside
+  the graphs, so graphs stay exact for every request mix.
 
 Invariant: a bucket's static outputs are rewritten by its next replay; every reader of a step's
 outputs is queued on the same stream before the next step's replay.
@@ -25,12 +31,15 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.kernels.argmax import argmax_last
+from gpu_worker.kernels.decode_tail import greedy_tail
 from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain
 
 log = logging.getLogger("tandem.worker")
@@ -46,6 +55,11 @@ def graph_buckets(requested: tuple[int, ...] | None, max_bs: int | None, max_slo
     if not requested and (not base or base[-1] < cap):
         base.append(cap)
     return base
+
+
+def greedy_tail_enabled() -> bool:
+    """``TANDEM_GREEDY_TAIL=0`` sends all-greedy graph steps through the eager tail too (A/Bs)."""
+    return os.environ.get("TANDEM_GREEDY_TAIL", "1") != "0"
 
 
 def fitting_bucket(sizes: list[int], n: int) -> int | None:
@@ -85,14 +99,22 @@ class DecodeBody:
         hidden = self.target.forward(fb, self.backend)
         return hidden, self.target.compute_logits(hidden)
 
+    def tail(self, slots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
+             result: torch.Tensor) -> None:
+        """All-greedy rows: tokens, accept counts and the slot-state update (decode_tail.py)."""
+        st = self.state
+        greedy_tail(slots, tokens, argmax_last(logits), hidden, st.seq_len, st.last_token, st.hidden, result)
+
 
 @dataclass
 class _Bucket:
     size: int
     slots: torch.Tensor  # [B] static input
     tokens: torch.Tensor  # [B, T] draft output = target input
+    result: torch.Tensor  # [B, T + 1] int32: the greedy tail's tokens and accept counts
     draft: object | None = None  # torch.cuda.CUDAGraph
     target: object | None = None
+    tail: object | None = None
     hidden: torch.Tensor | None = None
     logits: torch.Tensor | None = None
 
@@ -103,7 +125,8 @@ class DecodeGraphs:
         self.device = body.state.device
         self.capture_graphs = self.device.type == "cuda" and not emulate
         self.buckets = {b: _Bucket(b, torch.zeros(b, dtype=torch.int64, device=self.device),
-                                   torch.zeros(b, body.t, dtype=torch.int64, device=self.device))
+                                   torch.zeros(b, body.t, dtype=torch.int64, device=self.device),
+                                   torch.zeros(b, body.t + 1, dtype=torch.int32, device=self.device))
                         for b in buckets}
         self.sizes = sorted(buckets)
 
@@ -123,12 +146,12 @@ class DecodeGraphs:
             # cost: pay that here, not in the first user steps. Every slot is 0 (padding), so
             # these replays write page 0 only.
             for b in self.buckets.values():
-                for graph in (b.draft, b.target):
+                for graph in (b.draft, b.target, b.tail):
                     if graph is not None:
                         graph.replay()
         torch.cuda.synchronize(self.device)
         used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**20
-        log.info("CUDA graphs: captured decode%s for batch sizes %s in %.1f s, %.0f MiB",
+        log.info("CUDA graphs: captured decode%s + greedy tail for batch sizes %s in %.1f s, %.0f MiB",
                  " + draft loop" if self.body.assistant is not None else "", self.sizes,
                  time.perf_counter() - t0, used)
 
@@ -137,9 +160,10 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: compiles every kernel for this shape
-            for _ in range(2):
+            for _ in range(2):  # (every slot is 0: the tail writes no state)
                 body.draft(b.slots, b.tokens)
-                body.forward(b.slots, b.tokens)
+                hidden, logits = body.forward(b.slots, b.tokens)
+                body.tail(b.slots, b.tokens, hidden, logits, b.result)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if body.assistant is not None:
             b.draft = torch.cuda.CUDAGraph()
@@ -147,7 +171,12 @@ class DecodeGraphs:
                 body.draft(b.slots, b.tokens)
         b.target = torch.cuda.CUDAGraph()
         with torch.cuda.graph(b.target, pool=pool):
+            if body.assistant is None:
+                body.draft(b.slots, b.tokens)  # the bonus gather: two small kernels
             b.hidden, b.logits = body.forward(b.slots, b.tokens)
+        b.tail = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(b.tail, pool=pool):
+            body.tail(b.slots, b.tokens, b.hidden, b.logits, b.result)
 
     def run(self, n: int, padded_slots: torch.Tensor, mark) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Replay the bucket for ``n`` rows; ``padded_slots`` has the bucket's length (padding 0).
@@ -158,12 +187,22 @@ class DecodeGraphs:
         b.slots.copy_(padded_slots)
         if b.draft is not None:
             b.draft.replay()
-        else:
+        elif b.target is None:
             self.body.draft(b.slots, b.tokens)
         mark()
         if b.target is not None:
             b.target.replay()
             hidden, logits = b.hidden, b.logits
         else:
-            hidden, logits = self.body.forward(b.slots, b.tokens)
+            b.hidden, b.logits = hidden, logits = self.body.forward(b.slots, b.tokens)
         return b.tokens[:n], hidden[: n * t], logits[: n * t]
+
+    def run_tail(self, n: int) -> torch.Tensor:
+        """After ``run(n, ...)`` of an all-greedy step: the greedy tail -> result [n, T + 1]
+        (tokens, accept count; the slot state already updated)."""
+        b = self.buckets[self.bucket(n)]
+        if b.tail is not None:
+            b.tail.replay()
+        else:
+            self.body.tail(b.slots, b.tokens, b.hidden, b.logits, b.result)
+        return b.result[:n]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, stage_target_batch
-from gpu_worker.cuda_graphs import DecodeBody, DecodeGraphs
+from gpu_worker.cuda_graphs import DecodeBody, DecodeGraphs, greedy_tail_enabled
 from gpu_worker.kernels import enable_cpu_kernels
 from gpu_worker.prefill_graphs import PrefillGraphs
 from gpu_worker.processors import LogitProcessors
@@ -157,6 +157,13 @@ class ModelRunner:
         if bucket is not None:
             self.backend.prepare_graph(bucket, b)  # plan()-style host work, outside the graph
         self.proc.observe_extend(rows)
+        if bucket is not None and self._greedy_tail(rows, b):
+            n = len(rows.dec_slots)
+            self.graphs.run(n, b["dec_pad"], timer.mark)
+            result = self.graphs.run_tail(n)
+            self.tick("l.forward")
+            timer.mark()
+            return self._copy_out_result(plan.step_id, rows, result, timer)
         if bucket is not None:
             dec_tokens, hidden, logits = self.graphs.run(len(rows.dec_slots), b["dec_pad"], timer.mark)
             sel_hidden = hidden
@@ -178,6 +185,12 @@ class ModelRunner:
         return self._copy_out(plan.step_id, rows, out, accept, lps, prompt_lps, timer)
 
     # ------------------------------------------------------------ pieces
+    def _greedy_tail(self, rows: PlanRows, b: StageBatch) -> bool:
+        """A graph step whose rows are all greedy, with no logit processors and no logprobs,
+        selects its tokens and updates slot state inside the graphs (``DecodeGraphs.run_tail``)."""
+        return (greedy_tail_enabled() and "lp_idx" not in b and bool(self.state.greedy[rows.dec_slots].all())
+                and not self.proc.active(rows.dec_slots))
+
     def _target_forward(self, fb) -> torch.Tensor:
         if self.prefill is not None and self.prefill.bucket(fb.num_tokens) is not None:
             return self.prefill.forward(fb)
@@ -284,24 +297,31 @@ class ModelRunner:
         full[b["lp_idx"]] = logits
         return token_logprobs(full, out.reshape(-1), int(self.state.logprobs[slots].max()))
 
-    def _copy_out(self, step_id, rows, out, accept, lps, prompt_lps, timer) -> Pending:
-        cuda = self.device.type == "cuda"
+    def _d2h(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        if self.device.type != "cuda":
+            return x.cpu()
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        return host
 
-        def d2h(x):
-            if x is None:
-                return None
-            if not cuda:
-                return x.cpu()
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            host.copy_(x, non_blocking=True)
-            return host
-
-        tokens = d2h(out.to(torch.int32))
-        acc = d2h(accept.to(torch.int32))
-        lp = tuple(d2h(x) for x in lps) if lps is not None else None
+    def _pending(self, step_id, rows, tokens, acc, lp, prompt_lps, timer) -> Pending:
         timer.mark()
         event = None
-        if cuda:
+        if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         return Pending(step_id, rows.result_slots(), tokens, acc, lp, prompt_lps, event, timer)
+
+    def _copy_out(self, step_id, rows, out, accept, lps, prompt_lps, timer) -> Pending:
+        tokens = self._d2h(out.to(torch.int32))
+        acc = self._d2h(accept.to(torch.int32))
+        lp = tuple(self._d2h(x) for x in lps) if lps is not None else None
+        return self._pending(step_id, rows, tokens, acc, lp, prompt_lps, timer)
+
+    def _copy_out_result(self, step_id, rows, result: torch.Tensor, timer) -> Pending:
+        """The greedy tail's [n, T + 1] int32 (tokens, accept) home in one copy (on the CPU a
+        clone: the bucket's buffer is rewritten by the next step before this one is read)."""
+        host = self._d2h(result) if self.device.type == "cuda" else result.clone()
+        return self._pending(step_id, rows, host[:, : self.t], host[:, self.t], None, [], timer)

@@ -54,9 +54,10 @@ GEMV_MAX_M = 4
 SKINNY_MAX_K = 8192
 SKINNY_MIN_WEIGHT = 8 << 20  # elements
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
-# Two to four rows (MTP's verify at one request): the deferred reduction (see ``gemv``), with a
-# K tile small enough that four rows of [block_n, block_k] fp32 partials stay in registers.
-ROWS_CONFIG = dict(block_n=8, block_k=256, num_warps=4, num_stages=3, defer=True)
+# Two to four rows (MTP's verify at one request): the tensor-core variant (``gemv(dot=True)``),
+# x padded to DOT_ROWS rows (tl.dot's smallest tile).
+DOT_ROWS = 16
+ROWS_CONFIG = dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=True)
 DEFAULT_ROWS = 1
 PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (16 KB a program)
 
@@ -112,19 +113,6 @@ if triton is not None:
         return a0, a1, a2, a3
 
     @triton.jit
-    def _accumulate_2d(w, x_ptr, sxm, k, km, M: tl.constexpr, a0, a1, a2, a3):
-        """a_m += W_tile * x[m, k] elementwise: the reduction over K waits until after the loop,
-        so the loop body is FMAs only (the per-tile sums cost a cross-warp reduction per row)."""
-        a0 += w * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :]
-        if M > 1:
-            a1 += w * tl.load(x_ptr + sxm + k, mask=km, other=0.0).to(tl.float32)[None, :]
-        if M > 2:
-            a2 += w * tl.load(x_ptr + 2 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :]
-        if M > 3:
-            a3 += w * tl.load(x_ptr + 3 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :]
-        return a0, a1, a2, a3
-
-    @triton.jit
     def _finish(a, b, ACT: tl.constexpr, DT: tl.constexpr):
         """The output value of one row: the sum, or act(gate) * up from the gate and up sums."""
         if ACT >= 0:
@@ -156,7 +144,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, DEFER: tl.constexpr):
+                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -169,10 +157,7 @@ if triton is not None:
             prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
         k0 = tl.arange(0, BLOCK_K)
-        if DEFER:  # [BLOCK_N, BLOCK_K] partial sums, reduced once after the loop
-            a0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        else:
-            a0 = tl.zeros([BLOCK_N], tl.float32)
+        a0 = tl.zeros([BLOCK_N], tl.float32)
         a1, a2, a3 = a0, a0, a0
         b0, b1, b2, b3 = a0, a0, a0, a0
         for start in range(k_lo, k_hi, BLOCK_K):
@@ -180,19 +165,10 @@ if triton is not None:
             km = k < k_hi
             wm = nm[:, None] & km[None, :]
             w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-            if DEFER:
-                a0, a1, a2, a3 = _accumulate_2d(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
-            else:
-                a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
+            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
             if ACT >= 0:
                 w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-                if DEFER:
-                    b0, b1, b2, b3 = _accumulate_2d(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
-                else:
-                    b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
-        if DEFER:
-            a0, a1, a2, a3 = tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1)
-            b0, b1, b2, b3 = tl.sum(b0, axis=1), tl.sum(b1, axis=1), tl.sum(b2, axis=1), tl.sum(b3, axis=1)
+                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
         ws = ws_ptr + tl.program_id(1) * M * 2 * N
         _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, SPLITS, ACT)
         if M > 1:
@@ -210,21 +186,58 @@ if triton is not None:
                     _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, ACT)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
 
+    @triton.jit
+    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
+                         MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                         F32: tl.constexpr):
+        """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
+        past M read as zeros). The FMA kernel above reduces every tile once per row, which at
+        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``)."""
+        pid = tl.program_id(0)
+        k_lo = tl.program_id(1) * K_CHUNK
+        k_hi = tl.minimum(K, k_lo + K_CHUNK)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        r = tl.arange(0, MP)
+        rm = r < M
+        w_rows = w_ptr + n.to(tl.int64)[:, None] * swn
+        acc = tl.zeros([BLOCK_N, MP], tl.float32)
+        for start in range(k_lo, k_hi, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            km = k < k_hi
+            w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            xt = tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
+            if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
+                w, xt = w.to(tl.float32), xt.to(tl.float32)
+            acc = tl.dot(w, xt, acc)
+        out_m = rm[None, :] & nm[:, None]
+        if SPLITS == 1:
+            tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
+        else:
+            ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's layout: [split, m, 2N]
+            tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
+            tl.debug_barrier()  # as in _gemv_kernel: partials before the ticket
+            if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                for m in tl.static_range(M):
+                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, -1)
+                tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
+
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: int = 1, block_n: int = 16,
          block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None,
-         defer: bool = False) -> torch.Tensor:
+         dot: bool = False) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M, unit column stride), w [N, K] contiguous -> [M, N].
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
-    sum). ``defer`` keeps [block_n, block_k] partial sums per row and reduces them once after
-    the K loop (the several-row variant). ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
+    sum). ``dot`` takes the tensor-core variant (no ``act``, no PDL; up to DOT_ROWS rows).
+    ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if act else rows
-    assert m <= GEMV_MAX_M and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (x.shape, w.shape)
-    assert not act or rows % 2 == 0, w.shape
+    assert m <= (DOT_ROWS if dot else GEMV_MAX_M) and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (
+        x.shape, w.shape)
+    assert not act or (rows % 2 == 0 and not dot), w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if not m:
         return y
@@ -237,11 +250,18 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         assert tiles <= TICKETS, (n, block_n)
         ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
         tk = tickets(x.device)
+    if dot:  # launched without PDL: it starts after the previous kernel, as any plain launch
+        _gemv_dot_kernel[(tiles, splits)](
+            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, MP=DOT_ROWS,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, F32=not x.is_cuda, num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        return y
     on = pdl(x)
     pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
     _gemv_kernel[(tiles, splits)](
         x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n,
-        BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre, DEFER=bool(defer),
+        BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
     )
     return y
@@ -257,10 +277,11 @@ def skinny_rows() -> int:
 
 
 def launch_config(m: int) -> dict:
-    """One row: CONFIG (``TANDEM_GEMV_DEFER=1`` defers its reduction too, for A/Bs); more rows:
-    ROWS_CONFIG, whose launch shape ``TANDEM_GEMV_ROWS_TUNE="block_n=8,block_k=256"`` overrides."""
-    if m == 1:
-        return dict(CONFIG, defer=_env_int("TANDEM_GEMV_DEFER", 0) > 0)
+    """One row: CONFIG (``TANDEM_GEMV_DOT=1``: ROWS_CONFIG's tensor-core kernel there too, for
+    A/Bs); more rows: ROWS_CONFIG, whose launch shape ``TANDEM_GEMV_ROWS_TUNE="block_n=16,block_k=256"``
+    overrides."""
+    if m == 1 and _env_int("TANDEM_GEMV_DOT", 0) == 0:
+        return CONFIG
     return ROWS_CONFIG | env_tune("TANDEM_GEMV_ROWS_TUNE", ("block_n", "block_k", "num_warps", "num_stages"))
 
 

@@ -15,15 +15,17 @@ pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k,block_n,block_k", [(70, 300, 16, 128), (8, 64, 8, 64), (33, 1000, 32, 256)])
-def test_gemv_matches_matmul(m, n, k, block_n, block_k, splits, defer):
+def test_gemv_matches_matmul(m, n, k, block_n, block_k, splits, dot):
+    """The FMA kernel and the tensor-core one (``dot``: tiles of at least 16 rows of W)."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16).to(DEV)
-    y = G.gemv(x, w, splits=splits, block_n=block_n, block_k=block_k, num_stages=2, defer=defer)
+    block_n = max(block_n, 16) if dot else block_n
+    y = G.gemv(x, w, splits=splits, block_n=block_n, block_k=block_k, num_stages=2, dot=dot)
     ref = x.float() @ w.float().t()
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     # one rounding of an fp32 sum: within a bf16 ulp of the exact product (plus fp32 reordering)
@@ -63,8 +65,9 @@ def test_linear_dispatch(monkeypatch):
 
 def test_several_rows_dispatch(monkeypatch):
     """TANDEM_GEMV_ROWS lets up to that many rows take the kernel (MTP's verify at one request)
-    with ROWS_CONFIG's deferred reduction, which TANDEM_GEMV_ROWS_TUNE overrides; one row keeps
-    CONFIG; bad values are errors naming the variable."""
+    with ROWS_CONFIG's tensor-core variant, whose shape TANDEM_GEMV_ROWS_TUNE overrides; one row
+    keeps CONFIG (TANDEM_GEMV_DOT=1 moves it to ROWS_CONFIG); bad values are errors naming the
+    variable."""
     calls = []
     monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append((x.shape[0], kw)) or F.linear(x, w))
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 64 * 32)
@@ -76,14 +79,17 @@ def test_several_rows_dispatch(monkeypatch):
         for x in rows:
             G.linear(x, w)
         assert [m for m, _ in calls] == [1, 2, 4]  # five rows: cuBLAS
-        assert not calls[0][1]["defer"] and calls[0][1]["block_k"] == G.CONFIG["block_k"]
-        assert all(kw["defer"] and kw["block_k"] == G.ROWS_CONFIG["block_k"] for _, kw in calls[1:])
-        monkeypatch.setenv("TANDEM_GEMV_ROWS_TUNE", "block_n=16,block_k=128")
+        assert not calls[0][1].get("dot") and calls[0][1]["block_k"] == G.CONFIG["block_k"]
+        assert all(kw == G.ROWS_CONFIG | {"splits": 1} for _, kw in calls[1:])
+        monkeypatch.setenv("TANDEM_GEMV_DOT", "1")
+        G.linear(rows[0], w)
+        assert calls[-1][1] == G.ROWS_CONFIG | {"splits": 1}
+        monkeypatch.setenv("TANDEM_GEMV_ROWS_TUNE", "block_n=32,block_k=128")
         G.linear(rows[2], w)
-        assert calls[-1][1]["block_n"] == 16 and calls[-1][1]["block_k"] == 128 and calls[-1][1]["defer"]
+        assert calls[-1][1]["block_n"] == 32 and calls[-1][1]["block_k"] == 128 and calls[-1][1]["dot"]
         monkeypatch.setenv("TANDEM_GEMV_ROWS", "1")
         G.linear(rows[1], w)
-        assert len(calls) == 4
+        assert len(calls) == 5
         for var, bad in (("TANDEM_GEMV_ROWS", "5"), ("TANDEM_GEMV_ROWS", "0"), ("TANDEM_GEMV_ROWS", "x")):
             monkeypatch.setenv(var, bad)
             with pytest.raises(ValueError, match=var):
