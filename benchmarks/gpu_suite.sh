@@ -7,7 +7,7 @@
 # (PROFILE_PREFILL=0: the profile part profiles only the 1-request decode step)
 # (and, not in the default: fi = flashinfer vs triton; fuse = the one-row MLP fusions and PDL, A/B;
 #  gfuse = the same on the Gemma-4 9B shape;
-#  rows = the GEMV at 2-4 rows (MTP verify): kernel sweep, Gemma MTP / plain and Llama A/B;
+#  rows = the GEMV's tensor-core variant (1-4 rows) and the greedy tail: sweep, engine A/B, tests;
 #  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
@@ -229,32 +229,30 @@ if has gfuse; then
   unset TANDEM_PDL
 fi
 if has rows; then
-  # MTP's verify at one request runs 4 rows per projection: cuBLAS (TANDEM_GEMV_ROWS=1) against
-  # the tensor-core GEMV (4) at the sweep's best launch shape; and the greedy tail in the decode
-  # graphs (TANDEM_GREEDY_TAIL) on MTP, plain Gemma and the 8B at one request.
-  echo "== several-row GEMV and greedy tail: kernel sweep (1, 2, 4 rows), engine A/B, GPU tests"
+  # The GEMV's tensor-core variant at one to four rows (MTP's verify at one request runs four)
+  # and the greedy tail in the decode graphs, against the path before them (cuBLAS above one
+  # row, the FMA kernel at one, eager token selection): kernel sweep, engine A/B, GPU tests.
+  echo "== tensor-core GEMV and greedy tail: kernel sweep (1, 2, 4 rows), engine A/B, GPU tests"
   timeout ${ROWS_SWEEP_TIMEOUT:-240} python3 benchmarks/kernel_sweep.py --only gemv --json "$OUT/gemv_rows.json" \
     > "$OUT/gemv_rows.log" 2>&1 || { echo "gemv sweep failed"; tail -5 "$OUT/gemv_rows.log"; }
   grep "^gemv\|^best_rows" "$OUT/gemv_rows.log"
-  best=$(grep -m1 '^best_rows_tune' "$OUT/gemv_rows.log" | cut -d' ' -f2)
   G1=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
   MTPG=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3)
-  ab() {  # name, TANDEM_GEMV_ROWS, TANDEM_GREEDY_TAIL, TANDEM_GEMV_DOT, then offline.py's arguments
-    local name=$1; export TANDEM_GEMV_ROWS=$2 TANDEM_GREEDY_TAIL=$3 TANDEM_GEMV_DOT=$4 TANDEM_GEMV_ROWS_TUNE=$best; shift 4
+  ab() {  # name, TANDEM_GEMV_ROWS, TANDEM_GEMV_DOT, TANDEM_GREEDY_TAIL, then offline.py's arguments
+    local name=$1; export TANDEM_GEMV_ROWS=$2 TANDEM_GEMV_DOT=$3 TANDEM_GREEDY_TAIL=$4; shift 4
     off $name 150 "$@"
     python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['engine']; print(sys.argv[2], 'tok/s %.1f' % w['output_tok_s'],
-      'busy ms/step %.3f' % w['busy_ms_per_step'], 'draft ms/step %.3f' % w.get('draft_ms_per_step', 0))" "$OUT/$name.json" \
-      "$name rows=$TANDEM_GEMV_ROWS tail=$TANDEM_GREEDY_TAIL dot=$TANDEM_GEMV_DOT tune=$best" 2>/dev/null || echo "$name failed"
+      'busy ms/step %.3f' % w['busy_ms_per_step'], 'decode busy ms/step %.3f' % w.get('decode_busy_ms_per_step', 0),
+      'draft ms/step %.3f' % w.get('draft_ms_per_step', 0))" "$OUT/$name.json" \
+      "$name rows=$TANDEM_GEMV_ROWS dot=$TANDEM_GEMV_DOT tail=$TANDEM_GREEDY_TAIL" 2>/dev/null || echo "$name failed"
   }
-  ab gemma_mtp_r1_t0 1 0 0 "${G1[@]}" "${MTPG[@]}"
-  ab gemma_mtp_r1_t1 1 1 0 "${G1[@]}" "${MTPG[@]}"
-  ab gemma_mtp_r4_t1 4 1 0 "${G1[@]}" "${MTPG[@]}"
-  ab gemma_plain_t0 1 0 0 "${G1[@]}"
-  ab gemma_plain_t1 1 1 0 "${G1[@]}"
-  ab llama1_t0 1 0 0 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
-  ab llama1_t1 1 1 0 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
-  ab llama1_t1_dot 1 1 1 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
-  unset TANDEM_GEMV_ROWS TANDEM_GREEDY_TAIL TANDEM_GEMV_DOT TANDEM_GEMV_ROWS_TUNE
+  for v in ${ROWS_VARIANTS:-1,0,0 4,1,1}; do  # before, default
+    set -- ${v//,/ }; r=$1 d=$2 t=$3
+    ab gemma_mtp_r${r}_d${d}_t$t $r $d $t "${G1[@]}" "${MTPG[@]}"
+    ab gemma_plain_r${r}_d${d}_t$t $r $d $t "${G1[@]}"
+    ab llama1_r${r}_d${d}_t$t $r $d $t "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
+  done
+  unset TANDEM_GEMV_ROWS TANDEM_GEMV_DOT TANDEM_GREEDY_TAIL
   [ "${ROWS_TESTS:-1}" = 1 ] && timeout ${ROWS_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider \
     tests/gpu/test_gpu_verify_rows.py tests/gpu/test_gpu_parity.py -k "several_rows or mtp_engine or inproc" \
     2>&1 | tail -15 | tee "$OUT/rows_tests.log"

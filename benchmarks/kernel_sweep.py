@@ -123,8 +123,8 @@ def gemv_rows(bw: float) -> list[dict]:
 
 
 def best_rows_tune(rows: list[dict]) -> str:
-    """The several-row launch shape with the least summed time over the 4-row shapes, as
-    TANDEM_GEMV_ROWS_TUNE reads it (gpu_suite.sh's ``rows`` part runs the engine with it)."""
+    """The tensor-core launch shape with the least summed time over the 4-row shapes (the
+    defaults in ``kernels/gemv.py`` are per weight size: read the per-shape rows too)."""
     total: dict[str, float] = {}
     for r in rows:
         if r["impl"] == "gemv" and r["m"] == 4 and r["config"].get("dot"):

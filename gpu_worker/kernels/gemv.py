@@ -1,9 +1,12 @@
 """Skinny GEMM for decode: ``y [M, N] = x [M, K] @ W [N, K]^T`` with M <= GEMV_MAX_M rows.
 
-At one decode row the linear layers are weight streams: every weight byte is read once and
-used M times, and a 4096-wide layer's 8-12 kernels each cost ~2-3 us of launch, ramp and tail
-beside a 101 us weight floor. This kernel owns ``BLOCK_N`` output columns per program, streams
-their rows of W and keeps M fp32 accumulators. Two variants remove a kernel each:
+At one to four decode rows (plain decode at small batches, MTP's verify at one request) the
+linear layers are weight streams: every weight byte is read once and used M times, and a
+4096-wide layer's 8-12 kernels each cost ~2-3 us of launch, ramp and tail beside a 101 us weight
+floor. Two kernels, each owning ``BLOCK_N`` output columns per program and streaming their rows
+of W: the FMA kernel keeps M fp32 accumulators (reduced per K tile: cheap at one row, 2-3x
+slower than cuBLAS at four), the tensor-core one (``dot``) multiplies the W tile by x padded to
+16 rows. ``linear`` picks per shape (``launch_config``). Two FMA variants remove a kernel each:
 
 - **gated** (``act``, off by default: measured slower, see ``gated_enabled``): W is a merged
   ``[gate; up]`` weight [2N, K]; a program streams gate rows n and up rows N + n and writes
@@ -34,7 +37,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import TICKETS, env_tune, pdl, tickets, use_triton
+from gpu_worker.kernels import TICKETS, pdl, tickets, use_triton
 from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 
@@ -47,18 +50,24 @@ except ImportError:
     triton = None
 
 GEMV_MAX_M = 4
-# Where the kernel beat cuBLAS on the H200 (benchmarks/kernel_sweep.py, 2026-12-02, in a CUDA
+# Where the FMA kernel beat cuBLAS on the H200 (benchmarks/kernel_sweep.py, 2026-12-02, in a CUDA
 # graph, weights rotated past L2): one row, K <= 8192, a weight of at least 16 MB — Llama-8B's
 # qkv 16.5 -> 14.7 us, o 13.4 -> 11.9, gate_up 59.8 -> 54.8; without split-K its down (K =
-# 14336) lost, 32.1 -> 34.5, and at four rows the kernel lost everywhere. Elsewhere cuBLAS stays.
+# 14336) lost, 32.1 -> 34.5, and at four rows it lost everywhere. Elsewhere cuBLAS stays.
 SKINNY_MAX_K = 8192
 SKINNY_MIN_WEIGHT = 8 << 20  # elements
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
-# Two to four rows (MTP's verify at one request): the tensor-core variant (``gemv(dot=True)``),
-# x padded to DOT_ROWS rows (tl.dot's smallest tile).
+# The tensor-core variant (``gemv(dot=True)``, x padded to DOT_ROWS rows, tl.dot's smallest tile)
+# where it measured fastest (kernel_sweep.py --only gemv, H200, h200-2026-12-03h, in a CUDA
+# graph, weights rotated past L2): every weight of >= BIG_WEIGHT elements at one to four rows
+# (Llama-8B's gate_up 95.8 -> 99.7 % of copy bandwidth at one row, down 89.5 -> 93.0 %; at four
+# rows cuBLAS gave 99.4 / 86.8 %, this 98.4 / 89.6 %), and the smaller ones (qkv, o) at two to
+# four rows (o at four rows: cuBLAS 58 %, this 66 %). One-row qkv and o keep the FMA kernel.
 DOT_ROWS = 16
-ROWS_CONFIG = dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=True)
-DEFAULT_ROWS = 1
+BIG_WEIGHT = 48 << 20  # elements
+BIG_CONFIG = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, dot=True)
+ROWS_CONFIG = dict(block_n=32, block_k=256, num_warps=4, num_stages=4, dot=True)
+DEFAULT_ROWS = 4
 PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (16 KB a program)
 
 
@@ -276,13 +285,18 @@ def skinny_rows() -> int:
     return n
 
 
-def launch_config(m: int) -> dict:
-    """One row: CONFIG (``TANDEM_GEMV_DOT=1``: ROWS_CONFIG's tensor-core kernel there too, for
-    A/Bs); more rows: ROWS_CONFIG, whose launch shape ``TANDEM_GEMV_ROWS_TUNE="block_n=16,block_k=256"``
-    overrides."""
-    if m == 1 and _env_int("TANDEM_GEMV_DOT", 0) == 0:
-        return CONFIG
-    return ROWS_CONFIG | env_tune("TANDEM_GEMV_ROWS_TUNE", ("block_n", "block_k", "num_warps", "num_stages"))
+def dot_enabled() -> bool:
+    """``TANDEM_GEMV_DOT=0``: no tensor-core variant (the FMA kernel at one row, cuBLAS above; A/Bs)."""
+    return os.environ.get("TANDEM_GEMV_DOT", "1") != "0"
+
+
+def launch_config(m: int, w: torch.Tensor) -> dict | None:
+    """The GEMV's launch for ``m`` rows through ``w``, or None for cuBLAS."""
+    if not dot_enabled():
+        return CONFIG if m == 1 else None
+    if w.numel() >= BIG_WEIGHT:
+        return BIG_CONFIG
+    return CONFIG if m == 1 else ROWS_CONFIG
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
@@ -295,8 +309,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     mid-sized weight, split-K past SKINNY_MAX_K. Decode batches (16-256 rows) stay with cuBLAS:
     a Triton small-M GEMM (M x N tiles, split K) measured slower there on the H200
     (BENCHMARKS.md, 2026-12-02 night)."""
-    if bias is None and _skinny(x, w, skinny_rows()):
-        cfg = launch_config(x.shape[0])
+    cfg = launch_config(x.shape[0], w) if bias is None and _skinny(x, w, skinny_rows()) else None
+    if cfg is not None:
         if w.shape[1] <= SKINNY_MAX_K:
             return gemv(x, w, splits=short_k_splits(), **cfg)
         splits = long_k_splits()

@@ -64,40 +64,40 @@ def test_linear_dispatch(monkeypatch):
 
 
 def test_several_rows_dispatch(monkeypatch):
-    """TANDEM_GEMV_ROWS lets up to that many rows take the kernel (MTP's verify at one request)
-    with ROWS_CONFIG's tensor-core variant, whose shape TANDEM_GEMV_ROWS_TUNE overrides; one row
-    keeps CONFIG (TANDEM_GEMV_DOT=1 moves it to ROWS_CONFIG); bad values are errors naming the
-    variable."""
+    """Up to TANDEM_GEMV_ROWS rows (default 4: MTP's verify at one request) take the GEMV: big
+    weights the tensor-core variant (BIG_CONFIG) at every row count, smaller ones the FMA
+    kernel at one row and ROWS_CONFIG above; TANDEM_GEMV_DOT=0 leaves the FMA kernel at one row
+    and cuBLAS above; bad values are errors naming the variable."""
     calls = []
-    monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append((x.shape[0], kw)) or F.linear(x, w))
+    monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append((x.shape[0], w.shape[0], kw)) or F.linear(x, w))
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 64 * 32)
-    w = torch.randn(64, 32).to(torch.bfloat16).to(DEV)
+    monkeypatch.setattr(G, "BIG_WEIGHT", 128 * 32)
+    small = torch.randn(64, 32).to(torch.bfloat16).to(DEV)
+    big = torch.randn(128, 32).to(torch.bfloat16).to(DEV)
     rows = [torch.randn(m, 32).to(torch.bfloat16).to(DEV) for m in (1, 2, 4, 5)]
     enable_cpu_kernels(True)
     try:
-        monkeypatch.setenv("TANDEM_GEMV_ROWS", "4")
+        monkeypatch.delenv("TANDEM_GEMV_ROWS", raising=False)
         for x in rows:
-            G.linear(x, w)
-        assert [m for m, _ in calls] == [1, 2, 4]  # five rows: cuBLAS
-        assert not calls[0][1].get("dot") and calls[0][1]["block_k"] == G.CONFIG["block_k"]
-        assert all(kw == G.ROWS_CONFIG | {"splits": 1} for _, kw in calls[1:])
-        monkeypatch.setenv("TANDEM_GEMV_DOT", "1")
-        G.linear(rows[0], w)
-        assert calls[-1][1] == G.ROWS_CONFIG | {"splits": 1}
-        monkeypatch.setenv("TANDEM_GEMV_ROWS_TUNE", "block_n=32,block_k=128")
-        G.linear(rows[2], w)
-        assert calls[-1][1]["block_n"] == 32 and calls[-1][1]["block_k"] == 128 and calls[-1][1]["dot"]
+            G.linear(x, small)
+            G.linear(x, big)
+        cfg = {(m, n): {k: v for k, v in kw.items() if k != "splits"} for m, n, kw in calls}
+        assert sorted(cfg) == [(m, n) for m in (1, 2, 4) for n in (64, 128)]  # five rows: cuBLAS
+        assert cfg[1, 64] == G.CONFIG and cfg[2, 64] == cfg[4, 64] == G.ROWS_CONFIG
+        assert cfg[1, 128] == cfg[2, 128] == cfg[4, 128] == G.BIG_CONFIG
+        calls.clear()
+        monkeypatch.setenv("TANDEM_GEMV_DOT", "0")
+        for x in rows[:3]:
+            G.linear(x, big)
+        assert [(m, kw.get("dot", False)) for m, _, kw in calls] == [(1, False)]
+        monkeypatch.delenv("TANDEM_GEMV_DOT")
         monkeypatch.setenv("TANDEM_GEMV_ROWS", "1")
-        G.linear(rows[1], w)
-        assert len(calls) == 5
-        for var, bad in (("TANDEM_GEMV_ROWS", "5"), ("TANDEM_GEMV_ROWS", "0"), ("TANDEM_GEMV_ROWS", "x")):
-            monkeypatch.setenv(var, bad)
-            with pytest.raises(ValueError, match=var):
-                G.linear(rows[0], w)
-        monkeypatch.setenv("TANDEM_GEMV_ROWS", "4")
-        monkeypatch.setenv("TANDEM_GEMV_ROWS_TUNE", "block_k=100")
-        with pytest.raises(ValueError, match="TANDEM_GEMV_ROWS_TUNE"):
-            G.linear(rows[1], w)
+        G.linear(rows[1], small)
+        assert len(calls) == 1
+        for bad in ("5", "0", "x"):
+            monkeypatch.setenv("TANDEM_GEMV_ROWS", bad)
+            with pytest.raises(ValueError, match="TANDEM_GEMV_ROWS"):
+                G.linear(rows[0], small)
     finally:
         enable_cpu_kernels(False)
 
