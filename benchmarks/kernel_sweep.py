@@ -55,15 +55,21 @@ def graph_time(fn, reps: int) -> float:
     return do_bench_cudagraph(fn, rep=40, return_mode="median") / 1e3 / reps
 
 
+def rotated_weights(label: str, m: int, n: int, k: int):
+    """Copies of an [n, k] weight spanning more than L2, an [m, k] input, F.linear's result on
+    the first copy, and the row's shape fields."""
+    nbytes = n * k * 2
+    copies = max(1, -(-L2_BYTES // nbytes))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return ws, x, F.linear(x, ws[0]), {"shape": label, "m": m, "n": n, "k": k, "weight_mb": nbytes / 1e6}
+
+
 def gemm_rows(bw: float) -> list[dict]:
     rows = []
     for label, m, n, k in GEMM_SHAPES:
-        nbytes = n * k * 2
-        copies = max(1, -(-L2_BYTES // nbytes))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = F.linear(x, ws[0])
-        base = {"shape": label, "m": m, "n": n, "k": k, "weight_mb": nbytes / 1e6}
+        ws, x, ref, base = rotated_weights(label, m, n, k)
+        nbytes, copies = n * k * 2, len(ws)
         for lib in ("cublaslt", "cublas"):
             torch.backends.cuda.preferred_blas_library(lib)
             sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
@@ -102,12 +108,8 @@ def gemv_rows(bw: float) -> list[dict]:
 
     rows = []
     for label, m, n, k in ROW_SHAPES:
-        nbytes = n * k * 2
-        copies = max(1, -(-L2_BYTES // nbytes))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = F.linear(x, ws[0])
-        base = {"shape": label, "m": m, "n": n, "k": k, "weight_mb": nbytes / 1e6}
+        ws, x, ref, base = rotated_weights(label, m, n, k)
+        nbytes, copies = n * k * 2, len(ws)
         sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
         rows.append(base | {"impl": "cublaslt", "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
         splits = long_k_splits() if k > SKINNY_MAX_K else 1
