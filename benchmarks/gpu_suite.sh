@@ -8,6 +8,7 @@
 # (and, not in the default: fi = flashinfer vs triton; fuse = the one-row MLP fusions and PDL, A/B;
 #  gfuse = the same on the Gemma-4 9B shape;
 #  rows = the GEMV's tensor-core variant (1-4 rows) and the greedy tail: sweep, engine A/B, tests;
+#  envab = the 8B at 1 and 64 requests once per ENV_VARIANTS entry ("name:VAR=v,VAR=v ...");
 #  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
@@ -256,6 +257,20 @@ if has rows; then
   [ "${ROWS_TESTS:-1}" = 1 ] && timeout ${ROWS_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider \
     tests/gpu/test_gpu_verify_rows.py tests/gpu/test_gpu_parity.py -k "several_rows or mtp_engine or inproc" \
     2>&1 | tail -15 | tee "$OUT/rows_tests.log"
+fi
+if has envab; then
+  # The 8B workloads (1 and 64 requests) once per ENV_VARIANTS entry, "name:VAR=v,VAR=v" (an
+  # empty list after the colon = the defaults), each in a fresh process: an engine A/B of any
+  # TANDEM_* switch on the same machine.
+  echo "== 8B 1 / 64 requests, A/B over environment switches"
+  for v in ${ENV_VARIANTS:-default:}; do
+    name=${v%%:*}; vars=${v#*:}
+    (for kv in ${vars//,/ }; do export "$kv"; done
+     off llama_env_$name 150 "${LLAMA8B[@]}" --warmup-rounds 1)
+    python3 -c "import json,sys; [print(sys.argv[2], w['num_prompts'], 'req: decode ms/step %.3f' % w['decode_busy_ms_per_step'],
+      'decode tok/s %.1f' % w['decode_tok_s'], 'tok/s %.1f' % w['output_tok_s']) for w in json.load(open(sys.argv[1]))['workloads']]" \
+      "$OUT/llama_env_$name.json" "$name ($vars)" 2>/dev/null || echo "$name failed"
+  done
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"
