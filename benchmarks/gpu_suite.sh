@@ -37,6 +37,9 @@ T=models/tiny-shakespeare/target; A=models/tiny-shakespeare/assistant
 # The two workloads every A/B part re-runs: (a, b) the 8B shape at 1 and 64 requests, and (c)
 # nano-vllm's recipe on the Qwen3-0.6B shape (256 requests, lengths U[100, 1024]).
 LLAMA8B=(--model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 --max-running-requests 64)
+# (e) the Gemma-4-shaped 9B dense target at one request, plain and with frozen-KV MTP S=3
+G=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
+MTPG=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3)
 RECIPE=(--model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024
         --max-running-requests 256)
 python3 benchmarks/hbm_bandwidth.py --model-path $T > "$OUT/hbm.json" && grep -m1 bandwidth "$OUT/hbm.json"
@@ -208,12 +211,11 @@ if has gfuse; then
   [ "${GFUSE_BENCH:-1}" = 1 ] && timeout 150 python3 benchmarks/layer_chain_bench.py --json "$OUT/layer_chain.json" > "$OUT/layer_chain.log" 2>&1 \
     || echo "layer chain bench failed"
   tail -14 "$OUT/layer_chain.log"
-  G1=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
   # gated GEMV, split-K down splits, in-kernel merge, PDL
   for v in ${GFUSE_VARIANTS:-0,0,0,0 1,0,1,0 0,4,1,0 1,4,1,0 1,4,1,1}; do
     set -- ${v//,/ }; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_DECODE_FUSED_MERGE=$3 TANDEM_PDL=$4
     n=gemma1_fuse_$1_$2_$3_$4
-    off $n 150 "${G1[@]}"
+    off $n 150 "${G[@]}"
     python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],
       'tok/s %.1f' % w['output_tok_s'], 'decode ms/step %.3f' % w.get('decode_busy_ms_per_step', 0))" \
       "$OUT/$n.json" "gemma gated=$1 splitk=$2 merge=$3 pdl=$4" 2>/dev/null
@@ -236,9 +238,7 @@ if has rows; then
   echo "== tensor-core GEMV and greedy tail: kernel sweep (1, 2, 4 rows), engine A/B, GPU tests"
   timeout ${ROWS_SWEEP_TIMEOUT:-240} python3 benchmarks/kernel_sweep.py --only gemv --json "$OUT/gemv_rows.json" \
     > "$OUT/gemv_rows.log" 2>&1 || { echo "gemv sweep failed"; tail -5 "$OUT/gemv_rows.log"; }
-  grep "^gemv\|^best_rows" "$OUT/gemv_rows.log"
-  G1=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
-  MTPG=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3)
+  grep "^gemv" "$OUT/gemv_rows.log"
   ab() {  # name, TANDEM_GEMV_ROWS, TANDEM_GEMV_DOT, TANDEM_GREEDY_TAIL, then offline.py's arguments
     local name=$1; export TANDEM_GEMV_ROWS=$2 TANDEM_GEMV_DOT=$3 TANDEM_GREEDY_TAIL=$4; shift 4
     off $name 150 "$@"
@@ -249,8 +249,8 @@ if has rows; then
   }
   for v in ${ROWS_VARIANTS:-1,0,0 4,1,1}; do  # before, default
     set -- ${v//,/ }; r=$1 d=$2 t=$3
-    ab gemma_mtp_r${r}_d${d}_t$t $r $d $t "${G1[@]}" "${MTPG[@]}"
-    ab gemma_plain_r${r}_d${d}_t$t $r $d $t "${G1[@]}"
+    ab gemma_mtp_r${r}_d${d}_t$t $r $d $t "${G[@]}" "${MTPG[@]}"
+    ab gemma_plain_r${r}_d${d}_t$t $r $d $t "${G[@]}"
     ab llama1_r${r}_d${d}_t$t $r $d $t "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
   done
   unset TANDEM_GEMV_ROWS TANDEM_GEMV_DOT TANDEM_GREEDY_TAIL
@@ -274,8 +274,6 @@ if has envab; then
 fi
 if has gemma; then
   echo "== (e) Gemma-4-shaped 9B dense target: plain vs frozen-KV MTP S=3 (dummy weights), 1 request"
-  MTPG=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3)
-  G=(--model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 --max-running-requests 8 --warmup-rounds 1)
   off gemma_plain 150 "${G[@]}"
   off gemma_mtp 150 "${G[@]}" "${MTPG[@]}"
 fi

@@ -4,7 +4,7 @@ engine runs them) with weights/KV rotated over more than L2 holds:
 - linear layers at decode shapes: cuBLAS (through F.linear, either BLAS library torch offers)
   against our split-N GEMV (``gpu_worker/kernels/gemv.py``, a config sweep) for M <= 4;
 - (``gemv``) the GEMV at 1, 2 and 4 rows on Llama-8B and Gemma-4 9B projections, per-tile
-  against the tensor-core variant, and the best several-row launch shape;
+  against the tensor-core variant's launch shapes;
 - paged decode attention launch shapes (BLOCK_N, warps, stages) and split counts;
 - the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab] (torch's and ours,
   ``gpu_worker/kernels/argmax.py``).
@@ -124,17 +124,6 @@ def gemv_rows(bw: float) -> list[dict]:
     return rows
 
 
-def best_rows_tune(rows: list[dict]) -> str:
-    """The tensor-core launch shape with the least summed time over the 4-row shapes (the
-    defaults in ``kernels/gemv.py`` are per weight size: read the per-shape rows too)."""
-    total: dict[str, float] = {}
-    for r in rows:
-        if r["impl"] == "gemv" and r["m"] == 4 and r["config"].get("dot"):
-            key = ",".join(f"{k}={r['config'][k]}" for k in ("block_n", "block_k", "num_warps", "num_stages"))
-            total[key] = total.get(key, 0.0) + r["us"]
-    return min(total, key=total.get) if total else ""
-
-
 def attn_rows(bw: float, sms: int) -> list[dict]:
     rows = []
     cases = [("qwen3-0.6b", 256, 812, 16, 8, False), ("qwen3-0.6b", 256, 812, 16, 8, True),
@@ -206,8 +195,6 @@ def summarize(out: dict) -> None:
         cfg = r.get("config")
         extra = f" {cfg} err {r['max_abs_err_vs_cublas']:.3g}" if cfg else ""
         print(f"gemv {r['shape']:14} m {r['m']} {r['impl']:8} {r['us']:8.2f} us {r['frac_of_copy_bw']:6.1%}{extra}")
-    if out.get("gemv"):
-        print("best_rows_tune", best_rows_tune(out["gemv"]))
     best: dict = {}
     for r in out.get("attn", []):
         if "error" in r:

@@ -298,10 +298,12 @@ class ModelRunner:
         return token_logprobs(full, out.reshape(-1), int(self.state.logprobs[slots].max()))
 
     def _d2h(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """A host copy of ``x`` that later steps never rewrite (on the CPU a clone: ``x`` may be
+        a graph bucket's buffer, which the next step overwrites before this one is read)."""
         if x is None:
             return None
         if self.device.type != "cuda":
-            return x.cpu()
+            return x.clone()
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         host.copy_(x, non_blocking=True)
         return host
@@ -321,7 +323,6 @@ class ModelRunner:
         return self._pending(step_id, rows, tokens, acc, lp, prompt_lps, timer)
 
     def _copy_out_result(self, step_id, rows, result: torch.Tensor, timer) -> Pending:
-        """The greedy tail's [n, T + 1] int32 (tokens, accept) home in one copy (on the CPU a
-        clone: the bucket's buffer is rewritten by the next step before this one is read)."""
-        host = self._d2h(result) if self.device.type == "cuda" else result.clone()
+        """The greedy tail's [n, T + 1] int32 (tokens, accept) home in one copy."""
+        host = self._d2h(result)
         return self._pending(step_id, rows, host[:, : self.t], host[:, self.t], None, [], timer)

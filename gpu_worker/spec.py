@@ -58,14 +58,23 @@ def verify(
         ok = torch.where(rs.greedy[:, None], drafts == greedy_tok[:, :s], coin < p_draft)
     else:
         ok = drafts == greedy_tok[:, :s]
-    n_ok = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)  # accepted drafts per row
+    n_ok = accepted_drafts(ok)
     final = greedy_tok.gather(1, n_ok[:, None]).squeeze(1)
     if rs.any_random:
         final = torch.where(rs.greedy, final, _resample(probs, drafts, n_ok, rs, pos_next))
-    col = torch.arange(n, device=logits.device)[None, :]
-    padded = torch.cat([drafts, drafts[:, :1]], dim=1)
-    out = torch.where(col < n_ok[:, None], padded, final[:, None])
-    return out, n_ok + 1
+    return new_tokens(drafts, n_ok, final), n_ok + 1
+
+
+def accepted_drafts(ok: torch.Tensor) -> torch.Tensor:
+    """ok [D, S] (draft i accepted on its own) -> accepted drafts per row: the leading run."""
+    return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def new_tokens(drafts: torch.Tensor, n_ok: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """[D, S + 1]: the n_ok accepted drafts, then ``final`` (the columns past it repeat it)."""
+    col = torch.arange(drafts.shape[1] + 1, device=drafts.device)[None, :]
+    padded = torch.cat([drafts, final[:, None]], dim=1)
+    return torch.where(col < n_ok[:, None], padded, final[:, None])
 
 
 def _resample(probs, drafts, n_ok, rs: RowSampling, pos_next) -> torch.Tensor:

@@ -125,20 +125,6 @@ def tickets_clear() -> bool:
     return all(int(t.abs().sum()) == 0 for t in _TICKETS.values())
 
 
-def env_tune(name: str, keys: tuple[str, ...]) -> dict:
-    """A kernel's launch shape from ``name="block_n=32,num_stages=2"`` (benchmark A/Bs of what
-    ``kernel_sweep.py`` finds): positive integers, powers of 2 except ``num_stages``. Unset: {}."""
-    tune = {}
-    for item in filter(None, (x.strip() for x in os.environ.get(name, "").split(","))):
-        key, _, val = item.partition("=")
-        n = int(val) if val.isdigit() else 0
-        if key not in keys or n <= 0 or (key != "num_stages" and n & (n - 1)):
-            raise ValueError(f"{name}: expected comma-separated {'/'.join(keys)}=N "
-                             f"(positive; all but num_stages powers of 2), got {item!r}")
-        tune[key] = n
-    return tune
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

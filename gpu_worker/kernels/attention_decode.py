@@ -29,7 +29,6 @@ import os
 import torch
 
 from gpu_worker.kernels import TICKETS, interpreting, next_pow2, pdl, tickets
-from gpu_worker.kernels import env_tune as kernel_tune
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
@@ -202,7 +201,15 @@ def env_tune() -> dict | None:
     every call instead of ``decode_blocks`` (an engine A/B of what ``kernel_sweep.py`` finds on
     uniform shapes, on a served mix of lengths: ``gpu_suite.sh`` part ``tune``). It applies to
     every layer, whatever its head dim: meant for one-head-dim models. Unset: None. Read once."""
-    return kernel_tune("TANDEM_DECODE_TUNE", _TUNE_KEYS) or None
+    tune = {}
+    for item in filter(None, (x.strip() for x in os.environ.get("TANDEM_DECODE_TUNE", "").split(","))):
+        key, _, val = item.partition("=")
+        n = int(val) if val.isdigit() else 0
+        if key not in _TUNE_KEYS or n <= 0 or (key != "num_stages" and n & (n - 1)):
+            raise ValueError(f"TANDEM_DECODE_TUNE: expected comma-separated {'/'.join(_TUNE_KEYS)}=N "
+                             f"(positive; block_n and num_warps powers of 2), got {item!r}")
+        tune[key] = n
+    return tune or None
 
 
 def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: int, page_size: int,

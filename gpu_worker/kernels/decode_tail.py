@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.kernels import next_pow2, use_triton
+from gpu_worker.spec import accepted_drafts, new_tokens
 
 try:
     import triton
@@ -58,13 +59,10 @@ if triton is not None:
 def greedy_tail_reference(slots, tokens, greedy, hidden_rows, seq_len, last_token, state_hidden, result) -> None:
     """The torch twin (CPU without the interpreter): the same updates, in place."""
     b, t = tokens.shape
-    g = greedy.view(b, t)
-    ok = tokens[:, 1:] == g[:, : t - 1]
-    n_ok = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    g, drafts = greedy.view(b, t), tokens[:, 1:]
+    n_ok = accepted_drafts(drafts == g[:, : t - 1])
     final = g.gather(1, n_ok[:, None]).squeeze(1)
-    col = torch.arange(t, device=tokens.device)[None, :]
-    drafts = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # the last column is never taken
-    out = torch.where(col < n_ok[:, None], drafts, final[:, None])
+    out = new_tokens(drafts, n_ok, final)
     acc = n_ok + 1
     real = slots != 0
     seq_len[slots] = seq_len[slots] + torch.where(real, acc, 0)

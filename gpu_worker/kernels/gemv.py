@@ -299,9 +299,12 @@ def launch_config(m: int, w: torch.Tensor) -> dict | None:
     return CONFIG if m == 1 else ROWS_CONFIG
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    return (x.dim() == 2 and 1 <= x.shape[0] <= rows and x.dtype in (torch.bfloat16, torch.float16)
-            and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1 and w.is_contiguous() and use_triton(x))
+def _skinny(x: torch.Tensor, w: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether ``x`` through ``w`` takes a GEMV: at most ``rows`` rows (default ``skinny_rows()``,
+    read only for calls of at most GEMV_MAX_M rows: prefill projections never touch the environment)."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+            and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1 and w.is_contiguous() and use_triton(x)
+            and x.shape[0] <= (skinny_rows() if rows is None else rows))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,7 +312,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     mid-sized weight, split-K past SKINNY_MAX_K. Decode batches (16-256 rows) stay with cuBLAS:
     a Triton small-M GEMM (M x N tiles, split K) measured slower there on the H200
     (BENCHMARKS.md, 2026-12-02 night)."""
-    cfg = launch_config(x.shape[0], w) if bias is None and _skinny(x, w, skinny_rows()) else None
+    cfg = launch_config(x.shape[0], w) if bias is None and _skinny(x, w) else None
     if cfg is not None:
         if w.shape[1] <= SKINNY_MAX_K:
             return gemv(x, w, splits=short_k_splits(), **cfg)
