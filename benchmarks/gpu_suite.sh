@@ -8,7 +8,7 @@
 # (and, not in the default: fi = flashinfer vs triton; fuse = the one-row MLP fusions and PDL, A/B;
 #  gfuse = the same on the Gemma-4 9B shape;
 #  rows = the GEMV's tensor-core variant (1-4 rows) and the greedy tail: sweep, engine A/B, tests;
-#  envab = the 8B at 1 and 64 requests once per ENV_VARIANTS entry ("name:VAR=v,VAR=v ...");
+#  envab = the 8B at 1 and 64 requests (ENVAB_PROMPTS) once per ENV_VARIANTS entry ("name:VAR=v,VAR=v ...");
 #  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
@@ -266,7 +266,7 @@ if has envab; then
   for v in ${ENV_VARIANTS:-default:}; do
     name=${v%%:*}; vars=${v#*:}
     (for kv in ${vars//,/ }; do export "$kv"; done
-     off llama_env_$name 150 "${LLAMA8B[@]}" --warmup-rounds 1)
+     off llama_env_$name 150 "${LLAMA8B[@]}" --warmup-rounds 1 --num-prompts "${ENVAB_PROMPTS:-1,64}")
     python3 -c "import json,sys; [print(sys.argv[2], w['num_prompts'], 'req: decode ms/step %.3f' % w['decode_busy_ms_per_step'],
       'decode tok/s %.1f' % w['decode_tok_s'], 'tok/s %.1f' % w['output_tok_s']) for w in json.load(open(sys.argv[1]))['workloads']]" \
       "$OUT/llama_env_$name.json" "$name ($vars)" 2>/dev/null || echo "$name failed"

@@ -22,7 +22,8 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4Spec, LayerSpec
-from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, Rotary, gated, rope_attention, softcap
+from gpu_worker.models.layers import (GatedMLP, GemmaRMSNorm, NormAdd, Rotary, gated, project_then, rope_attention,
+                                      softcap)
 from gpu_worker.parallel import factory, shard
 
 _SCALE_CACHE: dict[tuple[float, torch.dtype], float] = {}
@@ -57,19 +58,22 @@ class Gemma4Attention(nn.Module):
             self.q_proj = factory.column(h, parts["q_proj"], bias=spec.attention_bias)
         self.o_proj = factory.row(parts["q_proj"], h, bias=spec.attention_bias)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
+    def attend(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend) -> torch.Tensor:
+        """The attention output before o_proj [T, Hq * D]."""
         t = x.shape[0]
         if not self.owns_kv:
             q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-            return self.o_proj(rope_attention(backend, self.attn, rotary, fb, q, q_norm=self.q_norm))
+            return rope_attention(backend, self.attn, rotary, fb, q, q_norm=self.q_norm)
         parts = self.qkv_proj.split(self.qkv_proj(x))
         q = parts[0].view(t, self.num_heads, self.head_dim)
         k = parts[1].view(t, self.num_kv_heads, self.head_dim)
         # k_eq_v: value = the un-normed, un-rotated k_proj output, then v_norm
         v = parts[2].view(t, self.num_kv_heads, self.head_dim) if len(parts) == 3 else k
-        o = rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm,
-                           v_norm=self.v_norm)
-        return self.o_proj(o)
+        return rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm,
+                              v_norm=self.v_norm)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
+        return self.o_proj(self.attend(x, rotary, fb, backend))
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -91,17 +95,21 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(self.ple_dim, h, bias=False)
             self.post_per_layer_input_norm = GemmaRMSNorm(h, eps)
 
-    def forward(self, x, per_layer_input, rotary: Rotary, fb: ForwardBatch, backend) -> torch.Tensor:
-        """The residual stream x in, out; the kernel path updates x in place. Each
-        ``norm_add`` is HF's ``x = x + norm(h)`` (then the next norm) in one kernel."""
-        h = self.self_attn(self.input_layernorm(x), rotary, fb, backend)
-        h, x = self.post_attention_layernorm.norm_add(h, x, next_norm=self.pre_feedforward_layernorm)
-        h = self.mlp(h)
+    def forward(self, h, x, per_layer_input, rotary: Rotary, fb: ForwardBatch, backend,
+                next_norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: this layer's normed input, x: the residual stream; returns (``next_norm`` of the
+        new stream, the stream): ``next_norm`` is the next layer's input norm or the final one.
+        Each ``NormAdd`` is HF's ``x = x + norm(h)`` (then the next norm) in one step: at decode
+        sizes the epilogue of o_proj's and down's GEMVs (``project_then``), else one kernel.
+        The kernel path updates x in place."""
+        h = self.self_attn.attend(h, rotary, fb, backend)
+        h, x = project_then(self.self_attn.o_proj, h, x,
+                            NormAdd(self.post_attention_layernorm, self.pre_feedforward_layernorm))
         if not self.ple_dim:
-            return self.post_feedforward_layernorm.norm_add(h, x, scale=self.layer_scalar)[1]
-        _, x = self.post_feedforward_layernorm.norm_add(h, x)
+            return self.mlp.forward_then(h, x, NormAdd(self.post_feedforward_layernorm, next_norm, self.layer_scalar))
+        _, x = self.mlp.forward_then(h, x, NormAdd(self.post_feedforward_layernorm))
         h = self.per_layer_projection(gated(self.act_name, self.per_layer_input_gate(x), per_layer_input))
-        return self.post_per_layer_input_norm.norm_add(h, x, scale=self.layer_scalar)[1]
+        return self.post_per_layer_input_norm.norm_add(h, x, next_norm=next_norm, scale=self.layer_scalar)
 
 
 class Gemma4Backbone(nn.Module):
@@ -146,9 +154,13 @@ class Gemma4Backbone(nn.Module):
     def run(self, x: torch.Tensor, ple: torch.Tensor | None, fb: ForwardBatch, backend) -> torch.Tensor:
         """Decoder layers + final norm over input embeddings x [T, H] (x is updated in place on
         the kernel path: pass a tensor nobody else reads)."""
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ple[:, i] if ple is not None else None, self.rotary[layer.layer_type], fb, backend)
-        return self.norm(x)
+        layers = self.layers
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h, x = layer(h, x, ple[:, i] if ple is not None else None, self.rotary[layer.layer_type], fb, backend,
+                         next_norm)
+        return h
 
 
 class Gemma4ForCausalLM(CausalLM):
