@@ -21,19 +21,8 @@ slower than cuBLAS at four), the tensor-core one (``dot``) multiplies the W tile
   never depends on which program finished last. On by default for K > SKINNY_MAX_K (4 splits):
   Gemma-4-9B's plain decode step 5.986 -> 5.870 ms with it and the in-kernel attention merge.
 
-Two fusions remove the small kernels around a decode layer's projections (``fused_plan``,
-used by ``models/layers.py: project_then``):
-
-- **act_in** (tensor-core variant): x is the MLP's gate_up output [M, 2K] and each K tile of the
-  input is ``act(gate) * up``, computed with ``gated_act``'s roundings: down reads the activation
-  instead of a separate kernel writing it (bitwise the unfused result);
-- **norm** (either kernel): after storing its output tile, a program takes the NORM_TICKET; the
-  last of the grid's column tiles applies the residual add + RMSNorm (``norm.norm_tail``:
-  Llama's ``norm(y + r)``, Gemma's ``next(r + norm(y)) * scale``) to the whole rows, so o_proj
-  and down end with the norm the next projection needs, one launch fewer each.
-
-A split-K launch takes tickets 0..tiles-1 of the device's ticket buffer, a norm epilogue the
-last one (``kernels/__init__.py``, where the invariant is stated).
+A split-K launch takes tickets 0..tiles-1 of the device's ticket buffer (``kernels/__init__.py``,
+where the invariant is stated).
 
 PDL (``kernels/__init__.py``): before waiting for the previous kernel, a program prefetches the
 first ``PREFETCH_K`` columns of its weight rows into L2. Rounding as F.linear: fp32
@@ -48,8 +37,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import TICKETS, next_pow2, pdl, tickets, use_triton
-from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM_ADD, RowNorm
+from gpu_worker.kernels import TICKETS, pdl, tickets, use_triton
 from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 
@@ -58,7 +46,6 @@ try:
     import triton.language as tl
 
     from gpu_worker.kernels.activation import gated_value
-    from gpu_worker.kernels.norm import norm_tail
 except ImportError:
     triton = None
 
@@ -69,7 +56,6 @@ GEMV_MAX_M = 4
 # 14336) lost, 32.1 -> 34.5, and at four rows it lost everywhere. Elsewhere cuBLAS stays.
 SKINNY_MAX_K = 8192
 SKINNY_MIN_WEIGHT = 8 << 20  # elements
-GEMV_DTYPES = (torch.bfloat16, torch.float16)  # float32 stays with cuBLAS (CPU tests widen it)
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 # The tensor-core variant (``gemv(dot=True)``, x padded to DOT_ROWS rows, tl.dot's smallest tile)
 # where it measured fastest (kernel_sweep.py --only gemv, H200, h200-2026-12-03h, in a CUDA
@@ -165,27 +151,9 @@ if triton is not None:
         tl.store(y_ptr + n, _finish(a, b, ACT, y_ptr.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _norm_epilogue(y_ptr, sym, N, ntk_ptr, r_ptr, nw1_ptr, nw2_ptr, ns_ptr, no_ptr, eps, M: tl.constexpr,
-                       NORM: tl.constexpr, HAS_W1: tl.constexpr, HAS_W2: tl.constexpr, HAS_SCALE: tl.constexpr,
-                       GEMMA: tl.constexpr, NORM_MP: tl.constexpr, NORM_N: tl.constexpr):
-        """Called by each program that stored a finished output tile: the last of them (a ticket
-        counting the grid's column tiles) applies the row norm (``norm.norm_tail``) to every row.
-        One launch fewer than a separate norm kernel; the same barrier + acq_rel protocol as the
-        split-K reduction makes the other tiles' stores visible to it."""
-        tl.debug_barrier()
-        if tl.atomic_add(ntk_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            # every row at once (NORM_MP = M rounded up to a power of 2): one row's latency
-            norm_tail(y_ptr, sym, r_ptr, no_ptr, nw1_ptr, nw2_ptr, ns_ptr, M, NORM_N, eps, NORM, HAS_W1, HAS_W2,
-                      HAS_SCALE, GEMMA, NORM_MP, 1024 // NORM_MP)
-            tl.atomic_xchg(ntk_ptr, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym,
-                     r_ptr, nw1_ptr, nw2_ptr, ns_ptr, no_ptr, ntk_ptr, eps,
-                     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-                     SPLITS: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-                     NORM: tl.constexpr, HAS_W1: tl.constexpr, HAS_W2: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     GEMMA: tl.constexpr, NORM_MP: tl.constexpr, NORM_N: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
+                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -226,25 +194,14 @@ if triton is not None:
                 for m in tl.static_range(M):
                     _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, ACT)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
-                if NORM > 0:
-                    _norm_epilogue(y_ptr, sym, N, ntk_ptr, r_ptr, nw1_ptr, nw2_ptr, ns_ptr, no_ptr, eps, M,
-                                   NORM, HAS_W1, HAS_W2, HAS_SCALE, GEMMA, NORM_MP, NORM_N)
-        elif NORM > 0:
-            _norm_epilogue(y_ptr, sym, N, ntk_ptr, r_ptr, nw1_ptr, nw2_ptr, ns_ptr, no_ptr, eps, M,
-                           NORM, HAS_W1, HAS_W2, HAS_SCALE, GEMMA, NORM_MP, NORM_N)
 
     @triton.jit
-    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym,
-                         r_ptr, nw1_ptr, nw2_ptr, ns_ptr, no_ptr, ntk_ptr, eps,
-                         M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLITS: tl.constexpr, F32: tl.constexpr, ACT_IN: tl.constexpr, NORM: tl.constexpr,
-                         HAS_W1: tl.constexpr, HAS_W2: tl.constexpr, HAS_SCALE: tl.constexpr, GEMMA: tl.constexpr,
-                         NORM_MP: tl.constexpr, NORM_N: tl.constexpr):
+    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
+                         MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                         F32: tl.constexpr):
         """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
         past M read as zeros). The FMA kernel above reduces every tile once per row, which at
-        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``).
-        ``ACT_IN``: x is a gate_up output [M, 2K] and the input is ``act(gate) * up``, computed
-        per tile with ``gated_act``'s roundings (the MLP's activation kernel folded into down)."""
+        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``)."""
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -258,20 +215,13 @@ if triton is not None:
             k = start + tl.arange(0, BLOCK_K)
             km = k < k_hi
             w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            xm = rm[None, :] & km[:, None]
-            xt = tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=xm, other=0.0)
-            if ACT_IN >= 0:
-                up = tl.load(x_ptr + r[None, :] * sxm + K + k[:, None], mask=xm, other=0.0)
-                xt = gated_value(xt.to(tl.float32), up.to(tl.float32), ACT_IN, w.dtype).to(w.dtype)
+            xt = tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
             if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
                 w, xt = w.to(tl.float32), xt.to(tl.float32)
             acc = tl.dot(w, xt, acc)
         out_m = rm[None, :] & nm[:, None]
         if SPLITS == 1:
             tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
-            if NORM > 0:
-                _norm_epilogue(y_ptr, sym, N, ntk_ptr, r_ptr, nw1_ptr, nw2_ptr, ns_ptr, no_ptr, eps, M,
-                               NORM, HAS_W1, HAS_W2, HAS_SCALE, GEMMA, NORM_MP, NORM_N)
         else:
             ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's layout: [split, m, 2N]
             tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
@@ -280,39 +230,26 @@ if triton is not None:
                 for m in tl.static_range(M):
                     _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, -1)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
-                if NORM > 0:
-                    _norm_epilogue(y_ptr, sym, N, ntk_ptr, r_ptr, nw1_ptr, nw2_ptr, ns_ptr, no_ptr, eps, M,
-                                   NORM, HAS_W1, HAS_W2, HAS_SCALE, GEMMA, NORM_MP, NORM_N)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: int = 1, block_n: int = 16,
          block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None,
-         dot: bool = False, act_in: str | None = None, norm: RowNorm | None = None) -> torch.Tensor | None:
+         dot: bool = False) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M, unit column stride), w [N, K] contiguous -> [M, N].
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
-    sum). ``dot`` takes the tensor-core variant (no ``act``, no PDL; up to DOT_ROWS rows), which
-    may also take ``act_in`` (x is a gate_up output [M, 2K]: the input is ``act(gate) * up``).
-    ``norm``: the launch's last tile applies it to the result (residual updated in place) and
-    the call returns the normed output (None where the norm has none). ``prefetch_k``
-    overrides PREFETCH_K (benchmarks)."""
+    sum). ``dot`` takes the tensor-core variant (no ``act``, no PDL; up to DOT_ROWS rows).
+    ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
     m, k = x.shape
-    if act_in:
-        k //= 2
     rows = w.shape[0]
     n = rows // 2 if act else rows
     assert m <= (DOT_ROWS if dot else GEMV_MAX_M) and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (
         x.shape, w.shape)
-    assert not act or (rows % 2 == 0 and not dot and not norm), w.shape
-    assert not act_in or (dot and x.shape[1] == 2 * k), (x.shape, w.shape)
+    assert not act or (rows % 2 == 0 and not dot), w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    out = y
-    if norm is not None:
-        assert norm.residual.is_contiguous() and norm.residual.numel() == m * n, (norm.residual.shape, m, n)
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device) if norm.has_out else None
     if not m:
-        return out
+        return y
     tiles = triton.cdiv(n, block_n)
     splits = max(1, min(int(splits), triton.cdiv(k, block_k)))
     chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
@@ -322,44 +259,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         assert tiles <= TICKETS, (n, block_n)
         ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
         tk = tickets(x.device)
-    args = (x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), *_norm_args(norm, y, out, tiles))
-    flags = _norm_flags(norm, m)
     if dot:  # launched without PDL: it starts after the previous kernel, as any plain launch
         _gemv_dot_kernel[(tiles, splits)](
-            *args, M=m, MP=DOT_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, F32=not x.is_cuda,
-            ACT_IN=ACTS[act_in] if act_in else -1, num_warps=num_warps, num_stages=num_stages, **flags,
+            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, MP=DOT_ROWS,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, F32=not x.is_cuda, num_warps=num_warps,
+            num_stages=num_stages,
         )
-        return out
+        return y
     on = pdl(x)
     pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
     _gemv_kernel[(tiles, splits)](
-        *args, M=m, BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on,
-        PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages, launch_pdl=on, **flags,
+        x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n,
+        BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
     )
-    return out
-
-
-# The ticket a norm epilogue counts finished column tiles on: the buffer's last entry, which
-# per-tile tickets (0..tiles-1, tiles < NORM_TICKET) and attention's never reach.
-NORM_TICKET = TICKETS - 1
-
-
-def _norm_args(norm: RowNorm | None, y: torch.Tensor, out: torch.Tensor | None, tiles: int) -> tuple:
-    """The kernels' (residual, w1, w2, scale, out, ticket, eps) arguments; y stands in for unused ones."""
-    if norm is None:
-        return (y, y, y, y, y, y, 0.0)
-    assert tiles < NORM_TICKET, tiles
-    pick = lambda t: y if t is None else t  # noqa: E731
-    return (norm.residual, pick(norm.w1), pick(norm.w2), pick(norm.scale), pick(out),
-            tickets(y.device)[NORM_TICKET:], float(norm.eps))
-
-
-def _norm_flags(norm: RowNorm | None, m: int) -> dict:
-    if norm is None:
-        return dict(NORM=0, HAS_W1=False, HAS_W2=False, HAS_SCALE=False, GEMMA=False, NORM_MP=1, NORM_N=0)
-    return dict(NORM=norm.mode, HAS_W1=norm.w1 is not None, HAS_W2=norm.w2 is not None,
-                HAS_SCALE=norm.scale is not None, GEMMA=norm.gemma, NORM_MP=next_pow2(m),
-                NORM_N=norm.residual.numel() // m)
+    return y
 
 
 def skinny_rows() -> int:
@@ -388,43 +302,24 @@ def launch_config(m: int, w: torch.Tensor) -> dict | None:
 def _skinny(x: torch.Tensor, w: torch.Tensor, rows: int | None = None) -> bool:
     """Whether ``x`` through ``w`` takes a GEMV: at most ``rows`` rows (default ``skinny_rows()``,
     read only for calls of at most GEMV_MAX_M rows: prefill projections never touch the environment)."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in GEMV_DTYPES
+    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in (torch.bfloat16, torch.float16)
             and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1 and w.is_contiguous() and use_triton(x)
             and x.shape[0] <= (skinny_rows() if rows is None else rows))
 
 
-def _plan(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> dict | None:
-    """The GEMV launch (``gemv`` keywords) for ``x`` through ``w``, or None for cuBLAS: up to
-    ``skinny_rows()`` rows through a mid-sized weight, split-K past SKINNY_MAX_K."""
-    cfg = launch_config(x.shape[0], w) if bias is None and _skinny(x, w) else None
-    if cfg is None:
-        return None
-    splits = short_k_splits() if w.shape[1] <= SKINNY_MAX_K else long_k_splits()
-    return dict(cfg, splits=splits) if w.shape[1] <= SKINNY_MAX_K or splits > 1 else None
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the GEMV where it measured faster (``_plan``). Decode batches (16-256 rows)
-    stay with cuBLAS: a Triton small-M GEMM (M x N tiles, split K) measured slower there on the
-    H200 (BENCHMARKS.md, 2026-12-02 night)."""
-    plan = _plan(x, w, bias)
-    return gemv(x, w, **plan) if plan is not None else F.linear(x, w, bias)
-
-
-def _switch(name: str) -> bool:
-    return os.environ.get(name, "1") != "0"
-
-
-def fused_plan(x: torch.Tensor, w: torch.Tensor, *, act_in: str | None = None, norm: bool = False) -> dict | None:
-    """The GEMV launch for ``x`` through ``w`` that also runs the MLP's activation in its
-    prologue (``act_in``: x is the gate_up output [M, 2K]; the tensor-core variant only) and/or
-    a norm in its epilogue (``norm``), or None where the caller runs the separate kernels.
-    ``TANDEM_GEMV_ACT_IN=0`` / ``TANDEM_GEMV_NORM=0`` switch either fusion off (A/Bs)."""
-    if (act_in and (act_in not in ACTS or not _switch("TANDEM_GEMV_ACT_IN"))) or (
-            norm and not _switch("TANDEM_GEMV_NORM")):
-        return None
-    plan = _plan(x[:, : x.shape[1] // 2] if act_in else x, w)
-    return None if plan is None or (act_in and not plan.get("dot")) else plan
+    """F.linear, or the GEMV where it measured faster: up to ``skinny_rows()`` rows through a
+    mid-sized weight, split-K past SKINNY_MAX_K. Decode batches (16-256 rows) stay with cuBLAS:
+    a Triton small-M GEMM (M x N tiles, split K) measured slower there on the H200
+    (BENCHMARKS.md, 2026-12-02 night)."""
+    cfg = launch_config(x.shape[0], w) if bias is None and _skinny(x, w) else None
+    if cfg is not None:
+        if w.shape[1] <= SKINNY_MAX_K:
+            return gemv(x, w, splits=short_k_splits(), **cfg)
+        splits = long_k_splits()
+        if splits > 1:
+            return gemv(x, w, splits=splits, **cfg)
+    return F.linear(x, w, bias)
 
 
 def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:

@@ -22,8 +22,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4Spec, LayerSpec
-from gpu_worker.models.layers import (GatedMLP, GemmaRMSNorm, NormAdd, Rotary, gated, project_then, rope_attention,
-                                      softcap)
+from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, Rotary, gated, rope_attention, softcap
 from gpu_worker.parallel import factory, shard
 
 _SCALE_CACHE: dict[tuple[float, torch.dtype], float] = {}
@@ -58,22 +57,19 @@ class Gemma4Attention(nn.Module):
             self.q_proj = factory.column(h, parts["q_proj"], bias=spec.attention_bias)
         self.o_proj = factory.row(parts["q_proj"], h, bias=spec.attention_bias)
 
-    def attend(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend) -> torch.Tensor:
-        """The attention output before o_proj [T, Hq * D]."""
+    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
         t = x.shape[0]
         if not self.owns_kv:
             q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-            return rope_attention(backend, self.attn, rotary, fb, q, q_norm=self.q_norm)
+            return self.o_proj(rope_attention(backend, self.attn, rotary, fb, q, q_norm=self.q_norm))
         parts = self.qkv_proj.split(self.qkv_proj(x))
         q = parts[0].view(t, self.num_heads, self.head_dim)
         k = parts[1].view(t, self.num_kv_heads, self.head_dim)
         # k_eq_v: value = the un-normed, un-rotated k_proj output, then v_norm
         v = parts[2].view(t, self.num_kv_heads, self.head_dim) if len(parts) == 3 else k
-        return rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm,
-                              v_norm=self.v_norm)
-
-    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
-        return self.o_proj(self.attend(x, rotary, fb, backend))
+        o = rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm,
+                           v_norm=self.v_norm)
+        return self.o_proj(o)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -97,17 +93,17 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(self, h, x, per_layer_input, rotary: Rotary, fb: ForwardBatch, backend,
                 next_norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: this layer's normed input, x: the residual stream; returns (``next_norm`` of the
-        new stream, the stream): ``next_norm`` is the next layer's input norm or the final one.
-        Each ``NormAdd`` is HF's ``x = x + norm(h)`` (then the next norm) in one step: at decode
-        sizes the epilogue of o_proj's and down's GEMVs (``project_then``), else one kernel.
-        The kernel path updates x in place."""
-        h = self.self_attn.attend(h, rotary, fb, backend)
-        h, x = project_then(self.self_attn.o_proj, h, x,
-                            NormAdd(self.post_attention_layernorm, self.pre_feedforward_layernorm))
+        """h: this layer's normed input, x: the residual stream; returns (``next_norm`` of the new
+        stream, the stream). Each ``norm_add`` is HF's ``x = x + norm(h)`` (then the next norm)
+        in one kernel; the last one (``* layer_scalar``) applies ``next_norm`` — the next layer's
+        input norm or the final one — instead of a separate launch. The kernel path updates x
+        in place."""
+        h = self.self_attn(h, rotary, fb, backend)
+        h, x = self.post_attention_layernorm.norm_add(h, x, next_norm=self.pre_feedforward_layernorm)
+        h = self.mlp(h)
         if not self.ple_dim:
-            return self.mlp.forward_then(h, x, NormAdd(self.post_feedforward_layernorm, next_norm, self.layer_scalar))
-        _, x = self.mlp.forward_then(h, x, NormAdd(self.post_feedforward_layernorm))
+            return self.post_feedforward_layernorm.norm_add(h, x, next_norm=next_norm, scale=self.layer_scalar)
+        _, x = self.post_feedforward_layernorm.norm_add(h, x)
         h = self.per_layer_projection(gated(self.act_name, self.per_layer_input_gate(x), per_layer_input))
         return self.post_per_layer_input_norm.norm_add(h, x, next_norm=next_norm, scale=self.layer_scalar)
 

@@ -7,7 +7,6 @@ Tensors are flat: [T, ...] with no batch dimension.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -17,8 +16,8 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.activation import gated_act
-from gpu_worker.kernels.gemv import fused_plan, gated_linear, gemv, linear
-from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, RowNorm, launch_norm
+from gpu_worker.kernels.gemv import gated_linear, linear
+from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
 
@@ -90,36 +89,6 @@ class GemmaRMSNorm(nn.Module):
         if scale is not None:
             residual = residual * scale
         return (next_norm(residual) if next_norm is not None else None), residual
-
-
-@dataclasses.dataclass(frozen=True)
-class AddNorm:
-    """The step after a Llama projection: ``r' = h + r``, then ``norm(r')`` (``add_forward``)."""
-
-    norm: RMSNorm
-
-    def __call__(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.norm.add_forward(h, residual)
-
-    def row_norm(self, residual: torch.Tensor) -> RowNorm:
-        return RowNorm(MODE_ADD_NORM, residual, self.norm.weight, eps=self.norm.eps)
-
-
-@dataclasses.dataclass(frozen=True)
-class NormAdd:
-    """Gemma's sandwich step after a projection: ``r' = r + norm(h)`` [``* scale``], then
-    ``next_norm(r')`` (``GemmaRMSNorm.norm_add``; no next norm: the output is None)."""
-
-    norm: GemmaRMSNorm
-    next_norm: GemmaRMSNorm | None = None
-    scale: torch.Tensor | None = None
-
-    def __call__(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        return self.norm.norm_add(h, residual, next_norm=self.next_norm, scale=self.scale)
-
-    def row_norm(self, residual: torch.Tensor) -> RowNorm:
-        w2 = self.next_norm.weight if self.next_norm is not None else None
-        return RowNorm(MODE_NORM_ADD, residual, self.norm.weight, w2, self.scale, self.norm.eps, gemma=True)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -234,21 +203,6 @@ def gated(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return activation(act)(gate) * up
 
 
-def project_then(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor, after: AddNorm | NormAdd,
-                 act_in: str | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``after(proj(x), residual)``; with ``act_in``, x is a merged gate_up output and proj's
-    input is ``act(gate) * up``. At decode sizes on the kernel path (TP=1, no bias) one GEMV
-    launch does all of it (the activation in its prologue, the norm in its epilogue:
-    ``kernels/gemv.py``); elsewhere the separate kernels, with the same roundings."""
-    if type(proj) is Linear and proj.bias is None and residual.is_contiguous() and use_triton(x):
-        plan = fused_plan(x, proj.weight, act_in=act_in, norm=True)
-        if plan is not None:
-            return gemv(x, proj.weight, act_in=act_in, norm=after.row_norm(residual), **plan), residual
-    if act_in:
-        x = gated(act_in, *torch.split(x, x.shape[-1] // 2, dim=-1))
-    return after(proj(x), residual)
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up merged into one ``gate_up_proj``."""
 
@@ -262,31 +216,15 @@ class GatedMLP(nn.Module):
         self.act_name = act
         activation(act)  # fail at build time on an unsupported activation
 
-    def _gated_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One decode row at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py). Under
         # TP the column-parallel subclass may lay its shard out differently: the general path.
         if type(self.gate_up_proj) is MergedLinear and self.gate_up_proj.bias is None:
-            return gated_linear(x, self.gate_up_proj.weight, self.act_name)
-        return None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self._gated_gemv(x)
-        if h is not None:
-            return self.down_proj(h)
+            h = gated_linear(x, self.gate_up_proj.weight, self.act_name)
+            if h is not None:
+                return self.down_proj(h)
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         return self.down_proj(gated(self.act_name, gate, up))
-
-    def forward_then(self, x: torch.Tensor, residual: torch.Tensor,
-                     after: AddNorm | NormAdd) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``after(self(x), residual)``, the activation and the norm folded into down's GEMV
-        where ``project_then`` can."""
-        h = self._gated_gemv(x)
-        if h is not None:
-            return project_then(self.down_proj, h, residual, after)
-        if type(self.gate_up_proj) is MergedLinear:  # [gate | up] halves, as project_then splits
-            return project_then(self.down_proj, self.gate_up_proj(x), residual, after, act_in=self.act_name)
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return after(self.down_proj(gated(self.act_name, gate, up)), residual)
 
 
 def paged_attention(

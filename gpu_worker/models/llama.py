@@ -14,7 +14,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import LayerSpec, LlamaSpec
-from gpu_worker.models.layers import AddNorm, GatedMLP, RMSNorm, Rotary, project_then, rope_attention
+from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, rope_attention
 from gpu_worker.parallel import factory, shard
 
 
@@ -35,18 +35,15 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def attend(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend) -> torch.Tensor:
-        """The attention output before o_proj [T, Hq * D]."""
+    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # Qwen3: per-head norm before RoPE
-        return rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm)
-
-    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
-        return self.o_proj(self.attend(x, rotary, fb, backend))
+        o = rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm)
+        return self.o_proj(o)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -57,15 +54,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend,
-                after: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: this layer's normed input; returns (``after``'s output, the residual stream):
-        ``after`` is the next layer's input norm, or the final norm. HF's ``residual + h`` then
-        norm run as one step (``AddNorm``), which at decode sizes is the epilogue of o_proj's and
-        down's GEMVs (``project_then``); the kernel path updates ``residual`` in place."""
-        h = self.self_attn.attend(x, rotary, fb, backend)
-        x, residual = project_then(self.self_attn.o_proj, h, residual, AddNorm(self.post_attention_layernorm))
-        return self.mlp.forward_then(x, residual, after)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, fb: ForwardBatch,
+                backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer output, residual stream). The residual add is deferred into the next norm
+        (``add_forward``): HF's ``residual + h`` then norm, in one kernel."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(h, rotary, fb, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -105,13 +104,10 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens(ids)
 
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
-        layers = self.model.layers
-        residual = self.embed(fb.input_ids)  # a fresh tensor: the kernel path updates it in place
-        x = layers[0].input_layernorm(residual)
-        for i, layer in enumerate(layers):
-            after = AddNorm(layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)
-            x, residual = layer(x, residual, self.model.rotary, fb, backend, after)
-        return x
+        h, residual = self.embed(fb.input_ids), None
+        for layer in self.model.layers:
+            h, residual = layer(h, residual, self.model.rotary, fb, backend)
+        return self.model.norm.add_forward(h, residual)[0]
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
