@@ -9,6 +9,7 @@
 #  gfuse = the same on the Gemma-4 9B shape;
 #  rows = the GEMV's tensor-core variant (1-4 rows) and the greedy tail: sweep, engine A/B, tests;
 #  envab = the 8B at 1 and 64 requests (ENVAB_PROMPTS) once per ENV_VARIANTS entry ("name:VAR=v,VAR=v ...");
+#  pdlprof = one 8B decode layer's kernels and the gaps between them, PDL off and on (trace_layers.py);
 #  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
@@ -96,6 +97,7 @@ if has profile; then
   echo "== profile: an 8B decode step (1 request), a prefill step of 8192 tokens (8B and Qwen3-0.6B)"
   timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
     --trace "$FINAL/trace_8b_bs1.json.gz" > "$OUT/profile_8b.txt" 2>&1 || echo "profile failed"
+  python3 benchmarks/trace_layers.py "$FINAL/trace_8b_bs1.json.gz" > "$OUT/layers_8b.txt" 2>&1 && cat "$OUT/layers_8b.txt"
   if [ "${PROFILE_PREFILL:-1}" = 1 ]; then  # PROFILE_PREFILL=0: the decode step only
     timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 1 --batch 16 \
       > "$OUT/profile_8b_prefill.txt" 2>&1 || echo "profile 8b prefill failed"
@@ -104,6 +106,17 @@ if has profile; then
   fi
   for f in profile_8b profile_8b_prefill profile_qwen_prefill; do [ -e "$OUT/$f.txt" ] || continue
     echo "$f"; grep -A4 '"steps"' "$OUT/$f.txt"; done
+fi
+if has pdlprof; then
+  # One decode layer of the 8B at one row, PDL off and on: mean kernel times and the gap before
+  # each (negative = it started before its predecessor ended). PDL measured no gain end to end
+  # (2026-12-02 evening, 2026-12-03): this shows whether the graph overlaps anything at all.
+  echo "== the 8B one-row decode layer, TANDEM_PDL=0 / 1"
+  for p in 0 1; do
+    TANDEM_PDL=$p timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
+      --trace "$OUT/trace_pdl$p.json.gz" > "$OUT/profile_pdl$p.txt" 2>&1 || echo "profile PDL=$p failed"
+    echo "TANDEM_PDL=$p"; python3 benchmarks/trace_layers.py "$OUT/trace_pdl$p.json.gz" 2>&1 | tee "$OUT/layers_pdl$p.txt"
+  done
 fi
 if has llama; then
   echo "== (a, b, d) Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"

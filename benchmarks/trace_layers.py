@@ -1,0 +1,83 @@
+"""Per-layer view of a decode-step trace (``profile_step.py --trace``): the kernels of one
+decoder layer, in order, with their mean duration and the mean gap before each (negative: the
+kernel started before the previous one ended, as programmatic dependent launch allows).
+
+A layer is found by its anchor kernel (one launch per layer; default the RoPE + KV-store
+kernel) and the most common distance between consecutive anchors; only windows whose kernel
+names repeat that layout are averaged, so prefill steps and the LM head stay out.
+
+    python benchmarks/trace_layers.py trace_8b_bs1.json.gz [--anchor rope_store] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import statistics
+
+
+def load_kernels(path: str) -> list[dict]:
+    """Device events (kernels, copies, memsets) of a Chrome trace, in start order."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = [e for e in trace.get("traceEvents", [])
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def layer_table(events: list[dict], anchor: str, before: int = 2) -> dict:
+    """Mean duration and gap per position of the layer layout (``before`` kernels ahead of the
+    anchor belong to the layer: Llama's input norm and qkv)."""
+    idx = [i for i, e in enumerate(events) if anchor in e["name"]]
+    if len(idx) < 2:
+        raise SystemExit(f"fewer than two {anchor!r} kernels in the trace")
+    period = collections.Counter(b - a for a, b in zip(idx, idx[1:])).most_common(1)[0][0]
+    layouts = collections.Counter()
+    windows = []
+    for i in idx:
+        lo, hi = i - before, i - before + period
+        if lo < 1 or hi > len(events):
+            continue
+        names = tuple(e["name"] for e in events[lo:hi])
+        layouts[names] += 1
+        windows.append((lo, names))
+    layout, count = layouts.most_common(1)[0]
+    rows = []
+    for pos, name in enumerate(layout):
+        durs, gaps = [], []
+        for lo, names in windows:
+            if names != layout:
+                continue
+            e, prev = events[lo + pos], events[lo + pos - 1]
+            durs.append(e["dur"])
+            gaps.append(e["ts"] - (prev["ts"] + prev["dur"]))
+        rows.append(dict(pos=pos, name=name, dur_us=statistics.fmean(durs), gap_us=statistics.fmean(gaps),
+                         min_gap_us=min(gaps)))
+    total = sum(r["dur_us"] + r["gap_us"] for r in rows)
+    return dict(anchor=anchor, kernels_per_layer=period, layers_averaged=count, rows=rows,
+                layer_us=total, kernel_us=sum(r["dur_us"] for r in rows), gap_us=sum(r["gap_us"] for r in rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--anchor", default="rope_store", help="a kernel name part launched once per layer")
+    ap.add_argument("--before", type=int, default=2, help="kernels of the layer ahead of the anchor (norm, qkv)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    table = layer_table(load_kernels(args.trace), args.anchor, args.before)
+    if args.json:
+        print(json.dumps(table, indent=1))
+        return
+    print(f"{table['layers_averaged']} layers of {table['kernels_per_layer']} kernels: "
+          f"{table['layer_us']:.2f} us a layer = {table['kernel_us']:.2f} in kernels + {table['gap_us']:.2f} between")
+    print(f"{'kernel':44s} {'us':>8s} {'gap before':>11s} {'min gap':>8s}")
+    for r in table["rows"]:
+        print(f"{r['name'][:44]:44s} {r['dur_us']:8.2f} {r['gap_us']:11.2f} {r['min_gap_us']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

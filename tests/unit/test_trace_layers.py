@@ -1,0 +1,48 @@
+"""benchmarks/trace_layers.py: the per-layer table of a decode trace, on a synthetic trace."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks.trace_layers import layer_table, load_kernels
+
+LAYER = [("norm", 2.0), ("qkv", 14.0), ("rope_store", 2.0), ("attn", 6.0), ("o", 12.0)]
+
+
+def _trace(path, layers: int, gap: float, overlap_at: str | None = None):
+    events, t = [], 0.0
+    events.append(dict(ph="X", cat="kernel", name="prefill_gemm", ts=t, dur=100.0))  # not a layer
+    t += 100.0 + gap
+    for _ in range(layers):
+        for name, dur in LAYER:
+            start = t - 1.0 if name == overlap_at else t  # PDL: starts before the previous ends
+            events.append(dict(ph="X", cat="kernel", name=name, ts=start, dur=dur))
+            t = start + dur + gap
+    events.append(dict(ph="X", cat="cpu_op", name="aten::mm", ts=0.0, dur=1.0))  # host events ignored
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(path)
+
+
+def test_layer_table_averages_the_repeating_layout(tmp_path):
+    table = layer_table(load_kernels(_trace(tmp_path / "t.json.gz", layers=6, gap=0.5)), "rope_store")
+    assert table["kernels_per_layer"] == len(LAYER)
+    assert [r["name"] for r in table["rows"]] == [n for n, _ in LAYER]
+    assert [r["dur_us"] for r in table["rows"]] == pytest.approx([d for _, d in LAYER])
+    assert table["gap_us"] == pytest.approx(0.5 * len(LAYER))
+    assert table["layer_us"] == pytest.approx(sum(d for _, d in LAYER) + 0.5 * len(LAYER))
+
+
+def test_overlap_shows_as_a_negative_gap(tmp_path):
+    table = layer_table(load_kernels(_trace(tmp_path / "t.json.gz", layers=4, gap=0.5, overlap_at="qkv")),
+                        "rope_store")
+    gaps = {r["name"]: r["gap_us"] for r in table["rows"]}
+    assert gaps["qkv"] == pytest.approx(-0.5) and gaps["attn"] == pytest.approx(0.5)
+
+
+def test_no_anchor_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="rope_store"):
+        layer_table(load_kernels(_trace(tmp_path / "t.json.gz", layers=1, gap=0.5)), "rope_store")
