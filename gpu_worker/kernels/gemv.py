@@ -198,7 +198,7 @@ if triton is not None:
     @triton.jit
     def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
                          MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                         F32: tl.constexpr):
+                         F32: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
         past M read as zeros). The FMA kernel above reduces every tile once per row, which at
         four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``)."""
@@ -210,6 +210,10 @@ if triton is not None:
         r = tl.arange(0, MP)
         rm = r < M
         w_rows = w_ptr + n.to(tl.int64)[:, None] * swn
+        if PREFETCH_K > 0:  # as in _gemv_kernel: weights only, before the wait
+            sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
+            prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
+        gdc_enter(PDL)
         acc = tl.zeros([BLOCK_N, MP], tl.float32)
         for start in range(k_lo, k_hi, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
@@ -239,7 +243,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
-    sum). ``dot`` takes the tensor-core variant (no ``act``, no PDL; up to DOT_ROWS rows).
+    sum). ``dot`` takes the tensor-core variant (no ``act``; up to DOT_ROWS rows).
     ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
     m, k = x.shape
     rows = w.shape[0]
@@ -259,15 +263,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         assert tiles <= TICKETS, (n, block_n)
         ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
         tk = tickets(x.device)
-    if dot:  # launched without PDL: it starts after the previous kernel, as any plain launch
-        _gemv_dot_kernel[(tiles, splits)](
-            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, MP=DOT_ROWS,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, F32=not x.is_cuda, num_warps=num_warps,
-            num_stages=num_stages,
-        )
-        return y
     on = pdl(x)
     pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
+    if dot:
+        _gemv_dot_kernel[(tiles, splits)](
+            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, MP=DOT_ROWS,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, F32=not x.is_cuda, PDL=on, PREFETCH_K=pre,
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
+        )
+        return y
     _gemv_kernel[(tiles, splits)](
         x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n,
         BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
