@@ -16,17 +16,12 @@ import pytest
 
 from gpu_worker.attention import flashinfer_backend as fib
 from tests.helpers import fake_flashinfer
-from tests.helpers.checkpoints import build_engine_set, hf_greedy
+from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.inproc import InProcEngine
 
 pytest.importorskip("triton")
 PROMPTS = [[(5 * j + 3 * i) % 370 + 6 for j in range(10 + 6 * i)] for i in range(3)]
 NEW = 5
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return build_engine_set(tmp_path_factory.mktemp("fi_engine"))
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.helpers.checkpoints import build_engine_set, hf_greedy
+from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.inproc import InProcEngine
 
 pytest.importorskip("triton")
@@ -19,11 +19,6 @@ pytest.importorskip("triton")
 # bucket have different contexts and a bucket has padding rows (3 requests -> bucket 4).
 PROMPTS = [[(7 * j + 3 * i) % 370 + 6 for j in range(10 + 5 * i)] for i in range(3)]
 NEW = 5
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return build_engine_set(tmp_path_factory.mktemp("triton_engine"))
 
 
 def _run(model, draft=None, **kw):

@@ -9,17 +9,12 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker.runner import ModelRunner
-from tests.helpers.checkpoints import build_engine_set, hf_greedy
+from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.inproc import InProcEngine
 
 pytest.importorskip("triton")
 PROMPTS = [[(7 * j + 3 * i) % 370 + 6 for j in range(10 + 5 * i)] for i in range(3)]
 NEW = 10
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return build_engine_set(tmp_path_factory.mktemp("tail_engine"))
 
 
 @pytest.mark.parametrize("arch,draft", [("llama", False), ("gemma4", True)])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_worker.prefill_graphs import PrefillGraphs, prefill_buckets
-from tests.helpers.checkpoints import build_engine_set, hf_greedy
+from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.inproc import InProcEngine
 
 pytest.importorskip("triton")
@@ -26,11 +26,6 @@ def test_buckets_cover_the_step_budget():
     for top in (16, 100, 8192, 16384):
         sizes = prefill_buckets(top)
         assert sizes == sorted(set(sizes)) and sizes[-1] >= top and all(s % 16 == 0 for s in sizes)
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return build_engine_set(tmp_path_factory.mktemp("prefill_graphs"))
 
 
 def _engine(model, monkeypatch, draft=None, **kw):
