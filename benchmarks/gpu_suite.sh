@@ -51,8 +51,8 @@ off() {  # name, timeout, args...
     --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -5 "$OUT/$name.log"; }
 }
 if has tests; then
-  echo "== tests/gpu"
-  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+  echo "== ${TESTS:-tests/gpu}"  # TESTS: a subset (test files), for A/B calls
+  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest ${TESTS:-tests/gpu} -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
 fi
 if has chunk; then
   # Eager prefill steps spend about as much host time as kernel time at 8192 tokens (Qwen3-0.6B):

@@ -7,6 +7,7 @@ Tensors are flat: [T, ...] with no batch dimension.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.activation import gated_act
-from gpu_worker.kernels.gemv import gated_linear, linear
+from gpu_worker.kernels.gemv import Prenorm, gated_enabled, gated_linear, gemv, gemv_add, linear, norm_fusion_enabled, plan
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
@@ -203,6 +204,49 @@ def gated(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return activation(act)(gate) * up
 
 
+@dataclasses.dataclass(frozen=True)
+class ResidualStream:
+    """A pre-norm decoder's residual stream between projections (Llama's ``residual``).
+
+    ``pending``: a projection output not yet added (the next norm adds it: the add-norm kernel);
+    ``sumsq``: ``r``'s per-tile sums of squares, when the GEMV that produced ``r`` added the
+    residual in its epilogue (``gemv_add``) — then the next projection norms ``r`` in its own
+    prologue (``Prenorm``) and no norm kernel runs between them. Invariant: not both."""
+
+    r: torch.Tensor
+    pending: torch.Tensor | None = None
+    sumsq: torch.Tensor | None = None
+
+    def normed(self, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(stream), the stream with the pending output added)."""
+        if self.pending is not None:
+            return norm.add_forward(self.pending, self.r)
+        return norm(self.r), self.r
+
+
+def norm_linear(proj: Linear, norm: RMSNorm, s: ResidualStream) -> tuple[torch.Tensor, ResidualStream]:
+    """``(proj(norm(s)), s settled)``: one GEMV that norms its input when ``s`` carries the sums."""
+    if s.sumsq is not None and proj.bias is None and isinstance(proj, Linear):
+        cfg = plan(s.r, proj.weight)
+        if cfg is not None:
+            return gemv(s.r, proj.weight, prenorm=Prenorm(s.sumsq, norm.weight, norm.eps), **cfg), s
+    x, r = s.normed(norm)
+    return proj(x), ResidualStream(r)
+
+
+def linear_add(proj: nn.Linear, x: torch.Tensor, s: ResidualStream) -> ResidualStream:
+    """The stream after ``proj(x)`` is added to it: in the GEMV's epilogue where it takes one
+    (TP=1, no bias: a row-parallel projection must all-reduce before the add), else pending for
+    the next norm's add-norm kernel."""
+    assert s.pending is None
+    if type(proj) is Linear and proj.bias is None and norm_fusion_enabled() and s.r.is_contiguous():
+        cfg = plan(x, proj.weight)
+        if cfg is not None:
+            r, sumsq = gemv_add(x, proj.weight, s.r.view(x.shape[0], -1), **cfg)
+            return ResidualStream(r, sumsq=sumsq)
+    return ResidualStream(s.r, pending=proj(x))
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up merged into one ``gate_up_proj``."""
 
@@ -225,6 +269,15 @@ class GatedMLP(nn.Module):
                 return self.down_proj(h)
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         return self.down_proj(gated(self.act_name, gate, up))
+
+    def stream_forward(self, s: ResidualStream, norm: RMSNorm) -> ResidualStream:
+        """A pre-norm block: the stream plus ``self(norm(s))`` (``norm_linear`` / ``linear_add``)."""
+        if gated_enabled():  # the gated GEMV takes a normed input: the unfused norm first
+            x, r = s.normed(norm)
+            return linear_add(self.down_proj, self(x), ResidualStream(r))
+        h, s = norm_linear(self.gate_up_proj, norm, s)
+        gate, up = self.gate_up_proj.split(h)
+        return linear_add(self.down_proj, gated(self.act_name, gate, up), s)
 
 
 def paged_attention(

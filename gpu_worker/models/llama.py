@@ -14,7 +14,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import LayerSpec, LlamaSpec
-from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, rope_attention
+from gpu_worker.models.layers import GatedMLP, ResidualStream, RMSNorm, Rotary, linear_add, norm_linear, rope_attention
 from gpu_worker.parallel import factory, shard
 
 
@@ -35,15 +35,18 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+    def forward(self, s: ResidualStream, norm: RMSNorm, rotary: Rotary, fb: ForwardBatch,
+                backend) -> ResidualStream:
+        """The stream plus attention over ``norm(s)``."""
+        qkv, s = norm_linear(self.qkv_proj, norm, s)
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # Qwen3: per-head norm before RoPE
         o = rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm)
-        return self.o_proj(o)
+        return linear_add(self.o_proj, o, s)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -54,17 +57,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, fb: ForwardBatch,
-                backend) -> tuple[torch.Tensor, torch.Tensor]:
-        """(layer output, residual stream). The residual add is deferred into the next norm
-        (``add_forward``): HF's ``residual + h`` then norm, in one kernel."""
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn(h, rotary, fb, backend)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+    def forward(self, s: ResidualStream, rotary: Rotary, fb: ForwardBatch, backend) -> ResidualStream:
+        """The residual stream through the layer. Each norm runs where the stream settles: in the
+        add-norm kernel after a cuBLAS projection, or inside the next GEMV (``ResidualStream``)."""
+        s = self.self_attn(s, self.input_layernorm, rotary, fb, backend)
+        return self.mlp.stream_forward(s, self.post_attention_layernorm)
 
 
 class LlamaBackbone(nn.Module):
@@ -104,10 +101,10 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens(ids)
 
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
-        h, residual = self.embed(fb.input_ids), None
+        s = ResidualStream(self.embed(fb.input_ids))
         for layer in self.model.layers:
-            h, residual = layer(h, residual, self.model.rotary, fb, backend)
-        return self.model.norm.add_forward(h, residual)[0]
+            s = layer(s, self.model.rotary, fb, backend)
+        return s.normed(self.model.norm)[0]
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
