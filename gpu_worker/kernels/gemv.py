@@ -126,24 +126,29 @@ if triton is not None:
         return ((x * inv).to(DT).to(tl.float32) * g).to(DT).to(tl.float32)
 
     @triton.jit
-    def _xrow(x_ptr, k, km, g, inv, PRENORM: tl.constexpr):
+    def _xrow(x_ptr, k, km, K, g, inv, PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
+        """Input values x[m, k] as float32: loaded, normed (PRENORM), or (ACT_IN) the MLP's
+        ``act(gate) * up`` from a gate_up row [gate 0:K | up K:2K], with ``gated_act``'s roundings."""
         x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        if ACT_IN >= 0:
+            up = tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)
+            x = gated_value(x, up, ACT_IN, x_ptr.dtype.element_ty)
         if PRENORM:
             x = _normed(x, g, inv, x_ptr.dtype.element_ty)
         return x
 
     @triton.jit
-    def _accumulate(w, x_ptr, sxm, k, km, M: tl.constexpr, a0, a1, a2, a3, g, i0, i1, i2, i3,
-                    PRENORM: tl.constexpr):
-        """a_m += W_tile . x[m, k] for each of the M rows (x read as float32; PRENORM: normed on
-        the fly with the norm weight g and the row's 1 / RMS i_m)."""
-        a0 += tl.sum(w * _xrow(x_ptr, k, km, g, i0, PRENORM)[None, :], axis=1)
+    def _accumulate(w, x_ptr, sxm, k, km, K, M: tl.constexpr, a0, a1, a2, a3, g, i0, i1, i2, i3,
+                    PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
+        """a_m += W_tile . x[m, k] for each of the M rows (``_xrow``; PRENORM: the norm weight g
+        and row m's 1 / RMS i_m)."""
+        a0 += tl.sum(w * _xrow(x_ptr, k, km, K, g, i0, PRENORM, ACT_IN)[None, :], axis=1)
         if M > 1:
-            a1 += tl.sum(w * _xrow(x_ptr + sxm, k, km, g, i1, PRENORM)[None, :], axis=1)
+            a1 += tl.sum(w * _xrow(x_ptr + sxm, k, km, K, g, i1, PRENORM, ACT_IN)[None, :], axis=1)
         if M > 2:
-            a2 += tl.sum(w * _xrow(x_ptr + 2 * sxm, k, km, g, i2, PRENORM)[None, :], axis=1)
+            a2 += tl.sum(w * _xrow(x_ptr + 2 * sxm, k, km, K, g, i2, PRENORM, ACT_IN)[None, :], axis=1)
         if M > 3:
-            a3 += tl.sum(w * _xrow(x_ptr + 3 * sxm, k, km, g, i3, PRENORM)[None, :], axis=1)
+            a3 += tl.sum(w * _xrow(x_ptr + 3 * sxm, k, km, K, g, i3, PRENORM, ACT_IN)[None, :], axis=1)
         return a0, a1, a2, a3
 
     @triton.jit
@@ -196,7 +201,7 @@ if triton is not None:
                      g_ptr, ssi_ptr, NSS, eps, r_ptr, srm, sso_ptr, NT, M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
                      PDL: tl.constexpr, PREFETCH_K: tl.constexpr, PRENORM: tl.constexpr, RESID: tl.constexpr,
-                     BLOCK_SS: tl.constexpr):
+                     BLOCK_SS: tl.constexpr, ACT_IN: tl.constexpr):
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -229,10 +234,12 @@ if triton is not None:
             if PRENORM:
                 g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
             w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3, g, i0, i1, i2, i3, PRENORM)
+            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, K, M, a0, a1, a2, a3, g, i0, i1, i2, i3, PRENORM,
+                                         ACT_IN)
             if ACT >= 0:
                 w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3, g, i0, i1, i2, i3, PRENORM)
+                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, K, M, b0, b1, b2, b3, g, i0, i1, i2, i3, PRENORM,
+                                             ACT_IN)
         ws = ws_ptr + tl.program_id(1) * M * 2 * N
         _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, r_ptr, sso_ptr + pid, SPLITS, ACT, RESID)
         if M > 1:
@@ -258,7 +265,7 @@ if triton is not None:
                          g_ptr, ssi_ptr, NSS, eps, r_ptr, srm, sso_ptr, NT, M: tl.constexpr,
                          MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
                          F32: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr, PRENORM: tl.constexpr,
-                         RESID: tl.constexpr, BLOCK_SS: tl.constexpr):
+                         RESID: tl.constexpr, BLOCK_SS: tl.constexpr, ACT_IN: tl.constexpr):
         """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
         past M read as zeros). The FMA kernel above reduces every tile once per row, which at
         four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``)."""
@@ -284,7 +291,14 @@ if triton is not None:
             k = start + tl.arange(0, BLOCK_K)
             km = k < k_hi
             w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            xt = tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
+            if ACT_IN >= 0:  # the activation row by row (1-D): padding rows cost nothing
+                xf = tl.zeros([BLOCK_K, MP], tl.float32)
+                for m in tl.static_range(M):
+                    a = _xrow(x_ptr + m * sxm, k, km, K, 1.0, 1.0, False, ACT_IN)
+                    xf = tl.where(r[None, :] == m, a[:, None], xf)
+                xt = xf.to(x_ptr.dtype.element_ty)
+            else:
+                xt = tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
             if PRENORM:
                 g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
                 xt = _normed(xt.to(tl.float32), g[:, None], inv[None, :], xt.dtype).to(xt.dtype)
@@ -331,26 +345,32 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
     sum). ``dot`` takes the tensor-core variant (no ``act``; up to DOT_ROWS rows). ``prenorm``:
     the input is ``RMSNorm(x)``. ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
-    return _launch(x, w, act, splits, block_n, block_k, num_warps, num_stages, prefetch_k, dot, prenorm, None)[0]
+    return _launch(x, w, act=act, prenorm=prenorm, splits=splits, block_n=block_n, block_k=block_k,
+                   num_warps=num_warps, num_stages=num_stages, prefetch_k=prefetch_k, dot=dot)[0]
 
 
-def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, *, prenorm: Prenorm | None = None,
-             splits: int = 1, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 3,
-             dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, *, act_in: str | None = None,
+             **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x @ w^T + residual, sumsq)``: the projection with the residual add in its epilogue
     (rounded as the add-norm kernel rounds) and ``sumsq`` [M, tiles] float32, each output
     tile's sum of squares, for the next projection's ``Prenorm``. residual [M, N] contiguous
-    (not written: the sum is a new tensor, so no program reads a value another overwrote)."""
-    return _launch(x, w, None, splits, block_n, block_k, num_warps, num_stages, None, dot, prenorm, residual)
+    (not written: the sum is a new tensor, so no program reads a value another overwrote).
+    ``act_in``: x is the MLP's gate_up output [M, 2K] and the input ``act(gate) * up`` (the
+    activation kernel folded into down's loads). ``launch``: ``gemv``'s launch keywords."""
+    return _launch(x, w, residual=residual, act_in=act_in, **launch)
 
 
-def _launch(x, w, act, splits, block_n, block_k, num_warps, num_stages, prefetch_k, dot, prenorm, residual):
+def _launch(x, w, *, act=None, act_in=None, prenorm=None, residual=None, splits=1, block_n=16, block_k=512,
+            num_warps=4, num_stages=3, prefetch_k=None, dot=False):
     m, k = x.shape
+    if act_in:
+        k //= 2
     rows = w.shape[0]
     n = rows // 2 if act else rows
     assert m <= (DOT_ROWS if dot else GEMV_MAX_M) and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (
         x.shape, w.shape)
     assert not act or (rows % 2 == 0 and not dot), w.shape
+    assert not act_in or (x.shape[1] == 2 * k and prenorm is None and not act), (x.shape, w.shape)
     assert residual is None or (residual.shape == (m, n) and residual.is_contiguous()), (residual.shape, m, n)
     assert prenorm is None or (prenorm.sumsq.shape[0] == m and prenorm.sumsq.is_contiguous()
                                and prenorm.weight.shape == (k,)), (prenorm.sumsq.shape, m, k)
@@ -374,7 +394,7 @@ def _launch(x, w, act, splits, block_n, block_k, num_warps, num_stages, prefetch
             residual if residual is not None else y, n, sso, tiles)
     flags = dict(M=m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, PDL=on, PREFETCH_K=pre,
                  PRENORM=prenorm is not None, RESID=residual is not None,
-                 BLOCK_SS=next_pow2(ssi.shape[-1]) if prenorm is not None else 1,
+                 BLOCK_SS=next_pow2(ssi.shape[-1]) if prenorm is not None else 1, ACT_IN=ACTS[act_in] if act_in else -1,
                  num_warps=num_warps, num_stages=num_stages, launch_pdl=on)
     args = (x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), *fuse)
     if dot:
@@ -431,6 +451,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """F.linear, or the GEMV where it measured faster (``plan``)."""
     cfg = plan(x, w, bias)
     return gemv(x, w, **cfg) if cfg is not None else F.linear(x, w, bias)
+
+
+def act_in_enabled(act: str) -> bool:
+    """Down reads ``act(gate) * up`` straight from the gate_up output (``gemv_add(act_in=)``),
+    where it adds the residual in its epilogue: the activation kernel folded into its loads.
+    ``TANDEM_GEMV_ACT_IN=0`` runs the activation kernel (A/Bs)."""
+    return act in ACTS and os.environ.get("TANDEM_GEMV_ACT_IN", "1") != "0"
 
 
 def norm_fusion_enabled() -> bool:

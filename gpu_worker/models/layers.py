@@ -17,7 +17,7 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.activation import gated_act
-from gpu_worker.kernels.gemv import Prenorm, gated_enabled, gated_linear, gemv, gemv_add, linear, norm_fusion_enabled, plan
+from gpu_worker.kernels.gemv import Prenorm, act_in_enabled, gated_enabled, gated_linear, gemv, gemv_add, linear, norm_fusion_enabled, plan
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
@@ -234,16 +234,19 @@ def norm_linear(proj: Linear, norm: RMSNorm, s: ResidualStream) -> tuple[torch.T
     return proj(x), ResidualStream(r)
 
 
-def linear_add(proj: nn.Linear, x: torch.Tensor, s: ResidualStream) -> ResidualStream:
+def linear_add(proj: nn.Linear, x: torch.Tensor, s: ResidualStream, act_in: str | None = None) -> ResidualStream:
     """The stream after ``proj(x)`` is added to it: in the GEMV's epilogue where it takes one
     (TP=1, no bias: a row-parallel projection must all-reduce before the add), else pending for
-    the next norm's add-norm kernel."""
+    the next norm's add-norm kernel. ``act_in``: x is a gate_up output [T, 2I] and proj's input
+    ``act(gate) * up``, which the GEMV computes in its loads where it can."""
     assert s.pending is None
     if type(proj) is Linear and proj.bias is None and norm_fusion_enabled() and s.r.is_contiguous():
-        cfg = plan(x, proj.weight)
-        if cfg is not None:
-            r, sumsq = gemv_add(x, proj.weight, s.r.view(x.shape[0], -1), **cfg)
+        cfg = plan(x[:, : x.shape[1] // 2] if act_in else x, proj.weight)
+        if cfg is not None and (not act_in or act_in_enabled(act_in)):
+            r, sumsq = gemv_add(x, proj.weight, s.r.view(x.shape[0], -1), act_in=act_in, **cfg)
             return ResidualStream(r, sumsq=sumsq)
+    if act_in:
+        x = gated(act_in, *torch.split(x, x.shape[1] // 2, dim=-1))
     return ResidualStream(s.r, pending=proj(x))
 
 
@@ -276,6 +279,8 @@ class GatedMLP(nn.Module):
             x, r = s.normed(norm)
             return linear_add(self.down_proj, self(x), ResidualStream(r))
         h, s = norm_linear(self.gate_up_proj, norm, s)
+        if type(self.gate_up_proj) is MergedLinear:  # [gate | up] halves: down may read them itself
+            return linear_add(self.down_proj, h, s, act_in=self.act_name)
         gate, up = self.gate_up_proj.split(h)
         return linear_add(self.down_proj, gated(self.act_name, gate, up), s)
 

@@ -50,20 +50,35 @@ def test_fused_projections_match_unfused_at_llama_width(m):
         torch.testing.assert_close(y.float(), F.linear(_normed_ref(r, one, nw), w).float(), rtol=2e-2, atol=2e-2)
 
 
-def _fused_chain(layers, x, r):
+def _fused_chain(layers, x, r, act_in):
     """Llama's MLP blocks with the norm fusion: gate_up norms in its prologue, down adds in its
-    epilogue; the first block's sums come from an o_proj-like gemv_add."""
+    epilogue (``act_in``: reading the activation from gate_up's output); the first block's sums
+    come from an o_proj-like gemv_add."""
     o_w = layers[0][3]
     s, sumsq = G.gemv_add(x, o_w, r, **G.plan(x, o_w))
     for nw, gu_w, down_w, _ in layers:
         h = G.gemv(s, gu_w, prenorm=G.Prenorm(sumsq, nw, EPS), **G.plan(s, gu_w))
-        a = gated_act(h[:, :I], h[:, I:], "silu")
-        s, sumsq = G.gemv_add(a, down_w, s, **G.plan(a, down_w))
+        if act_in:
+            s, sumsq = G.gemv_add(h, down_w, s, act_in="silu", **G.plan(h[:, :I], down_w))
+        else:
+            a = gated_act(h[:, :I], h[:, I:], "silu")
+            s, sumsq = G.gemv_add(a, down_w, s, **G.plan(a, down_w))
     return s, sumsq
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_act_in_equals_activation_kernel_at_llama_width(m):
+    torch.manual_seed(2)
+    h, down, r = torch.randn(m, 2 * I, device="cuda", dtype=BF), _w(H, I), torch.randn(m, H, device="cuda", dtype=BF)
+    cfg = G.plan(h[:, :I], down)
+    fused = G.gemv_add(h, down, r, act_in="silu", **cfg)
+    unfused = G.gemv_add(gated_act(h[:, :I], h[:, I:], "silu"), down, r, **cfg)
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
+
+
+@pytest.mark.parametrize("act_in", [False, True])
 @pytest.mark.parametrize("pdl_on", [False, True])
-def test_fused_chain_in_graph_equals_eager(monkeypatch, pdl_on):
+def test_fused_chain_in_graph_equals_eager(monkeypatch, pdl_on, act_in):
     monkeypatch.setenv("TANDEM_PDL", "1" if pdl_on else "0")
     if pdl_on and not pdl(torch.empty(1, device="cuda")):
         pytest.skip("PDL needs sm90+ and a Triton with gdc_wait")
@@ -74,11 +89,11 @@ def test_fused_chain_in_graph_equals_eager(monkeypatch, pdl_on):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _fused_chain(layers, xs.clone(), rs.clone())
+        _fused_chain(layers, xs.clone(), rs.clone(), act_in)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, out_ss = _fused_chain(layers, xs, rs)
+        out, out_ss = _fused_chain(layers, xs, rs, act_in)
     for _ in range(8):
         x1, r1 = (torch.randn(1, H, device="cuda", dtype=BF) for _ in range(2))
         xs.copy_(x1)
@@ -86,15 +101,16 @@ def test_fused_chain_in_graph_equals_eager(monkeypatch, pdl_on):
         graph.replay()
         got, got_ss = out.clone(), out_ss.clone()
         monkeypatch.setenv("TANDEM_PDL", "0")
-        ref, ref_ss = _fused_chain(layers, x1, r1)
+        ref, ref_ss = _fused_chain(layers, x1, r1, act_in)
         monkeypatch.setenv("TANDEM_PDL", "1" if pdl_on else "0")
         assert torch.equal(got, ref) and torch.equal(got_ss, ref_ss)
     assert tickets_clear()
 
 
 def test_engine_tokens_track_add_norm_kernel(tmp_path, monkeypatch):
-    """Fusion on (default) vs ``TANDEM_GEMV_FUSE_NORM=0``: the same greedy tokens up to a row's
-    first differing token, which must be a near-tie (the 1 / RMS sums in another order)."""
+    """Fusions on (default: the norm in the prologue, the add and the activation in down) vs
+    ``TANDEM_GEMV_FUSE_NORM=0``: the same greedy tokens up to a row's first differing token,
+    which must be a near-tie (the 1 / RMS sums in another order)."""
     d = _llama_8b_width(str(tmp_path), 14336)
     engines = []
     for on in ("1", "0"):

@@ -81,6 +81,28 @@ def test_prenorm_is_norm_then_gemv(m, splits, dot):
     assert ((y8.float() - ref).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("dot,splits", [(False, 1), (True, 1), (True, 3)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_act_in_is_activation_kernel_then_gemv_add(m, dot, splits, act):
+    """Down reading ``act(gate) * up`` from the gate_up output gives, bitwise, what it gives on
+    the activation kernel's output (the same roundings, then the same accumulation)."""
+    from gpu_worker.kernels.activation import gated_act
+
+    i, n = 96, 40
+    h, w, r = _rand(m, 2 * i, seed=m, scale=2.0), _rand(n, i, seed=3 + m), _rand(m, n, seed=6 + m)
+    kw = dict(splits=splits, block_n=16 if dot else 8, block_k=32, num_stages=2, dot=dot)
+    enable_cpu_kernels(True)
+    try:
+        a = gated_act(h[:, :i], h[:, i:], act)
+    finally:
+        enable_cpu_kernels(False)
+    fused = G.gemv_add(h, w, r, act_in=act, **kw)
+    unfused = G.gemv_add(a, w, r, **kw)
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
+    assert tickets_clear()
+
+
 def test_add_then_prenorm_equals_add_norm_kernel_chain():
     """o_proj-like gemv_add, then a gate_up-like Prenorm GEMV: the same values as the unfused
     chain (GEMV, add-norm kernel, GEMV) up to the sum of squares' order."""
