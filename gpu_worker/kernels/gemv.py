@@ -159,29 +159,29 @@ if triton is not None:
         return a.to(DT)
 
     @triton.jit
-    def _put(y_ptr, v, n, nm, r_ptr, ss_ptr, RESID: tl.constexpr):
-        """Store one row's output tile v (in y's dtype). RESID: the residual add first, rounded as
-        the add-norm kernel rounds, and the tile's sum of squares of the sum stored at ss_ptr
-        (the next projection's norm reads them: ``_inv_rms``)."""
+    def _put(y_ptr, v, n, nm, e, ss_ptr, RESID: tl.constexpr):
+        """Store one row's output tile v (in y's dtype). RESID: the residual e (float32, loaded
+        before the weight stream) added first, rounded as the add-norm kernel rounds, and the
+        tile's sum of squares of the sum stored at ss_ptr (the next projection's ``_inv_rms``)."""
         if RESID:
-            f = (v.to(tl.float32) + tl.load(r_ptr + n, mask=nm, other=0.0).to(tl.float32)).to(v.dtype).to(tl.float32)
+            f = (v.to(tl.float32) + e).to(v.dtype).to(tl.float32)
             tl.store(ss_ptr, tl.sum(tl.where(nm, f * f, 0.0), axis=0))
             v = f.to(v.dtype)
         tl.store(y_ptr + n, v, mask=nm)
 
     @triton.jit
-    def _store_row(y_ptr, ws_ptr, m, n, nm, a, b, N, r_ptr, ss_ptr, SPLITS: tl.constexpr, ACT: tl.constexpr,
+    def _store_row(y_ptr, ws_ptr, m, n, nm, a, b, N, e, ss_ptr, SPLITS: tl.constexpr, ACT: tl.constexpr,
                    RESID: tl.constexpr):
         """Row m's result, or (split-K) its fp32 partials: ws[split, m, 0:N] gate, [N:2N] up."""
         if SPLITS == 1:
-            _put(y_ptr, _finish(a, b, ACT, y_ptr.dtype.element_ty), n, nm, r_ptr, ss_ptr, RESID)
+            _put(y_ptr, _finish(a, b, ACT, y_ptr.dtype.element_ty), n, nm, e, ss_ptr, RESID)
         else:
             tl.store(ws_ptr + m * 2 * N + n, a, mask=nm)
             if ACT >= 0:
                 tl.store(ws_ptr + m * 2 * N + N + n, b, mask=nm)
 
     @triton.jit
-    def _reduce_row(y_ptr, ws_ptr, m, n, nm, N, r_ptr, ss_ptr, M: tl.constexpr, SPLITS: tl.constexpr,
+    def _reduce_row(y_ptr, ws_ptr, m, n, nm, N, e, ss_ptr, M: tl.constexpr, SPLITS: tl.constexpr,
                     ACT: tl.constexpr, RESID: tl.constexpr):
         """The last program of a tile: partials summed in split order (deterministic)."""
         a = tl.zeros(n.shape, tl.float32)
@@ -191,11 +191,45 @@ if triton is not None:
             a += tl.load(base + n, mask=nm, other=0.0, cache_modifier=".cg")
             if ACT >= 0:
                 b += tl.load(base + N + n, mask=nm, other=0.0, cache_modifier=".cg")
-        _put(y_ptr, _finish(a, b, ACT, y_ptr.dtype.element_ty), n, nm, r_ptr, ss_ptr, RESID)
+        _put(y_ptr, _finish(a, b, ACT, y_ptr.dtype.element_ty), n, nm, e, ss_ptr, RESID)
+
+    @triton.jit
+    def _row_vals(p, n, nm, M: tl.constexpr, stride, ON: tl.constexpr):
+        """Rows 0..3 of p[m, n] as float32 (zeros past M or when not ON)."""
+        z = tl.zeros(n.shape, tl.float32)
+        e0, e1, e2, e3 = z, z, z, z
+        if ON:
+            e0 = tl.load(p + n, mask=nm, other=0.0).to(tl.float32)
+            if M > 1:
+                e1 = tl.load(p + stride + n, mask=nm, other=0.0).to(tl.float32)
+            if M > 2:
+                e2 = tl.load(p + 2 * stride + n, mask=nm, other=0.0).to(tl.float32)
+            if M > 3:
+                e3 = tl.load(p + 3 * stride + n, mask=nm, other=0.0).to(tl.float32)
+        return e0, e1, e2, e3
+
+    @triton.jit
+    def _fma_step(g_rows, u_rows, x_ptr, g_ptr, sxm, k, km, nm, K, M: tl.constexpr, a0, a1, a2, a3, b0, b1, b2, b3,
+                  i0, i1, i2, i3, ACT: tl.constexpr, PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
+        """One K tile of the FMA kernel (gate rows, and up rows when gated)."""
+        wm = nm[:, None] & km[None, :]
+        g = tl.full(k.shape, 1.0, tl.float32)
+        if PRENORM:
+            g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+        a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, K, M, a0, a1, a2, a3, g, i0, i1, i2, i3, PRENORM, ACT_IN)
+        if ACT >= 0:
+            w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+            b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, K, M, b0, b1, b2, b3, g, i0, i1, i2, i3, PRENORM,
+                                         ACT_IN)
+        return a0, a1, a2, a3, b0, b1, b2, b3
 
     # Fusion arguments shared by both kernels (``Prenorm`` / ``gemv_add``): g_ptr the norm weight
     # [K], ssi_ptr the input rows' sums of squares [M, NSS], eps; r_ptr the residual [M, N] (row
     # stride srm) added to the output, sso_ptr where the output's sums go [M, NT], NT the tiles.
+    # Latency (each is one dependent round trip a program would otherwise pay in series with its
+    # weight stream): the residual is loaded before the K loop, and with PRENORM the first weight
+    # tile is issued before the sums are read (that tile is peeled off the loop).
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym,
                      g_ptr, ssi_ptr, NSS, eps, r_ptr, srm, sso_ptr, NT, M: tl.constexpr,
@@ -213,8 +247,17 @@ if triton is not None:
             sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
             prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
+        e0, e1, e2, e3 = _row_vals(r_ptr, n, nm, M, srm, RESID)
+        k0 = tl.arange(0, BLOCK_K)
+        a0 = tl.zeros([BLOCK_N], tl.float32)
+        a1, a2, a3 = a0, a0, a0
+        b0, b1, b2, b3 = a0, a0, a0, a0
         i0, i1, i2, i3 = 1.0, 1.0, 1.0, 1.0
+        first = k_lo
         if PRENORM:  # every program computes the same 1 / RMS from the same sums, in the same order
+            k = k_lo + k0
+            km = k < k_hi
+            w_first = tl.load(g_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
             i0 = _inv_rms(ssi_ptr, 0, NSS, K, eps, BLOCK_SS)
             if M > 1:
                 i1 = _inv_rms(ssi_ptr, 1, NSS, K, eps, BLOCK_SS)
@@ -222,43 +265,62 @@ if triton is not None:
                 i2 = _inv_rms(ssi_ptr, 2, NSS, K, eps, BLOCK_SS)
             if M > 3:
                 i3 = _inv_rms(ssi_ptr, 3, NSS, K, eps, BLOCK_SS)
-        k0 = tl.arange(0, BLOCK_K)
-        a0 = tl.zeros([BLOCK_N], tl.float32)
-        a1, a2, a3 = a0, a0, a0
-        b0, b1, b2, b3 = a0, a0, a0, a0
-        for start in range(k_lo, k_hi, BLOCK_K):
+            g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
+            a0, a1, a2, a3 = _accumulate(w_first, x_ptr, sxm, k, km, K, M, a0, a1, a2, a3, g, i0, i1, i2, i3,
+                                         PRENORM, ACT_IN)
+            first = k_lo + BLOCK_K
+        for start in range(first, k_hi, BLOCK_K):
             k = start + k0
-            km = k < k_hi
-            wm = nm[:, None] & km[None, :]
-            g = tl.full([BLOCK_K], 1.0, tl.float32)
-            if PRENORM:
-                g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
-            w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, K, M, a0, a1, a2, a3, g, i0, i1, i2, i3, PRENORM,
-                                         ACT_IN)
-            if ACT >= 0:
-                w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, K, M, b0, b1, b2, b3, g, i0, i1, i2, i3, PRENORM,
-                                             ACT_IN)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _fma_step(g_rows, u_rows, x_ptr, g_ptr, sxm, k, k < k_hi, nm, K, M,
+                                                       a0, a1, a2, a3, b0, b1, b2, b3, i0, i1, i2, i3, ACT,
+                                                       PRENORM, ACT_IN)
         ws = ws_ptr + tl.program_id(1) * M * 2 * N
-        _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, r_ptr, sso_ptr + pid, SPLITS, ACT, RESID)
+        _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, e0, sso_ptr + pid, SPLITS, ACT, RESID)
         if M > 1:
-            _store_row(y_ptr + sym, ws, 1, n, nm, a1, b1, N, r_ptr + srm, sso_ptr + NT + pid, SPLITS, ACT, RESID)
+            _store_row(y_ptr + sym, ws, 1, n, nm, a1, b1, N, e1, sso_ptr + NT + pid, SPLITS, ACT, RESID)
         if M > 2:
-            _store_row(y_ptr + 2 * sym, ws, 2, n, nm, a2, b2, N, r_ptr + 2 * srm, sso_ptr + 2 * NT + pid, SPLITS,
-                       ACT, RESID)
+            _store_row(y_ptr + 2 * sym, ws, 2, n, nm, a2, b2, N, e2, sso_ptr + 2 * NT + pid, SPLITS, ACT, RESID)
         if M > 3:
-            _store_row(y_ptr + 3 * sym, ws, 3, n, nm, a3, b3, N, r_ptr + 3 * srm, sso_ptr + 3 * NT + pid, SPLITS,
-                       ACT, RESID)
+            _store_row(y_ptr + 3 * sym, ws, 3, n, nm, a3, b3, N, e3, sso_ptr + 3 * NT + pid, SPLITS, ACT, RESID)
         if SPLITS > 1:
             # every thread's partial stores precede the ticket (the barrier), which releases them
             # at GPU scope; the last taker acquires them and bypasses L1 to read them
             tl.debug_barrier()
             if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                for m in tl.static_range(M):
-                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, r_ptr + m * srm, sso_ptr + m * NT + pid,
-                                M, SPLITS, ACT, RESID)
+                _reduce_row(y_ptr, ws_ptr, 0, n, nm, N, e0, sso_ptr + pid, M, SPLITS, ACT, RESID)
+                if M > 1:
+                    _reduce_row(y_ptr + sym, ws_ptr, 1, n, nm, N, e1, sso_ptr + NT + pid, M, SPLITS, ACT, RESID)
+                if M > 2:
+                    _reduce_row(y_ptr + 2 * sym, ws_ptr, 2, n, nm, N, e2, sso_ptr + 2 * NT + pid, M, SPLITS, ACT,
+                                RESID)
+                if M > 3:
+                    _reduce_row(y_ptr + 3 * sym, ws_ptr, 3, n, nm, N, e3, sso_ptr + 3 * NT + pid, M, SPLITS, ACT,
+                                RESID)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
+
+    @triton.jit
+    def _x_tile(x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M: tl.constexpr, MP: tl.constexpr,
+                PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
+        """The dot kernel's input tile x^T [BLOCK_K, MP] in x's dtype. With a fusion the values
+        are made row by row (1-D, ``_xrow``): the padding rows cost no arithmetic."""
+        if PRENORM or ACT_IN >= 0:
+            g = tl.full(k.shape, 1.0, tl.float32)
+            if PRENORM:
+                g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
+            xf = tl.zeros([k.shape[0], MP], tl.float32)
+            for m in tl.static_range(M):
+                im = tl.sum(tl.where(r == m, inv, 0.0), axis=0)
+                xf = tl.where(r[None, :] == m, _xrow(x_ptr + m * sxm, k, km, K, g, im, PRENORM, ACT_IN)[:, None], xf)
+            return xf.to(x_ptr.dtype.element_ty)
+        return tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
+
+    @triton.jit
+    def _dot_step(acc, w, x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M: tl.constexpr, MP: tl.constexpr,
+                  F32: tl.constexpr, PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
+        xt = _x_tile(x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M, MP, PRENORM, ACT_IN)
+        if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
+            w, xt = w.to(tl.float32), xt.to(tl.float32)
+        return tl.dot(w, xt, acc)
 
     @triton.jit
     def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym,
@@ -268,7 +330,8 @@ if triton is not None:
                          RESID: tl.constexpr, BLOCK_SS: tl.constexpr, ACT_IN: tl.constexpr):
         """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
         past M read as zeros). The FMA kernel above reduces every tile once per row, which at
-        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``)."""
+        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``).
+        The fusions as in ``_gemv_kernel`` (residual loaded first, first tile peeled)."""
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -276,41 +339,37 @@ if triton is not None:
         nm = n < N
         r = tl.arange(0, MP)
         rm = r < M
+        out_m = rm[None, :] & nm[:, None]
         w_rows = w_ptr + n.to(tl.int64)[:, None] * swn
         if PREFETCH_K > 0:  # as in _gemv_kernel: weights only, before the wait
             sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
             prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
+        et = tl.zeros([BLOCK_N, MP], tl.float32)
+        if RESID:
+            et = tl.load(r_ptr + r[None, :] * srm + n[:, None], mask=out_m, other=0.0).to(tl.float32)
+        acc = tl.zeros([BLOCK_N, MP], tl.float32)
         inv = tl.full([MP], 1.0, tl.float32)
+        k0 = tl.arange(0, BLOCK_K)
+        first = k_lo
         if PRENORM:  # [MP] 1 / RMS per row, as _gemv_kernel's (padding rows: unused)
+            k = k_lo + k0
+            km = k < k_hi
+            w_first = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             i = tl.arange(0, BLOCK_SS)
             part = tl.load(ssi_ptr + r[:, None] * NSS + i[None, :], mask=rm[:, None] & (i < NSS)[None, :], other=0.0)
             inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(part, axis=1) / K + eps))
-        acc = tl.zeros([BLOCK_N, MP], tl.float32)
-        for start in range(k_lo, k_hi, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
+            acc = _dot_step(acc, w_first, x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M, MP, F32, PRENORM, ACT_IN)
+            first = k_lo + BLOCK_K
+        for start in range(first, k_hi, BLOCK_K):
+            k = start + k0
             km = k < k_hi
             w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            if ACT_IN >= 0:  # the activation row by row (1-D): padding rows cost nothing
-                xf = tl.zeros([BLOCK_K, MP], tl.float32)
-                for m in tl.static_range(M):
-                    a = _xrow(x_ptr + m * sxm, k, km, K, 1.0, 1.0, False, ACT_IN)
-                    xf = tl.where(r[None, :] == m, a[:, None], xf)
-                xt = xf.to(x_ptr.dtype.element_ty)
-            else:
-                xt = tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
-            if PRENORM:
-                g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
-                xt = _normed(xt.to(tl.float32), g[:, None], inv[None, :], xt.dtype).to(xt.dtype)
-            if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
-                w, xt = w.to(tl.float32), xt.to(tl.float32)
-            acc = tl.dot(w, xt, acc)
-        out_m = rm[None, :] & nm[:, None]
+            acc = _dot_step(acc, w, x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M, MP, F32, PRENORM, ACT_IN)
         if SPLITS == 1:
             v = acc.to(y_ptr.dtype.element_ty)
             if RESID:  # _put's arithmetic on the whole [BLOCK_N, MP] tile
-                f = (v.to(tl.float32) + tl.load(r_ptr + r[None, :] * srm + n[:, None], mask=out_m, other=0.0)
-                     .to(tl.float32)).to(v.dtype).to(tl.float32)
+                f = (v.to(tl.float32) + et).to(v.dtype).to(tl.float32)
                 tl.store(sso_ptr + r * NT + pid, tl.sum(tl.where(out_m, f * f, 0.0), axis=0), mask=rm)
                 v = f.to(v.dtype)
             tl.store(y_ptr + r[None, :] * sym + n[:, None], v, mask=out_m)
@@ -320,8 +379,9 @@ if triton is not None:
             tl.debug_barrier()  # as in _gemv_kernel: partials before the ticket
             if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
                 for m in tl.static_range(M):
-                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, r_ptr + m * srm, sso_ptr + m * NT + pid,
-                                M, SPLITS, -1, RESID)
+                    e = tl.sum(tl.where(r[None, :] == m, et, 0.0), axis=1)
+                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, e, sso_ptr + m * NT + pid, M, SPLITS, -1,
+                                RESID)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
@@ -371,6 +431,7 @@ def _launch(x, w, *, act=None, act_in=None, prenorm=None, residual=None, splits=
         x.shape, w.shape)
     assert not act or (rows % 2 == 0 and not dot), w.shape
     assert not act_in or (x.shape[1] == 2 * k and prenorm is None and not act), (x.shape, w.shape)
+    assert not (act and prenorm), "the gated GEMV takes a normed input"
     assert residual is None or (residual.shape == (m, n) and residual.is_contiguous()), (residual.shape, m, n)
     assert prenorm is None or (prenorm.sumsq.shape[0] == m and prenorm.sumsq.is_contiguous()
                                and prenorm.weight.shape == (k,)), (prenorm.sumsq.shape, m, k)

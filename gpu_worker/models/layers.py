@@ -263,21 +263,25 @@ class GatedMLP(nn.Module):
         self.act_name = act
         activation(act)  # fail at build time on an unsupported activation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def middle(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(gate(x)) * up(x)``, down's input."""
         # One decode row at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py). Under
         # TP the column-parallel subclass may lay its shard out differently: the general path.
         if type(self.gate_up_proj) is MergedLinear and self.gate_up_proj.bias is None:
             h = gated_linear(x, self.gate_up_proj.weight, self.act_name)
             if h is not None:
-                return self.down_proj(h)
+                return h
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(gated(self.act_name, gate, up))
+        return gated(self.act_name, gate, up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.middle(x))
 
     def stream_forward(self, s: ResidualStream, norm: RMSNorm) -> ResidualStream:
         """A pre-norm block: the stream plus ``self(norm(s))`` (``norm_linear`` / ``linear_add``)."""
         if gated_enabled():  # the gated GEMV takes a normed input: the unfused norm first
             x, r = s.normed(norm)
-            return linear_add(self.down_proj, self(x), ResidualStream(r))
+            return linear_add(self.down_proj, self.middle(x), ResidualStream(r))
         h, s = norm_linear(self.gate_up_proj, norm, s)
         if type(self.gate_up_proj) is MergedLinear:  # [gate | up] halves: down may read them itself
             return linear_add(self.down_proj, h, s, act_in=self.act_name)

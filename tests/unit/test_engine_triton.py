@@ -40,8 +40,9 @@ def test_triton_backend_matches_hf(ckpts, arch, graphs, monkeypatch):
     assert got == [hf_greedy(ckpts[arch], p, NEW, ignore_eos=True) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch,big,graphs", [("llama", False, False), ("qwen3", True, True)])
-def test_norm_fused_gemv_steps_keep_hf_tokens(ckpts, arch, big, graphs, monkeypatch):
+@pytest.mark.parametrize("arch,big,graphs,gated", [("llama", False, False, False), ("qwen3", True, True, False),
+                                                   ("llama", False, True, True)])
+def test_norm_fused_gemv_steps_keep_hf_tokens(ckpts, arch, big, graphs, gated, monkeypatch):
     """Every projection of the tiny models through the decode GEMVs (as the 8B's are on the GPU),
     so o_proj and down add the residual in their epilogue (down reading the activation from
     gate_up's output) and qkv / gate_up norm their input in their prologue (kernels/gemv.py, models/layers.py ``ResidualStream``): the FMA kernel at one
@@ -57,6 +58,8 @@ def test_norm_fused_gemv_steps_keep_hf_tokens(ckpts, arch, big, graphs, monkeypa
         monkeypatch.setattr(G, "BIG_WEIGHT", 1)
     if graphs:
         monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
+    if gated:  # the gated gate_up GEMV at one row takes a normed input: the add-norm kernel there
+        monkeypatch.setenv("TANDEM_GATED_GEMV", "1")
     calls = []
     for name in ("gemv", "gemv_add"):
         real = getattr(layers, name)
@@ -64,7 +67,10 @@ def test_norm_fused_gemv_steps_keep_hf_tokens(ckpts, arch, big, graphs, monkeypa
             (_n, kw.get("prenorm") is not None or kw.get("act_in"), kw.get("dot", False))) or _f(*a, **kw))
     got, _ = _run(ckpts[arch], cuda_graph_bs=(1, 2, 4))
     # o_proj adds in its epilogue, down also reads the activation; qkv and gate_up norm in the prologue
-    assert {("gemv_add", None, big), ("gemv_add", "silu", big), ("gemv", True, big)} <= set(calls)
+    kinds = {(name, fused) for name, fused, _ in calls}
+    # with the gated GEMV on, gate_up takes the add-norm kernel's output, and down that GEMV's
+    assert {("gemv_add", None), ("gemv", True)} | (set() if gated else {("gemv_add", "silu")}) <= kinds
+    assert all(dot for *_, dot in calls) if big else not all(dot for *_, dot in calls)
     assert got == [hf_greedy(ckpts[arch], p, NEW, ignore_eos=True) for p in PROMPTS]
 
 
