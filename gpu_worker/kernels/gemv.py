@@ -126,29 +126,25 @@ if triton is not None:
         return ((x * inv).to(DT).to(tl.float32) * g).to(DT).to(tl.float32)
 
     @triton.jit
-    def _xrow(x_ptr, k, km, K, g, inv, PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
-        """Input values x[m, k] as float32: loaded, normed (PRENORM), or (ACT_IN) the MLP's
-        ``act(gate) * up`` from a gate_up row [gate 0:K | up K:2K], with ``gated_act``'s roundings."""
+    def _xrow(x_ptr, k, km, g, inv, PRENORM: tl.constexpr):
+        """Input values x[m, k] as float32, normed on the fly with PRENORM."""
         x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        if ACT_IN >= 0:
-            up = tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)
-            x = gated_value(x, up, ACT_IN, x_ptr.dtype.element_ty)
         if PRENORM:
             x = _normed(x, g, inv, x_ptr.dtype.element_ty)
         return x
 
     @triton.jit
-    def _accumulate(w, x_ptr, sxm, k, km, K, M: tl.constexpr, a0, a1, a2, a3, g, i0, i1, i2, i3,
-                    PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
+    def _accumulate(w, x_ptr, sxm, k, km, M: tl.constexpr, a0, a1, a2, a3, g, i0, i1, i2, i3,
+                    PRENORM: tl.constexpr):
         """a_m += W_tile . x[m, k] for each of the M rows (``_xrow``; PRENORM: the norm weight g
         and row m's 1 / RMS i_m)."""
-        a0 += tl.sum(w * _xrow(x_ptr, k, km, K, g, i0, PRENORM, ACT_IN)[None, :], axis=1)
+        a0 += tl.sum(w * _xrow(x_ptr, k, km, g, i0, PRENORM)[None, :], axis=1)
         if M > 1:
-            a1 += tl.sum(w * _xrow(x_ptr + sxm, k, km, K, g, i1, PRENORM, ACT_IN)[None, :], axis=1)
+            a1 += tl.sum(w * _xrow(x_ptr + sxm, k, km, g, i1, PRENORM)[None, :], axis=1)
         if M > 2:
-            a2 += tl.sum(w * _xrow(x_ptr + 2 * sxm, k, km, K, g, i2, PRENORM, ACT_IN)[None, :], axis=1)
+            a2 += tl.sum(w * _xrow(x_ptr + 2 * sxm, k, km, g, i2, PRENORM)[None, :], axis=1)
         if M > 3:
-            a3 += tl.sum(w * _xrow(x_ptr + 3 * sxm, k, km, K, g, i3, PRENORM, ACT_IN)[None, :], axis=1)
+            a3 += tl.sum(w * _xrow(x_ptr + 3 * sxm, k, km, g, i3, PRENORM)[None, :], axis=1)
         return a0, a1, a2, a3
 
     @triton.jit
@@ -209,19 +205,18 @@ if triton is not None:
         return e0, e1, e2, e3
 
     @triton.jit
-    def _fma_step(g_rows, u_rows, x_ptr, g_ptr, sxm, k, km, nm, K, M: tl.constexpr, a0, a1, a2, a3, b0, b1, b2, b3,
-                  i0, i1, i2, i3, ACT: tl.constexpr, PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
+    def _fma_step(g_rows, u_rows, x_ptr, g_ptr, sxm, k, km, nm, M: tl.constexpr, a0, a1, a2, a3, b0, b1, b2, b3,
+                  i0, i1, i2, i3, ACT: tl.constexpr, PRENORM: tl.constexpr):
         """One K tile of the FMA kernel (gate rows, and up rows when gated)."""
         wm = nm[:, None] & km[None, :]
         g = tl.full(k.shape, 1.0, tl.float32)
         if PRENORM:
             g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
         w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-        a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, K, M, a0, a1, a2, a3, g, i0, i1, i2, i3, PRENORM, ACT_IN)
+        a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3, g, i0, i1, i2, i3, PRENORM)
         if ACT >= 0:
             w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-            b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, K, M, b0, b1, b2, b3, g, i0, i1, i2, i3, PRENORM,
-                                         ACT_IN)
+            b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3, g, i0, i1, i2, i3, PRENORM)
         return a0, a1, a2, a3, b0, b1, b2, b3
 
     # Fusion arguments shared by both kernels (``Prenorm`` / ``gemv_add``): g_ptr the norm weight
@@ -235,7 +230,7 @@ if triton is not None:
                      g_ptr, ssi_ptr, NSS, eps, r_ptr, srm, sso_ptr, NT, M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
                      PDL: tl.constexpr, PREFETCH_K: tl.constexpr, PRENORM: tl.constexpr, RESID: tl.constexpr,
-                     BLOCK_SS: tl.constexpr, ACT_IN: tl.constexpr):
+                     BLOCK_SS: tl.constexpr):
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -266,14 +261,12 @@ if triton is not None:
             if M > 3:
                 i3 = _inv_rms(ssi_ptr, 3, NSS, K, eps, BLOCK_SS)
             g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
-            a0, a1, a2, a3 = _accumulate(w_first, x_ptr, sxm, k, km, K, M, a0, a1, a2, a3, g, i0, i1, i2, i3,
-                                         PRENORM, ACT_IN)
+            a0, a1, a2, a3 = _accumulate(w_first, x_ptr, sxm, k, km, M, a0, a1, a2, a3, g, i0, i1, i2, i3, PRENORM)
             first = k_lo + BLOCK_K
         for start in range(first, k_hi, BLOCK_K):
             k = start + k0
-            a0, a1, a2, a3, b0, b1, b2, b3 = _fma_step(g_rows, u_rows, x_ptr, g_ptr, sxm, k, k < k_hi, nm, K, M,
-                                                       a0, a1, a2, a3, b0, b1, b2, b3, i0, i1, i2, i3, ACT,
-                                                       PRENORM, ACT_IN)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _fma_step(g_rows, u_rows, x_ptr, g_ptr, sxm, k, k < k_hi, nm, M,
+                                                       a0, a1, a2, a3, b0, b1, b2, b3, i0, i1, i2, i3, ACT, PRENORM)
         ws = ws_ptr + tl.program_id(1) * M * 2 * N
         _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, e0, sso_ptr + pid, SPLITS, ACT, RESID)
         if M > 1:
@@ -299,39 +292,15 @@ if triton is not None:
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
 
     @triton.jit
-    def _x_tile(x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M: tl.constexpr, MP: tl.constexpr,
-                PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
-        """The dot kernel's input tile x^T [BLOCK_K, MP] in x's dtype. With a fusion the values
-        are made row by row (1-D, ``_xrow``): the padding rows cost no arithmetic."""
-        if PRENORM or ACT_IN >= 0:
-            g = tl.full(k.shape, 1.0, tl.float32)
-            if PRENORM:
-                g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
-            xf = tl.zeros([k.shape[0], MP], tl.float32)
-            for m in tl.static_range(M):
-                im = tl.sum(tl.where(r == m, inv, 0.0), axis=0)
-                xf = tl.where(r[None, :] == m, _xrow(x_ptr + m * sxm, k, km, K, g, im, PRENORM, ACT_IN)[:, None], xf)
-            return xf.to(x_ptr.dtype.element_ty)
-        return tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
-
-    @triton.jit
-    def _dot_step(acc, w, x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M: tl.constexpr, MP: tl.constexpr,
-                  F32: tl.constexpr, PRENORM: tl.constexpr, ACT_IN: tl.constexpr):
-        xt = _x_tile(x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M, MP, PRENORM, ACT_IN)
-        if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
-            w, xt = w.to(tl.float32), xt.to(tl.float32)
-        return tl.dot(w, xt, acc)
-
-    @triton.jit
-    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym,
-                         g_ptr, ssi_ptr, NSS, eps, r_ptr, srm, sso_ptr, NT, M: tl.constexpr,
-                         MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                         F32: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr, PRENORM: tl.constexpr,
-                         RESID: tl.constexpr, BLOCK_SS: tl.constexpr, ACT_IN: tl.constexpr):
+    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, r_ptr, srm, sso_ptr, NT,
+                         M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLITS: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+                         RESID: tl.constexpr):
         """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
         past M read as zeros). The FMA kernel above reduces every tile once per row, which at
         four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``).
-        The fusions as in ``_gemv_kernel`` (residual loaded first, first tile peeled)."""
+        RESID as in ``_gemv_kernel``. No input fusion: x must reach the tensor cores as loaded
+        (a computed x tile, row by row or on the padded tile, measured 1.4x slower: 03q, 03r)."""
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -349,23 +318,14 @@ if triton is not None:
         if RESID:
             et = tl.load(r_ptr + r[None, :] * srm + n[:, None], mask=out_m, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK_N, MP], tl.float32)
-        inv = tl.full([MP], 1.0, tl.float32)
-        k0 = tl.arange(0, BLOCK_K)
-        first = k_lo
-        if PRENORM:  # [MP] 1 / RMS per row, as _gemv_kernel's (padding rows: unused)
-            k = k_lo + k0
-            km = k < k_hi
-            w_first = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            i = tl.arange(0, BLOCK_SS)
-            part = tl.load(ssi_ptr + r[:, None] * NSS + i[None, :], mask=rm[:, None] & (i < NSS)[None, :], other=0.0)
-            inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(part, axis=1) / K + eps))
-            acc = _dot_step(acc, w_first, x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M, MP, F32, PRENORM, ACT_IN)
-            first = k_lo + BLOCK_K
-        for start in range(first, k_hi, BLOCK_K):
-            k = start + k0
+        for start in range(k_lo, k_hi, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
             km = k < k_hi
             w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc = _dot_step(acc, w, x_ptr, sxm, k, km, K, g_ptr, inv, r, rm, M, MP, F32, PRENORM, ACT_IN)
+            xt = tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
+            if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
+                w, xt = w.to(tl.float32), xt.to(tl.float32)
+            acc = tl.dot(w, xt, acc)
         if SPLITS == 1:
             v = acc.to(y_ptr.dtype.element_ty)
             if RESID:  # _put's arithmetic on the whole [BLOCK_N, MP] tile
@@ -403,38 +363,32 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
-    sum). ``dot`` takes the tensor-core variant (no ``act``; up to DOT_ROWS rows). ``prenorm``:
-    the input is ``RMSNorm(x)``. ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
+    sum). ``dot`` takes the tensor-core variant (no ``act``; up to DOT_ROWS rows). ``prenorm``
+    (FMA kernel only): the input is ``RMSNorm(x)``. ``prefetch_k`` overrides PREFETCH_K."""
     return _launch(x, w, act=act, prenorm=prenorm, splits=splits, block_n=block_n, block_k=block_k,
                    num_warps=num_warps, num_stages=num_stages, prefetch_k=prefetch_k, dot=dot)[0]
 
 
-def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, *, act_in: str | None = None,
-             **launch) -> tuple[torch.Tensor, torch.Tensor]:
+def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x @ w^T + residual, sumsq)``: the projection with the residual add in its epilogue
     (rounded as the add-norm kernel rounds) and ``sumsq`` [M, tiles] float32, each output
     tile's sum of squares, for the next projection's ``Prenorm``. residual [M, N] contiguous
     (not written: the sum is a new tensor, so no program reads a value another overwrote).
-    ``act_in``: x is the MLP's gate_up output [M, 2K] and the input ``act(gate) * up`` (the
-    activation kernel folded into down's loads). ``launch``: ``gemv``'s launch keywords."""
-    return _launch(x, w, residual=residual, act_in=act_in, **launch)
+    ``launch``: ``gemv``'s launch keywords."""
+    return _launch(x, w, residual=residual, **launch)
 
 
-def _launch(x, w, *, act=None, act_in=None, prenorm=None, residual=None, splits=1, block_n=16, block_k=512,
-            num_warps=4, num_stages=3, prefetch_k=None, dot=False):
+def _launch(x, w, *, act=None, prenorm=None, residual=None, splits=1, block_n=16, block_k=512, num_warps=4,
+            num_stages=3, prefetch_k=None, dot=False):
     m, k = x.shape
-    if act_in:
-        k //= 2
     rows = w.shape[0]
     n = rows // 2 if act else rows
     assert m <= (DOT_ROWS if dot else GEMV_MAX_M) and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (
         x.shape, w.shape)
-    assert not act or (rows % 2 == 0 and not dot), w.shape
-    assert not act_in or (x.shape[1] == 2 * k and prenorm is None and not act), (x.shape, w.shape)
-    assert not (act and prenorm), "the gated GEMV takes a normed input"
+    assert not act or (rows % 2 == 0 and not dot and not prenorm), w.shape
     assert residual is None or (residual.shape == (m, n) and residual.is_contiguous()), (residual.shape, m, n)
-    assert prenorm is None or (prenorm.sumsq.shape[0] == m and prenorm.sumsq.is_contiguous()
-                               and prenorm.weight.shape == (k,)), (prenorm.sumsq.shape, m, k)
+    assert prenorm is None or (not dot and prenorm.sumsq.shape[0] == m and prenorm.sumsq.is_contiguous()
+                               and prenorm.weight.shape == (k,)), (prenorm.sumsq.shape, m, k, dot)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n) if triton is not None else 0
     sso = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if residual is not None else y
@@ -450,18 +404,17 @@ def _launch(x, w, *, act=None, act_in=None, prenorm=None, residual=None, splits=
         tk = tickets(x.device)
     on = pdl(x)
     pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
-    ssi = prenorm.sumsq if prenorm is not None else y
-    fuse = (prenorm.weight if prenorm is not None else y, ssi, ssi.shape[-1], prenorm.eps if prenorm else 0.0,
-            residual if residual is not None else y, n, sso, tiles)
     flags = dict(M=m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, PDL=on, PREFETCH_K=pre,
-                 PRENORM=prenorm is not None, RESID=residual is not None,
-                 BLOCK_SS=next_pow2(ssi.shape[-1]) if prenorm is not None else 1, ACT_IN=ACTS[act_in] if act_in else -1,
-                 num_warps=num_warps, num_stages=num_stages, launch_pdl=on)
-    args = (x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), *fuse)
+                 RESID=residual is not None, num_warps=num_warps, num_stages=num_stages, launch_pdl=on)
+    args = (x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0))
+    resid = (residual if residual is not None else y, n, sso, tiles)
     if dot:
-        _gemv_dot_kernel[(tiles, splits)](*args, MP=DOT_ROWS, F32=not x.is_cuda, **flags)
-    else:
-        _gemv_kernel[(tiles, splits)](*args, ACT=ACTS[act] if act else -1, **flags)
+        _gemv_dot_kernel[(tiles, splits)](*args, *resid, MP=DOT_ROWS, F32=not x.is_cuda, **flags)
+        return y, sso
+    ssi = prenorm.sumsq if prenorm is not None else y
+    norm = (prenorm.weight if prenorm is not None else y, ssi, ssi.shape[-1], prenorm.eps if prenorm else 0.0)
+    _gemv_kernel[(tiles, splits)](*args, *norm, *resid, ACT=ACTS[act] if act else -1, PRENORM=prenorm is not None,
+                                  BLOCK_SS=next_pow2(ssi.shape[-1]) if prenorm is not None else 1, **flags)
     return y, sso
 
 
@@ -512,13 +465,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """F.linear, or the GEMV where it measured faster (``plan``)."""
     cfg = plan(x, w, bias)
     return gemv(x, w, **cfg) if cfg is not None else F.linear(x, w, bias)
-
-
-def act_in_enabled(act: str) -> bool:
-    """Down reads ``act(gate) * up`` straight from the gate_up output (``gemv_add(act_in=)``),
-    where it adds the residual in its epilogue: the activation kernel folded into its loads.
-    ``TANDEM_GEMV_ACT_IN=0`` runs the activation kernel (A/Bs)."""
-    return act in ACTS and os.environ.get("TANDEM_GEMV_ACT_IN", "1") != "0"
 
 
 def norm_fusion_enabled() -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.activation import gated_act
-from gpu_worker.kernels.gemv import Prenorm, act_in_enabled, gated_enabled, gated_linear, gemv, gemv_add, linear, norm_fusion_enabled, plan
+from gpu_worker.kernels.gemv import Prenorm, gated_enabled, gated_linear, gemv, gemv_add, linear, norm_fusion_enabled, plan
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
@@ -224,29 +224,35 @@ class ResidualStream:
         return norm(self.r), self.r
 
 
+def _prenorm_plan(x: torch.Tensor, proj: nn.Module | None) -> dict | None:
+    """The GEMV launch for ``x`` through ``proj`` when it can norm its own input: the FMA
+    kernel (an input computed in the tensor-core kernel's loads measured 1.4x slower, 03q/03r)."""
+    if not isinstance(proj, Linear) or proj.bias is not None or not norm_fusion_enabled():
+        return None
+    cfg = plan(x, proj.weight)
+    return cfg if cfg is not None and not cfg.get("dot") else None
+
+
 def norm_linear(proj: Linear, norm: RMSNorm, s: ResidualStream) -> tuple[torch.Tensor, ResidualStream]:
     """``(proj(norm(s)), s settled)``: one GEMV that norms its input when ``s`` carries the sums."""
-    if s.sumsq is not None and proj.bias is None and isinstance(proj, Linear):
-        cfg = plan(s.r, proj.weight)
-        if cfg is not None:
-            return gemv(s.r, proj.weight, prenorm=Prenorm(s.sumsq, norm.weight, norm.eps), **cfg), s
+    cfg = _prenorm_plan(s.r, proj) if s.sumsq is not None else None
+    if cfg is not None:
+        return gemv(s.r, proj.weight, prenorm=Prenorm(s.sumsq, norm.weight, norm.eps), **cfg), s
     x, r = s.normed(norm)
     return proj(x), ResidualStream(r)
 
 
-def linear_add(proj: nn.Linear, x: torch.Tensor, s: ResidualStream, act_in: str | None = None) -> ResidualStream:
+def linear_add(proj: nn.Linear, x: torch.Tensor, s: ResidualStream, consumer: nn.Module | None) -> ResidualStream:
     """The stream after ``proj(x)`` is added to it: in the GEMV's epilogue where it takes one
-    (TP=1, no bias: a row-parallel projection must all-reduce before the add), else pending for
-    the next norm's add-norm kernel. ``act_in``: x is a gate_up output [T, 2I] and proj's input
-    ``act(gate) * up``, which the GEMV computes in its loads where it can."""
+    and ``consumer`` (the projection that reads the stream next, through its norm) can norm its
+    own input (``_prenorm_plan``); else pending, for the add-norm kernel. TP=1 and no bias only:
+    a row-parallel projection must all-reduce before the add."""
     assert s.pending is None
-    if type(proj) is Linear and proj.bias is None and norm_fusion_enabled() and s.r.is_contiguous():
-        cfg = plan(x[:, : x.shape[1] // 2] if act_in else x, proj.weight)
-        if cfg is not None and (not act_in or act_in_enabled(act_in)):
-            r, sumsq = gemv_add(x, proj.weight, s.r.view(x.shape[0], -1), act_in=act_in, **cfg)
+    if type(proj) is Linear and proj.bias is None and s.r.is_contiguous() and _prenorm_plan(s.r, consumer):
+        cfg = plan(x, proj.weight)
+        if cfg is not None:
+            r, sumsq = gemv_add(x, proj.weight, s.r.view(x.shape[0], -1), **cfg)
             return ResidualStream(r, sumsq=sumsq)
-    if act_in:
-        x = gated(act_in, *torch.split(x, x.shape[1] // 2, dim=-1))
     return ResidualStream(s.r, pending=proj(x))
 
 
@@ -277,16 +283,15 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.middle(x))
 
-    def stream_forward(self, s: ResidualStream, norm: RMSNorm) -> ResidualStream:
-        """A pre-norm block: the stream plus ``self(norm(s))`` (``norm_linear`` / ``linear_add``)."""
+    def stream_forward(self, s: ResidualStream, norm: RMSNorm, consumer: nn.Module | None) -> ResidualStream:
+        """A pre-norm block: the stream plus ``self(norm(s))`` (``norm_linear`` / ``linear_add``;
+        ``consumer``: the projection after the next norm, None after the last layer)."""
         if gated_enabled():  # the gated GEMV takes a normed input: the unfused norm first
             x, r = s.normed(norm)
-            return linear_add(self.down_proj, self.middle(x), ResidualStream(r))
+            return linear_add(self.down_proj, self.middle(x), ResidualStream(r), consumer)
         h, s = norm_linear(self.gate_up_proj, norm, s)
-        if type(self.gate_up_proj) is MergedLinear:  # [gate | up] halves: down may read them itself
-            return linear_add(self.down_proj, h, s, act_in=self.act_name)
         gate, up = self.gate_up_proj.split(h)
-        return linear_add(self.down_proj, gated(self.act_name, gate, up), s)
+        return linear_add(self.down_proj, gated(self.act_name, gate, up), s, consumer)
 
 
 def paged_attention(

@@ -35,9 +35,10 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, s: ResidualStream, norm: RMSNorm, rotary: Rotary, fb: ForwardBatch,
-                backend) -> ResidualStream:
-        """The stream plus attention over ``norm(s)``."""
+    def forward(self, s: ResidualStream, norm: RMSNorm, rotary: Rotary, fb: ForwardBatch, backend,
+                consumer: nn.Module) -> ResidualStream:
+        """The stream plus attention over ``norm(s)`` (``consumer``: the projection after the next
+        norm, which may take the stream un-normed: ``layers.linear_add``)."""
         qkv, s = norm_linear(self.qkv_proj, norm, s)
         t = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # Qwen3: per-head norm before RoPE
         o = rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm)
-        return linear_add(self.o_proj, o, s)
+        return linear_add(self.o_proj, o, s, consumer)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -57,11 +58,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, s: ResidualStream, rotary: Rotary, fb: ForwardBatch, backend) -> ResidualStream:
+    def forward(self, s: ResidualStream, rotary: Rotary, fb: ForwardBatch, backend,
+                next_layer: "LlamaDecoderLayer | None") -> ResidualStream:
         """The residual stream through the layer. Each norm runs where the stream settles: in the
-        add-norm kernel after a cuBLAS projection, or inside the next GEMV (``ResidualStream``)."""
-        s = self.self_attn(s, self.input_layernorm, rotary, fb, backend)
-        return self.mlp.stream_forward(s, self.post_attention_layernorm)
+        add-norm kernel, or inside the projection after it (``layers.ResidualStream``)."""
+        s = self.self_attn(s, self.input_layernorm, rotary, fb, backend, self.mlp.gate_up_proj)
+        nxt = next_layer.self_attn.qkv_proj if next_layer is not None else None
+        return self.mlp.stream_forward(s, self.post_attention_layernorm, nxt)
 
 
 class LlamaBackbone(nn.Module):
@@ -102,8 +105,9 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
         s = ResidualStream(self.embed(fb.input_ids))
-        for layer in self.model.layers:
-            s = layer(s, self.model.rotary, fb, backend)
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            s = layer(s, self.model.rotary, fb, backend, layers[i + 1] if i + 1 < len(layers) else None)
         return s.normed(self.model.norm)[0]
 
     def lm_head_weight(self) -> torch.Tensor:
