@@ -32,13 +32,12 @@ cuBLAS's differs between its own kernels).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import TICKETS, next_pow2, pdl, tickets, use_triton
+from gpu_worker.kernels import TICKETS, pdl, tickets, use_triton
 from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 
@@ -57,7 +56,6 @@ GEMV_MAX_M = 4
 # 14336) lost, 32.1 -> 34.5, and at four rows it lost everywhere. Elsewhere cuBLAS stays.
 SKINNY_MAX_K = 8192
 SKINNY_MIN_WEIGHT = 8 << 20  # elements
-GEMV_DTYPES = (torch.bfloat16, torch.float16)  # float32 stays with cuBLAS (CPU tests widen it)
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 # The tensor-core variant (``gemv(dot=True)``, x padded to DOT_ROWS rows, tl.dot's smallest tile)
 # where it measured fastest (kernel_sweep.py --only gemv, H200, h200-2026-12-03h, in a CUDA
@@ -112,39 +110,15 @@ def gated_enabled() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _inv_rms(ss_ptr, m, NSS, K, eps, BLOCK_SS: tl.constexpr):
-        """1 / RMS of row m from its per-tile sums of squares ss[m, 0:NSS] (written by the
-        producing GEMV's epilogue): ``norm._norm_row``'s arithmetic on that sum."""
-        i = tl.arange(0, BLOCK_SS)
-        s = tl.sum(tl.load(ss_ptr + m * NSS + i, mask=i < NSS, other=0.0), axis=0)
-        return tl.div_rn(1.0, tl.sqrt_rn(s / K + eps))
-
-    @triton.jit
-    def _normed(x, g, inv, DT: tl.constexpr):
-        """Llama's RMSNorm of input values x (float32) given their row's 1 / RMS:
-        ``g * (x * inv).to(DT)``, rounded where ``norm._norm_row`` rounds."""
-        return ((x * inv).to(DT).to(tl.float32) * g).to(DT).to(tl.float32)
-
-    @triton.jit
-    def _xrow(x_ptr, k, km, g, inv, PRENORM: tl.constexpr):
-        """Input values x[m, k] as float32, normed on the fly with PRENORM."""
-        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        if PRENORM:
-            x = _normed(x, g, inv, x_ptr.dtype.element_ty)
-        return x
-
-    @triton.jit
-    def _accumulate(w, x_ptr, sxm, k, km, M: tl.constexpr, a0, a1, a2, a3, g, i0, i1, i2, i3,
-                    PRENORM: tl.constexpr):
-        """a_m += W_tile . x[m, k] for each of the M rows (``_xrow``; PRENORM: the norm weight g
-        and row m's 1 / RMS i_m)."""
-        a0 += tl.sum(w * _xrow(x_ptr, k, km, g, i0, PRENORM)[None, :], axis=1)
+    def _accumulate(w, x_ptr, sxm, k, km, M: tl.constexpr, a0, a1, a2, a3):
+        """a_m += W_tile . x[m, k] for each of the M rows (x read as float32)."""
+        a0 += tl.sum(w * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
         if M > 1:
-            a1 += tl.sum(w * _xrow(x_ptr + sxm, k, km, g, i1, PRENORM)[None, :], axis=1)
+            a1 += tl.sum(w * tl.load(x_ptr + sxm + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
         if M > 2:
-            a2 += tl.sum(w * _xrow(x_ptr + 2 * sxm, k, km, g, i2, PRENORM)[None, :], axis=1)
+            a2 += tl.sum(w * tl.load(x_ptr + 2 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
         if M > 3:
-            a3 += tl.sum(w * _xrow(x_ptr + 3 * sxm, k, km, g, i3, PRENORM)[None, :], axis=1)
+            a3 += tl.sum(w * tl.load(x_ptr + 3 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
         return a0, a1, a2, a3
 
     @triton.jit
@@ -155,30 +129,17 @@ if triton is not None:
         return a.to(DT)
 
     @triton.jit
-    def _put(y_ptr, v, n, nm, e, ss_ptr, RESID: tl.constexpr):
-        """Store one row's output tile v (in y's dtype). RESID: the residual e (float32, loaded
-        before the weight stream) added first, rounded as the add-norm kernel rounds, and the
-        tile's sum of squares of the sum stored at ss_ptr (the next projection's ``_inv_rms``)."""
-        if RESID:
-            f = (v.to(tl.float32) + e).to(v.dtype).to(tl.float32)
-            tl.store(ss_ptr, tl.sum(tl.where(nm, f * f, 0.0), axis=0))
-            v = f.to(v.dtype)
-        tl.store(y_ptr + n, v, mask=nm)
-
-    @triton.jit
-    def _store_row(y_ptr, ws_ptr, m, n, nm, a, b, N, e, ss_ptr, SPLITS: tl.constexpr, ACT: tl.constexpr,
-                   RESID: tl.constexpr):
+    def _store_row(y_ptr, ws_ptr, m, n, nm, a, b, N, SPLITS: tl.constexpr, ACT: tl.constexpr):
         """Row m's result, or (split-K) its fp32 partials: ws[split, m, 0:N] gate, [N:2N] up."""
         if SPLITS == 1:
-            _put(y_ptr, _finish(a, b, ACT, y_ptr.dtype.element_ty), n, nm, e, ss_ptr, RESID)
+            tl.store(y_ptr + n, _finish(a, b, ACT, y_ptr.dtype.element_ty), mask=nm)
         else:
             tl.store(ws_ptr + m * 2 * N + n, a, mask=nm)
             if ACT >= 0:
                 tl.store(ws_ptr + m * 2 * N + N + n, b, mask=nm)
 
     @triton.jit
-    def _reduce_row(y_ptr, ws_ptr, m, n, nm, N, e, ss_ptr, M: tl.constexpr, SPLITS: tl.constexpr,
-                    ACT: tl.constexpr, RESID: tl.constexpr):
+    def _reduce_row(y_ptr, ws_ptr, m, n, nm, N, M: tl.constexpr, SPLITS: tl.constexpr, ACT: tl.constexpr):
         """The last program of a tile: partials summed in split order (deterministic)."""
         a = tl.zeros(n.shape, tl.float32)
         b = tl.zeros(n.shape, tl.float32)
@@ -187,50 +148,12 @@ if triton is not None:
             a += tl.load(base + n, mask=nm, other=0.0, cache_modifier=".cg")
             if ACT >= 0:
                 b += tl.load(base + N + n, mask=nm, other=0.0, cache_modifier=".cg")
-        _put(y_ptr, _finish(a, b, ACT, y_ptr.dtype.element_ty), n, nm, e, ss_ptr, RESID)
+        tl.store(y_ptr + n, _finish(a, b, ACT, y_ptr.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _row_vals(p, n, nm, M: tl.constexpr, stride, ON: tl.constexpr):
-        """Rows 0..3 of p[m, n] as float32 (zeros past M or when not ON)."""
-        z = tl.zeros(n.shape, tl.float32)
-        e0, e1, e2, e3 = z, z, z, z
-        if ON:
-            e0 = tl.load(p + n, mask=nm, other=0.0).to(tl.float32)
-            if M > 1:
-                e1 = tl.load(p + stride + n, mask=nm, other=0.0).to(tl.float32)
-            if M > 2:
-                e2 = tl.load(p + 2 * stride + n, mask=nm, other=0.0).to(tl.float32)
-            if M > 3:
-                e3 = tl.load(p + 3 * stride + n, mask=nm, other=0.0).to(tl.float32)
-        return e0, e1, e2, e3
-
-    @triton.jit
-    def _fma_step(g_rows, u_rows, x_ptr, g_ptr, sxm, k, km, nm, M: tl.constexpr, a0, a1, a2, a3, b0, b1, b2, b3,
-                  i0, i1, i2, i3, ACT: tl.constexpr, PRENORM: tl.constexpr):
-        """One K tile of the FMA kernel (gate rows, and up rows when gated)."""
-        wm = nm[:, None] & km[None, :]
-        g = tl.full(k.shape, 1.0, tl.float32)
-        if PRENORM:
-            g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
-        w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-        a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3, g, i0, i1, i2, i3, PRENORM)
-        if ACT >= 0:
-            w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-            b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3, g, i0, i1, i2, i3, PRENORM)
-        return a0, a1, a2, a3, b0, b1, b2, b3
-
-    # Fusion arguments shared by both kernels (``Prenorm`` / ``gemv_add``): g_ptr the norm weight
-    # [K], ssi_ptr the input rows' sums of squares [M, NSS], eps; r_ptr the residual [M, N] (row
-    # stride srm) added to the output, sso_ptr where the output's sums go [M, NT], NT the tiles.
-    # Latency (each is one dependent round trip a program would otherwise pay in series with its
-    # weight stream): the residual is loaded before the K loop, and with PRENORM the first weight
-    # tile is issued before the sums are read (that tile is peeled off the loop).
-    @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym,
-                     g_ptr, ssi_ptr, NSS, eps, r_ptr, srm, sso_ptr, NT, M: tl.constexpr,
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, PRENORM: tl.constexpr, RESID: tl.constexpr,
-                     BLOCK_SS: tl.constexpr):
+                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -242,65 +165,43 @@ if triton is not None:
             sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
             prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
-        e0, e1, e2, e3 = _row_vals(r_ptr, n, nm, M, srm, RESID)
         k0 = tl.arange(0, BLOCK_K)
         a0 = tl.zeros([BLOCK_N], tl.float32)
         a1, a2, a3 = a0, a0, a0
         b0, b1, b2, b3 = a0, a0, a0, a0
-        i0, i1, i2, i3 = 1.0, 1.0, 1.0, 1.0
-        first = k_lo
-        if PRENORM:  # every program computes the same 1 / RMS from the same sums, in the same order
-            k = k_lo + k0
-            km = k < k_hi
-            w_first = tl.load(g_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-            i0 = _inv_rms(ssi_ptr, 0, NSS, K, eps, BLOCK_SS)
-            if M > 1:
-                i1 = _inv_rms(ssi_ptr, 1, NSS, K, eps, BLOCK_SS)
-            if M > 2:
-                i2 = _inv_rms(ssi_ptr, 2, NSS, K, eps, BLOCK_SS)
-            if M > 3:
-                i3 = _inv_rms(ssi_ptr, 3, NSS, K, eps, BLOCK_SS)
-            g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
-            a0, a1, a2, a3 = _accumulate(w_first, x_ptr, sxm, k, km, M, a0, a1, a2, a3, g, i0, i1, i2, i3, PRENORM)
-            first = k_lo + BLOCK_K
-        for start in range(first, k_hi, BLOCK_K):
+        for start in range(k_lo, k_hi, BLOCK_K):
             k = start + k0
-            a0, a1, a2, a3, b0, b1, b2, b3 = _fma_step(g_rows, u_rows, x_ptr, g_ptr, sxm, k, k < k_hi, nm, M,
-                                                       a0, a1, a2, a3, b0, b1, b2, b3, i0, i1, i2, i3, ACT, PRENORM)
+            km = k < k_hi
+            wm = nm[:, None] & km[None, :]
+            w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
+            if ACT >= 0:
+                w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
         ws = ws_ptr + tl.program_id(1) * M * 2 * N
-        _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, e0, sso_ptr + pid, SPLITS, ACT, RESID)
+        _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, SPLITS, ACT)
         if M > 1:
-            _store_row(y_ptr + sym, ws, 1, n, nm, a1, b1, N, e1, sso_ptr + NT + pid, SPLITS, ACT, RESID)
+            _store_row(y_ptr + sym, ws, 1, n, nm, a1, b1, N, SPLITS, ACT)
         if M > 2:
-            _store_row(y_ptr + 2 * sym, ws, 2, n, nm, a2, b2, N, e2, sso_ptr + 2 * NT + pid, SPLITS, ACT, RESID)
+            _store_row(y_ptr + 2 * sym, ws, 2, n, nm, a2, b2, N, SPLITS, ACT)
         if M > 3:
-            _store_row(y_ptr + 3 * sym, ws, 3, n, nm, a3, b3, N, e3, sso_ptr + 3 * NT + pid, SPLITS, ACT, RESID)
+            _store_row(y_ptr + 3 * sym, ws, 3, n, nm, a3, b3, N, SPLITS, ACT)
         if SPLITS > 1:
             # every thread's partial stores precede the ticket (the barrier), which releases them
             # at GPU scope; the last taker acquires them and bypasses L1 to read them
             tl.debug_barrier()
             if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                _reduce_row(y_ptr, ws_ptr, 0, n, nm, N, e0, sso_ptr + pid, M, SPLITS, ACT, RESID)
-                if M > 1:
-                    _reduce_row(y_ptr + sym, ws_ptr, 1, n, nm, N, e1, sso_ptr + NT + pid, M, SPLITS, ACT, RESID)
-                if M > 2:
-                    _reduce_row(y_ptr + 2 * sym, ws_ptr, 2, n, nm, N, e2, sso_ptr + 2 * NT + pid, M, SPLITS, ACT,
-                                RESID)
-                if M > 3:
-                    _reduce_row(y_ptr + 3 * sym, ws_ptr, 3, n, nm, N, e3, sso_ptr + 3 * NT + pid, M, SPLITS, ACT,
-                                RESID)
+                for m in tl.static_range(M):
+                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, ACT)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
 
     @triton.jit
-    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, r_ptr, srm, sso_ptr, NT,
-                         M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLITS: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-                         RESID: tl.constexpr):
+    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
+                         MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                         F32: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
         past M read as zeros). The FMA kernel above reduces every tile once per row, which at
-        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``).
-        RESID as in ``_gemv_kernel``. No input fusion: x must reach the tensor cores as loaded
-        (a computed x tile, row by row or on the padded tile, measured 1.4x slower: 03q, 03r)."""
+        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``)."""
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -308,15 +209,11 @@ if triton is not None:
         nm = n < N
         r = tl.arange(0, MP)
         rm = r < M
-        out_m = rm[None, :] & nm[:, None]
         w_rows = w_ptr + n.to(tl.int64)[:, None] * swn
         if PREFETCH_K > 0:  # as in _gemv_kernel: weights only, before the wait
             sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
             prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
-        et = tl.zeros([BLOCK_N, MP], tl.float32)
-        if RESID:
-            et = tl.load(r_ptr + r[None, :] * srm + n[:, None], mask=out_m, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK_N, MP], tl.float32)
         for start in range(k_lo, k_hi, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
@@ -326,74 +223,38 @@ if triton is not None:
             if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
                 w, xt = w.to(tl.float32), xt.to(tl.float32)
             acc = tl.dot(w, xt, acc)
+        out_m = rm[None, :] & nm[:, None]
         if SPLITS == 1:
-            v = acc.to(y_ptr.dtype.element_ty)
-            if RESID:  # _put's arithmetic on the whole [BLOCK_N, MP] tile
-                f = (v.to(tl.float32) + et).to(v.dtype).to(tl.float32)
-                tl.store(sso_ptr + r * NT + pid, tl.sum(tl.where(out_m, f * f, 0.0), axis=0), mask=rm)
-                v = f.to(v.dtype)
-            tl.store(y_ptr + r[None, :] * sym + n[:, None], v, mask=out_m)
+            tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
         else:
             ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's layout: [split, m, 2N]
             tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
             tl.debug_barrier()  # as in _gemv_kernel: partials before the ticket
             if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
                 for m in tl.static_range(M):
-                    e = tl.sum(tl.where(r[None, :] == m, et, 0.0), axis=1)
-                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, e, sso_ptr + m * NT + pid, M, SPLITS, -1,
-                                RESID)
+                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, -1)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class Prenorm:
-    """A GEMV input given un-normed: the kernel applies Llama's RMSNorm (``weight``, ``eps``) to
-    x on the fly, with each row's 1 / RMS from ``sumsq`` [M, tiles], the per-tile sums of
-    squares that the GEMV which produced x wrote (``gemv_add``). One norm launch fewer."""
-
-    sumsq: torch.Tensor
-    weight: torch.Tensor
-    eps: float
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: int = 1, block_n: int = 16,
          block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None,
-         dot: bool = False, prenorm: Prenorm | None = None) -> torch.Tensor:
+         dot: bool = False) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M, unit column stride), w [N, K] contiguous -> [M, N].
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
-    sum). ``dot`` takes the tensor-core variant (no ``act``; up to DOT_ROWS rows). ``prenorm``
-    (FMA kernel only): the input is ``RMSNorm(x)``. ``prefetch_k`` overrides PREFETCH_K."""
-    return _launch(x, w, act=act, prenorm=prenorm, splits=splits, block_n=block_n, block_k=block_k,
-                   num_warps=num_warps, num_stages=num_stages, prefetch_k=prefetch_k, dot=dot)[0]
-
-
-def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, **launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x @ w^T + residual, sumsq)``: the projection with the residual add in its epilogue
-    (rounded as the add-norm kernel rounds) and ``sumsq`` [M, tiles] float32, each output
-    tile's sum of squares, for the next projection's ``Prenorm``. residual [M, N] contiguous
-    (not written: the sum is a new tensor, so no program reads a value another overwrote).
-    ``launch``: ``gemv``'s launch keywords."""
-    return _launch(x, w, residual=residual, **launch)
-
-
-def _launch(x, w, *, act=None, prenorm=None, residual=None, splits=1, block_n=16, block_k=512, num_warps=4,
-            num_stages=3, prefetch_k=None, dot=False):
+    sum). ``dot`` takes the tensor-core variant (no ``act``; up to DOT_ROWS rows).
+    ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if act else rows
     assert m <= (DOT_ROWS if dot else GEMV_MAX_M) and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (
         x.shape, w.shape)
-    assert not act or (rows % 2 == 0 and not dot and not prenorm), w.shape
-    assert residual is None or (residual.shape == (m, n) and residual.is_contiguous()), (residual.shape, m, n)
-    assert prenorm is None or (not dot and prenorm.sumsq.shape[0] == m and prenorm.sumsq.is_contiguous()
-                               and prenorm.weight.shape == (k,)), (prenorm.sumsq.shape, m, k, dot)
+    assert not act or (rows % 2 == 0 and not dot), w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(n, block_n) if triton is not None else 0
-    sso = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if residual is not None else y
     if not m:
-        return y, sso
+        return y
+    tiles = triton.cdiv(n, block_n)
     splits = max(1, min(int(splits), triton.cdiv(k, block_k)))
     chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, chunk)  # no empty split: every program takes its ticket after real work
@@ -404,18 +265,19 @@ def _launch(x, w, *, act=None, prenorm=None, residual=None, splits=1, block_n=16
         tk = tickets(x.device)
     on = pdl(x)
     pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
-    flags = dict(M=m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, PDL=on, PREFETCH_K=pre,
-                 RESID=residual is not None, num_warps=num_warps, num_stages=num_stages, launch_pdl=on)
-    args = (x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0))
-    resid = (residual if residual is not None else y, n, sso, tiles)
     if dot:
-        _gemv_dot_kernel[(tiles, splits)](*args, *resid, MP=DOT_ROWS, F32=not x.is_cuda, **flags)
-        return y, sso
-    ssi = prenorm.sumsq if prenorm is not None else y
-    norm = (prenorm.weight if prenorm is not None else y, ssi, ssi.shape[-1], prenorm.eps if prenorm else 0.0)
-    _gemv_kernel[(tiles, splits)](*args, *norm, *resid, ACT=ACTS[act] if act else -1, PRENORM=prenorm is not None,
-                                  BLOCK_SS=next_pow2(ssi.shape[-1]) if prenorm is not None else 1, **flags)
-    return y, sso
+        _gemv_dot_kernel[(tiles, splits)](
+            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, MP=DOT_ROWS,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, F32=not x.is_cuda, PDL=on, PREFETCH_K=pre,
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
+        )
+        return y
+    _gemv_kernel[(tiles, splits)](
+        x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n,
+        BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
+    )
+    return y
 
 
 def skinny_rows() -> int:
@@ -444,34 +306,24 @@ def launch_config(m: int, w: torch.Tensor) -> dict | None:
 def _skinny(x: torch.Tensor, w: torch.Tensor, rows: int | None = None) -> bool:
     """Whether ``x`` through ``w`` takes a GEMV: at most ``rows`` rows (default ``skinny_rows()``,
     read only for calls of at most GEMV_MAX_M rows: prefill projections never touch the environment)."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in GEMV_DTYPES
+    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in (torch.bfloat16, torch.float16)
             and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1 and w.is_contiguous() and use_triton(x)
             and x.shape[0] <= (skinny_rows() if rows is None else rows))
 
 
-def plan(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> dict | None:
-    """The GEMV launch (``gemv`` keywords) for ``x`` through ``w``, or None for cuBLAS: up to
-    ``skinny_rows()`` rows through a mid-sized weight, split-K past SKINNY_MAX_K. Decode batches
-    (16-256 rows) stay with cuBLAS: a Triton small-M GEMM (M x N tiles, split K) measured slower
-    there on the H200 (BENCHMARKS.md, 2026-12-02 night)."""
-    cfg = launch_config(x.shape[0], w) if bias is None and _skinny(x, w) else None
-    if cfg is None:
-        return None
-    splits = short_k_splits() if w.shape[1] <= SKINNY_MAX_K else long_k_splits()
-    return dict(cfg, splits=splits) if w.shape[1] <= SKINNY_MAX_K or splits > 1 else None
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the GEMV where it measured faster (``plan``)."""
-    cfg = plan(x, w, bias)
-    return gemv(x, w, **cfg) if cfg is not None else F.linear(x, w, bias)
-
-
-def norm_fusion_enabled() -> bool:
-    """The residual add in the GEMV epilogue and the next RMSNorm in the next GEMV's prologue
-    (``gemv_add`` / ``Prenorm``, models/layers.py ``ResidualStream``); ``TANDEM_GEMV_FUSE_NORM=0``
-    runs the add-norm kernel between them instead (A/Bs)."""
-    return os.environ.get("TANDEM_GEMV_FUSE_NORM", "1") != "0"
+    """F.linear, or the GEMV where it measured faster: up to ``skinny_rows()`` rows through a
+    mid-sized weight, split-K past SKINNY_MAX_K. Decode batches (16-256 rows) stay with cuBLAS:
+    a Triton small-M GEMM (M x N tiles, split K) measured slower there on the H200
+    (BENCHMARKS.md, 2026-12-02 night)."""
+    cfg = launch_config(x.shape[0], w) if bias is None and _skinny(x, w) else None
+    if cfg is not None:
+        if w.shape[1] <= SKINNY_MAX_K:
+            return gemv(x, w, splits=short_k_splits(), **cfg)
+        splits = long_k_splits()
+        if splits > 1:
+            return gemv(x, w, splits=splits, **cfg)
+    return F.linear(x, w, bias)
 
 
 def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:

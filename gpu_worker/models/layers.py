@@ -7,7 +7,6 @@ Tensors are flat: [T, ...] with no batch dimension.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.activation import gated_act
-from gpu_worker.kernels.gemv import Prenorm, gated_enabled, gated_linear, gemv, gemv_add, linear, norm_fusion_enabled, plan
+from gpu_worker.kernels.gemv import gated_linear, linear
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
@@ -204,58 +203,6 @@ def gated(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return activation(act)(gate) * up
 
 
-@dataclasses.dataclass(frozen=True)
-class ResidualStream:
-    """A pre-norm decoder's residual stream between projections (Llama's ``residual``).
-
-    ``pending``: a projection output not yet added (the next norm adds it: the add-norm kernel);
-    ``sumsq``: ``r``'s per-tile sums of squares, when the GEMV that produced ``r`` added the
-    residual in its epilogue (``gemv_add``) — then the next projection norms ``r`` in its own
-    prologue (``Prenorm``) and no norm kernel runs between them. Invariant: not both."""
-
-    r: torch.Tensor
-    pending: torch.Tensor | None = None
-    sumsq: torch.Tensor | None = None
-
-    def normed(self, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(stream), the stream with the pending output added)."""
-        if self.pending is not None:
-            return norm.add_forward(self.pending, self.r)
-        return norm(self.r), self.r
-
-
-def _prenorm_plan(x: torch.Tensor, proj: nn.Module | None) -> dict | None:
-    """The GEMV launch for ``x`` through ``proj`` when it can norm its own input: the FMA
-    kernel (an input computed in the tensor-core kernel's loads measured 1.4x slower, 03q/03r)."""
-    if not isinstance(proj, Linear) or proj.bias is not None or not norm_fusion_enabled():
-        return None
-    cfg = plan(x, proj.weight)
-    return cfg if cfg is not None and not cfg.get("dot") else None
-
-
-def norm_linear(proj: Linear, norm: RMSNorm, s: ResidualStream) -> tuple[torch.Tensor, ResidualStream]:
-    """``(proj(norm(s)), s settled)``: one GEMV that norms its input when ``s`` carries the sums."""
-    cfg = _prenorm_plan(s.r, proj) if s.sumsq is not None else None
-    if cfg is not None:
-        return gemv(s.r, proj.weight, prenorm=Prenorm(s.sumsq, norm.weight, norm.eps), **cfg), s
-    x, r = s.normed(norm)
-    return proj(x), ResidualStream(r)
-
-
-def linear_add(proj: nn.Linear, x: torch.Tensor, s: ResidualStream, consumer: nn.Module | None) -> ResidualStream:
-    """The stream after ``proj(x)`` is added to it: in the GEMV's epilogue where it takes one
-    and ``consumer`` (the projection that reads the stream next, through its norm) can norm its
-    own input (``_prenorm_plan``); else pending, for the add-norm kernel. TP=1 and no bias only:
-    a row-parallel projection must all-reduce before the add."""
-    assert s.pending is None
-    if type(proj) is Linear and proj.bias is None and s.r.is_contiguous() and _prenorm_plan(s.r, consumer):
-        cfg = plan(x, proj.weight)
-        if cfg is not None:
-            r, sumsq = gemv_add(x, proj.weight, s.r.view(x.shape[0], -1), **cfg)
-            return ResidualStream(r, sumsq=sumsq)
-    return ResidualStream(s.r, pending=proj(x))
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up merged into one ``gate_up_proj``."""
 
@@ -269,29 +216,15 @@ class GatedMLP(nn.Module):
         self.act_name = act
         activation(act)  # fail at build time on an unsupported activation
 
-    def middle(self, x: torch.Tensor) -> torch.Tensor:
-        """``act(gate(x)) * up(x)``, down's input."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One decode row at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py). Under
         # TP the column-parallel subclass may lay its shard out differently: the general path.
         if type(self.gate_up_proj) is MergedLinear and self.gate_up_proj.bias is None:
             h = gated_linear(x, self.gate_up_proj.weight, self.act_name)
             if h is not None:
-                return h
+                return self.down_proj(h)
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return gated(self.act_name, gate, up)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.middle(x))
-
-    def stream_forward(self, s: ResidualStream, norm: RMSNorm, consumer: nn.Module | None) -> ResidualStream:
-        """A pre-norm block: the stream plus ``self(norm(s))`` (``norm_linear`` / ``linear_add``;
-        ``consumer``: the projection after the next norm, None after the last layer)."""
-        if gated_enabled():  # the gated GEMV takes a normed input: the unfused norm first
-            x, r = s.normed(norm)
-            return linear_add(self.down_proj, self.middle(x), ResidualStream(r), consumer)
-        h, s = norm_linear(self.gate_up_proj, norm, s)
-        gate, up = self.gate_up_proj.split(h)
-        return linear_add(self.down_proj, gated(self.act_name, gate, up), s, consumer)
+        return self.down_proj(gated(self.act_name, gate, up))
 
 
 def paged_attention(

@@ -14,7 +14,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import LayerSpec, LlamaSpec
-from gpu_worker.models.layers import GatedMLP, ResidualStream, RMSNorm, Rotary, linear_add, norm_linear, rope_attention
+from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, rope_attention
 from gpu_worker.parallel import factory, shard
 
 
@@ -35,19 +35,15 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, s: ResidualStream, norm: RMSNorm, rotary: Rotary, fb: ForwardBatch, backend,
-                consumer: nn.Module) -> ResidualStream:
-        """The stream plus attention over ``norm(s)`` (``consumer``: the projection after the next
-        norm, which may take the stream un-normed: ``layers.linear_add``)."""
-        qkv, s = norm_linear(self.qkv_proj, norm, s)
-        t = qkv.shape[0]
-        q, k, v = self.qkv_proj.split(qkv)
+    def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # Qwen3: per-head norm before RoPE
         o = rope_attention(backend, self.attn, rotary, fb, q, k, v, q_norm=self.q_norm, k_norm=self.k_norm)
-        return linear_add(self.o_proj, o, s, consumer)
+        return self.o_proj(o)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -58,13 +54,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, s: ResidualStream, rotary: Rotary, fb: ForwardBatch, backend,
-                next_layer: "LlamaDecoderLayer | None") -> ResidualStream:
-        """The residual stream through the layer. Each norm runs where the stream settles: in the
-        add-norm kernel, or inside the projection after it (``layers.ResidualStream``)."""
-        s = self.self_attn(s, self.input_layernorm, rotary, fb, backend, self.mlp.gate_up_proj)
-        nxt = next_layer.self_attn.qkv_proj if next_layer is not None else None
-        return self.mlp.stream_forward(s, self.post_attention_layernorm, nxt)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, fb: ForwardBatch,
+                backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer output, residual stream). The residual add is deferred into the next norm
+        (``add_forward``): HF's ``residual + h`` then norm, in one kernel."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(h, rotary, fb, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -104,11 +104,10 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens(ids)
 
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
-        s = ResidualStream(self.embed(fb.input_ids))
-        layers = self.model.layers
-        for i, layer in enumerate(layers):
-            s = layer(s, self.model.rotary, fb, backend, layers[i + 1] if i + 1 < len(layers) else None)
-        return s.normed(self.model.norm)[0]
+        h, residual = self.embed(fb.input_ids), None
+        for layer in self.model.layers:
+            h, residual = layer(h, residual, self.model.rotary, fb, backend)
+        return self.model.norm.add_forward(h, residual)[0]
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
