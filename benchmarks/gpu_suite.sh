@@ -15,6 +15,8 @@
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
 #          and a profile of a recipe-sized decode step;
 #  host = one 8192-token prefill step's wall time and host profile (cProfile), piecewise graphs on / off;
+#  (profile: PROFILE_DECODE_BATCHES="64" adds decode-only profiles at those row counts;
+#   sweep: SWEEP_ONLY="attn" etc. picks kernel_sweep.py's parts)
 #  tune = the recipe and the 8B at 64 requests with the decode kernel's launch shape varied,
 #         TANDEM_DECODE_TUNE, fresh processes)
 set -uo pipefail
@@ -104,6 +106,12 @@ if has profile; then
     timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --steps 1 --batch 8 --input-len 1024 \
       > "$OUT/profile_qwen_prefill.txt" 2>&1 || echo "profile qwen prefill failed"
   fi
+  for b in ${PROFILE_DECODE_BATCHES:-}; do  # e.g. "64": decode-only steps at that many rows
+    timeout 150 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --decode-only --batch $b --steps 24 \
+      --trace "$FINAL/trace_8b_bs$b.json.gz" > "$OUT/profile_8b_bs$b.txt" 2>&1 || echo "profile bs$b failed"
+    python3 benchmarks/trace_layers.py "$FINAL/trace_8b_bs$b.json.gz" > "$OUT/layers_8b_bs$b.txt" 2>&1 \
+      && cat "$OUT/layers_8b_bs$b.txt"; grep -A4 '"steps"' "$OUT/profile_8b_bs$b.txt"
+  done
   for f in profile_8b profile_8b_prefill profile_qwen_prefill; do [ -e "$OUT/$f.txt" ] || continue
     echo "$f"; grep -A4 '"steps"' "$OUT/$f.txt"; done
 fi
@@ -175,10 +183,11 @@ if has lpt; then
     2>&1 | tail -15 | tee "$OUT/lpt_tests.log"
 fi
 if has sweep; then
-  echo "== kernel sweep: the logits tail (torch's argmax and ours), GEMMs at decode shapes"
-  timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/kernel_sweep.py --only logits,gemm --json "$OUT/kernel_sweep.json" \
-    > "$OUT/kernel_sweep.log" 2>&1 || { echo "kernel sweep failed"; tail -5 "$OUT/kernel_sweep.log"; }
-  grep "^logits\|^gemm" "$OUT/kernel_sweep.log"
+  # SWEEP_ONLY picks kernel_sweep.py's parts (logits, gemm, gemv, attn)
+  echo "== kernel sweep: ${SWEEP_ONLY:-logits,gemm}"
+  timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/kernel_sweep.py --only ${SWEEP_ONLY:-logits,gemm} \
+    --json "$OUT/kernel_sweep.json" > "$OUT/kernel_sweep.log" 2>&1 || { echo "kernel sweep failed"; tail -5 "$OUT/kernel_sweep.log"; }
+  grep "^logits\|^gemm\|^gemv\|^attn" "$OUT/kernel_sweep.log"
 fi
 if has transient; then
   # The recipe's first round in fresh processes (no warm-up round), every Triton variant the
