@@ -5,11 +5,12 @@ engine runs them) with weights/KV rotated over more than L2 holds:
   against our split-N GEMV (``gpu_worker/kernels/gemv.py``, a config sweep) for M <= 4;
 - (``gemv``) the GEMV at 1, 2 and 4 rows on Llama-8B and Gemma-4 9B projections, per-tile
   against the tensor-core variant's launch shapes;
+- (``wide``) the tensor-core GEMV at 32 and 64 rows against cuBLAS (Llama-8B projections);
 - paged decode attention launch shapes (BLOCK_N, warps, stages) and split counts;
 - the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab] (torch's and ours,
   ``gpu_worker/kernels/argmax.py``).
 
-    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,gemv,attn,logits]
+    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,gemv,attn,logits,wide]
 """
 
 from __future__ import annotations
@@ -124,6 +125,31 @@ def gemv_rows(bw: float) -> list[dict]:
     return rows
 
 
+# (``wide``) The tensor-core GEMV at decode batches of 32 and 64 rows against cuBLAS, on
+# Llama-3.1-8B's projections: at 64 rows the 8B step's cuBLAS GEMMs run at 65-85 % of the copy
+# bandwidth (h200-2026-12-03t), and the GEMV's weight stream does not depend on M.
+WIDE_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, dot=True)
+                for bn, bk, st in ((32, 128, 4), (64, 128, 3), (64, 64, 4))]
+
+
+def wide_rows(bw: float) -> list[dict]:
+    rows = []
+    for m in (32, 64):
+        for name, n, k in LLAMA:
+            ws, x, ref, base = rotated_weights(f"llama {name}", m, n, k)
+            nbytes, copies = n * k * 2, len(ws)
+            sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
+            rows.append(base | {"impl": "cublaslt", "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
+            for cfg, splits in itertools.product(WIDE_CONFIGS, (1, 2, 4)):
+                err = (gemv(x, ws[0], splits=splits, **cfg).float() - ref.float()).abs().max().item()
+                sec = graph_time(lambda: [gemv(x, w, splits=splits, **cfg) for w in ws], copies)
+                rows.append(base | {"impl": "gemv", "config": cfg, "splits": splits, "max_abs_err_vs_cublas": err,
+                                    "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
+            del ws
+            torch.cuda.empty_cache()
+    return rows
+
+
 def attn_rows(bw: float, sms: int) -> list[dict]:
     rows = []
     cases = [("qwen3-0.6b", 256, 812, 16, 8, False), ("qwen3-0.6b", 256, 812, 16, 8, True),
@@ -173,7 +199,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = {"copy_bandwidth_bytes_s": bw}
     for part, fn in (("logits", logits_rows), ("gemm", lambda: gemm_rows(bw)), ("gemv", lambda: gemv_rows(bw)),
-                     ("attn", lambda: attn_rows(bw, sms))):
+                     ("attn", lambda: attn_rows(bw, sms)), ("wide", lambda: wide_rows(bw))):
         if part in a.only.split(","):
             try:
                 out[part] = fn()
@@ -191,9 +217,9 @@ def summarize(out: dict) -> None:
     for r in out.get("gemm", []):
         extra = f" {r['config']} err {r['max_abs_err_vs_cublas']:.3g}" if r["impl"] == "gemv" else ""
         print(f"gemm {r['shape']:14} m {r['m']:>3} {r['impl']:8} {r['us']:8.2f} us {r['frac_of_copy_bw']:6.1%}{extra}")
-    for r in out.get("gemv", []):
+    for r in out.get("gemv", []) + out.get("wide", []):
         cfg = r.get("config")
-        extra = f" {cfg} err {r['max_abs_err_vs_cublas']:.3g}" if cfg else ""
+        extra = f" {cfg} splits {r.get('splits', 1)} err {r['max_abs_err_vs_cublas']:.3g}" if cfg else ""
         print(f"gemv {r['shape']:14} m {r['m']} {r['impl']:8} {r['us']:8.2f} us {r['frac_of_copy_bw']:6.1%}{extra}")
     best: dict = {}
     for r in out.get("attn", []):

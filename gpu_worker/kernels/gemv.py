@@ -37,7 +37,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import TICKETS, pdl, tickets, use_triton
+from gpu_worker.kernels import TICKETS, next_pow2, pdl, tickets, use_triton
 from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 
@@ -64,6 +64,7 @@ CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 # rows cuBLAS gave 99.4 / 86.8 %, this 98.4 / 89.6 %), and the smaller ones (qkv, o) at two to
 # four rows (o at four rows: cuBLAS 58 %, this 66 %). One-row qkv and o keep the FMA kernel.
 DOT_ROWS = 16
+DOT_MAX_M = 64  # the tensor-core variant pads x to max(DOT_ROWS, next_pow2(M)) rows (sweeps up to 64)
 BIG_WEIGHT = 48 << 20  # elements
 BIG_CONFIG = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, dot=True)
 ROWS_CONFIG = dict(block_n=32, block_k=256, num_warps=4, num_stages=4, dot=True)
@@ -243,12 +244,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
-    sum). ``dot`` takes the tensor-core variant (no ``act``; up to DOT_ROWS rows).
+    sum). ``dot`` takes the tensor-core variant (no ``act``; up to DOT_MAX_M rows).
     ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if act else rows
-    assert m <= (DOT_ROWS if dot else GEMV_MAX_M) and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (
+    assert m <= (DOT_MAX_M if dot else GEMV_MAX_M) and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (
         x.shape, w.shape)
     assert not act or (rows % 2 == 0 and not dot), w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -267,7 +268,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
     pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
     if dot:
         _gemv_dot_kernel[(tiles, splits)](
-            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, MP=DOT_ROWS,
+            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, MP=max(DOT_ROWS, next_pow2(m)),
             BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, F32=not x.is_cuda, PDL=on, PREFETCH_K=pre,
             num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
         )

@@ -34,6 +34,20 @@ def test_gemv_matches_matmul(m, n, k, block_n, block_k, splits, dot):
     assert ((y.float() - ref).abs() <= ulp + 1e-3 * ref.abs().max()).all()
 
 
+@pytest.mark.parametrize("m,splits", [(20, 1), (64, 2)])
+def test_dot_gemv_takes_decode_batches(m, splits):
+    """The tensor-core variant pads x to a power of two past 16 rows (up to DOT_MAX_M: the
+    sweep's ``wide`` part times it at 32 and 64 rows)."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 96, generator=g).to(torch.bfloat16).to(DEV)
+    w = torch.randn(40, 96, generator=g).to(torch.bfloat16).to(DEV)
+    y = G.gemv(x, w, splits=splits, block_n=16, block_k=32, num_stages=2, dot=True)
+    ref = x.float() @ w.float().t()
+    ulp = ref.abs().clamp_min(1.0) * 2.0**-7
+    assert y.shape == (m, 40) and ((y.float() - ref).abs() <= ulp + 1e-3 * ref.abs().max()).all()
+    assert tickets_clear()
+
+
 def test_gemv_strided_rows():
     """x may be a row view of a wider buffer (unit column stride only)."""
     base = torch.randn(3, 200).to(torch.bfloat16).to(DEV)
