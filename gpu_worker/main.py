@@ -32,7 +32,7 @@ from gpu_worker.warmup import prefill_sizes, warm_prefill
 from gpu_worker.sizing import plan_capacity
 from proto.args import ServerArgs
 from proto.messages import Shutdown, StepPlan, WorkerError, WorkerReady
-from proto.transport import Endpoints, PullChannel, PushChannel
+from proto.transport import ChannelRefused, Endpoints, PullChannel, PushChannel
 
 log = logging.getLogger("tandem.worker")
 WAIT_SLICE_MS = 1
@@ -237,5 +237,8 @@ def run(args: ServerArgs, endpoints: Endpoints, status_conn=None, worker: Worker
                  ready.max_slots, ready.max_context, type(worker.runner.backend).__name__,
                  worker.runner.graphs.sizes if worker.runner.graphs is not None else "off")
         worker.run()
+    except ChannelRefused as exc:  # a tcp:// peer with other keys: one line, not a hang or a traceback
+        log.error("%s", exc)
+        raise SystemExit(1) from None
     finally:
         worker.close()

@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from proto.curve import Curve, CurveKeys, load_keys
 from proto.messages import OutputMsg, PlanMsg, RequestMsg, ResultMsg
@@ -105,20 +106,71 @@ def _socket_opts(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
+class ChannelRefused(RuntimeError):
+    """The peer of a tcp:// channel refused the CURVE handshake: the two sides hold different
+    keys (or the address is not a Tandem process). The message names the channel and address."""
+
+
+_HANDSHAKE = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+# Consecutive failed handshakes (no success between them) that mean "refused": zmq retries
+# every ~0.15 s, and a peer that restarts mid-handshake fails once, not five times in a row.
+REFUSED_AFTER = 5
+WAIT_POLL_MS = 200
+
+
 class PushChannel(_Codec[T]):
-    """Sending side. Connects (the PULL side binds), so peers may start in any order."""
+    """Sending side. Connects (the PULL side binds), so peers may start in any order.
+
+    A send queues while the peer is not up yet (HWM unbounded). On tcp:// a peer that keeps
+    failing the CURVE handshake (other keys, no CURVE, not a Tandem process) would swallow every
+    frame (zmq queues them, or blocks the send for good when the refusal left no pipe): each send
+    reads the socket's handshake events first and raises ChannelRefused after REFUSED_AFTER
+    failures in a row; a send with no pipe waits in slices, and raises at the first failure (a
+    peer that merely restarts leaves the pipe in place: its sends queue)."""
 
     def __init__(self, ctx: zmq.Context, channel: str, address: str):
         super().__init__(channel)
+        self.address = address
         self.sock = ctx.socket(zmq.PUSH)
         _socket_opts(self.sock)
         _secure(self.sock, address, channel, server=False)
+        self.events = self.sock.get_monitor_socket(_HANDSHAKE) if address.startswith("tcp://") else None
+        self.failures, self.last_failure = 0, None
         self.sock.connect(address)
 
     def send(self, msg: T) -> None:
-        self.sock.send(self.encoder.encode(msg), copy=False)
+        frame = self.encoder.encode(msg)
+        if self.events is None:
+            self.sock.send(frame, copy=False)
+            return
+        blocked = False
+        while True:
+            self._raise_if_refused(REFUSED_AFTER if not blocked else 1)
+            try:
+                self.sock.send(frame, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:  # no pipe: not connected yet, or a refusal dropped it (zmq may not retry)
+                blocked = True
+                self.sock.poll(WAIT_POLL_MS, zmq.POLLOUT)
+
+    def _raise_if_refused(self, limit: int) -> None:
+        while self.events.poll(0):
+            event = parse_monitor_message(self.events.recv_multipart())
+            ok = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            self.failures, self.last_failure = (0, None) if ok else (self.failures + 1, event)
+        if self.failures >= limit:
+            last = self.last_failure
+            raise ChannelRefused(
+                f"{self.channel} channel {self.address}: {self.failures} CURVE handshake(s) in a row failed "
+                f"(zmq event {int(last['event'])}, error {last['value']}); "
+                "both sides must use the same key directory (--curve-keys-dir), and the address must be a Tandem "
+                "process")
 
     def close(self) -> None:
+        if self.events is not None:
+            self.sock.disable_monitor()
+            self.events.close(linger=0)
         _close(self.sock)
 
 

@@ -26,7 +26,7 @@ from proto.messages import (
     WorkerError,
     WorkerReady,
 )
-from proto.transport import Endpoints, PullChannel, PushChannel
+from proto.transport import ChannelRefused, Endpoints, PullChannel, PushChannel
 from scheduler_proc.core import SchedConfig, SchedulerCore
 from scheduler_proc.planner import Planner
 
@@ -161,5 +161,8 @@ def run(args: ServerArgs, endpoints: Endpoints, status_conn=None) -> None:
         gc.collect()
         gc.freeze()  # start-up state lives for the whole process: keep it out of GC passes
         loop.run()
+    except ChannelRefused as exc:  # a tcp:// peer with other keys: one line, not a hang or a traceback
+        log.error("%s", exc)
+        raise SystemExit(1) from None
     finally:
         loop.close()

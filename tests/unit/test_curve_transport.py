@@ -143,3 +143,46 @@ def test_connector_never_talks_to_a_server_without_the_secret(keys):
         assert rogue.poll(1000) == 0 and plain_rogue.poll(200) == 0
     finally:
         _teardown(ctx, pushes, [rogue, plain_rogue])
+
+
+@pytest.mark.parametrize("peer", ["other_keys", "plain"])
+def test_send_to_a_refusing_peer_raises_instead_of_hanging(keys, peer):
+    """A tcp:// peer that fails our CURVE handshake (other keys, or no CURVE) leaves the PUSH
+    socket with no pipe: the send raises ChannelRefused naming the channel and address instead
+    of blocking forever."""
+    addr = f"tcp://127.0.0.1:{_port()}"
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.PULL)
+    push = None
+    try:
+        if peer == "other_keys":
+            pub, sec = zmq.curve_keypair()
+            server.curve_secretkey, server.curve_publickey, server.curve_server = sec, pub, True
+        server.bind(addr)
+        push = PushChannel(ctx, "outputs", addr)
+        deadline = time.monotonic() + 20
+        with pytest.raises(transport.ChannelRefused, match=r"outputs channel tcp://127\.0\.0\.1:\d+.*--curve-keys-dir"):
+            while time.monotonic() < deadline:  # the first sends may queue before the handshake
+                push.send(FlushCache())
+                time.sleep(0.05)
+        assert server.poll(100) == 0
+    finally:
+        _teardown(ctx, [push] if push else [], [server])
+
+
+def test_send_before_the_peer_binds_queues(keys):
+    """A connector may start first: its sends queue (no error, no wait) and arrive once the
+    keyed peer binds."""
+    addr = f"tcp://127.0.0.1:{_port()}"
+    ctx = zmq.Context()
+    push = PushChannel(ctx, "requests", addr)
+    pull = None
+    try:
+        t0 = time.monotonic()
+        push.send(AbortReq("early", "client_disconnect"))
+        assert time.monotonic() - t0 < 1.0
+        pull = PullChannel(ctx, "requests", addr)
+        got = pull.recv(timeout_ms=10_000)
+        assert got is not None and got.rid == "early"
+    finally:
+        _teardown(ctx, [push] + ([pull] if pull else []), [])
