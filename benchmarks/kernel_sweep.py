@@ -104,24 +104,30 @@ ROW_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, dot=True
                                   (64, 128, 3), (64, 128, 4))]
 
 
+def shape_rows(bw: float, label: str, m: int, n: int, k: int, variants) -> list[dict]:
+    """cuBLAS and the GEMV launches ``variants`` ((config, splits) pairs) on one shape."""
+    ws, x, ref, base = rotated_weights(label, m, n, k)
+    nbytes, copies = n * k * 2, len(ws)
+    sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
+    rows = [base | {"impl": "cublaslt", "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw}]
+    for cfg, splits in variants:
+        err = (gemv(x, ws[0], splits=splits, **cfg).float() - ref.float()).abs().max().item()
+        sec = graph_time(lambda: [gemv(x, w, splits=splits, **cfg) for w in ws], copies)
+        rows.append(base | {"impl": "gemv", "config": cfg, "splits": splits, "max_abs_err_vs_cublas": err,
+                            "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
+    del ws
+    torch.cuda.empty_cache()
+    return rows
+
+
 def gemv_rows(bw: float) -> list[dict]:
     from gpu_worker.kernels.gemv import CONFIG, SKINNY_MAX_K, long_k_splits
 
     rows = []
     for label, m, n, k in ROW_SHAPES:
-        ws, x, ref, base = rotated_weights(label, m, n, k)
-        nbytes, copies = n * k * 2, len(ws)
-        sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
-        rows.append(base | {"impl": "cublaslt", "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
         splits = long_k_splits() if k > SKINNY_MAX_K else 1
         cfgs = ([CONFIG] if m == 1 else []) + ROW_CONFIGS
-        for cfg in cfgs:
-            err = (gemv(x, ws[0], splits=splits, **cfg).float() - ref.float()).abs().max().item()
-            sec = graph_time(lambda: [gemv(x, w, splits=splits, **cfg) for w in ws], copies)
-            rows.append(base | {"impl": "gemv", "config": cfg, "splits": splits, "max_abs_err_vs_cublas": err,
-                                "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
-        del ws
-        torch.cuda.empty_cache()
+        rows += shape_rows(bw, label, m, n, k, [(cfg, splits) for cfg in cfgs])
     return rows
 
 
@@ -133,21 +139,8 @@ WIDE_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, dot=Tru
 
 
 def wide_rows(bw: float) -> list[dict]:
-    rows = []
-    for m in (32, 64):
-        for name, n, k in LLAMA:
-            ws, x, ref, base = rotated_weights(f"llama {name}", m, n, k)
-            nbytes, copies = n * k * 2, len(ws)
-            sec = graph_time(lambda: [F.linear(x, w) for w in ws], copies)
-            rows.append(base | {"impl": "cublaslt", "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
-            for cfg, splits in itertools.product(WIDE_CONFIGS, (1, 2, 4)):
-                err = (gemv(x, ws[0], splits=splits, **cfg).float() - ref.float()).abs().max().item()
-                sec = graph_time(lambda: [gemv(x, w, splits=splits, **cfg) for w in ws], copies)
-                rows.append(base | {"impl": "gemv", "config": cfg, "splits": splits, "max_abs_err_vs_cublas": err,
-                                    "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
-            del ws
-            torch.cuda.empty_cache()
-    return rows
+    variants = list(itertools.product(WIDE_CONFIGS, (1, 2, 4)))
+    return [r for m in (32, 64) for name, n, k in LLAMA for r in shape_rows(bw, f"llama {name}", m, n, k, variants)]
 
 
 def attn_rows(bw: float, sms: int) -> list[dict]:
