@@ -119,58 +119,79 @@ REFUSED_AFTER = 5
 WAIT_POLL_MS = 200
 
 
+class _HandshakeWatch:
+    """A connector's CURVE handshake outcomes on a tcp:// socket, read without blocking.
+
+    A peer that keeps failing the handshake (other keys, no CURVE, not a Tandem process) would
+    swallow every frame: zmq queues them, or, once the refusal dropped the pipe, a blocking send
+    waits for good. ``check`` raises ChannelRefused after ``limit`` failures in a row (no success
+    between them). The monitor is a plain socket, so the asyncio channel can read it too."""
+
+    def __init__(self, sock: zmq.Socket, channel: str, address: str):
+        self.sock, self.channel, self.address = sock, channel, address
+        addr = f"inproc://tandem-handshakes-{id(sock)}"
+        sock.monitor(addr, _HANDSHAKE)
+        self.pair = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
+        self.pair.connect(addr)
+        self.failures, self.last = 0, None
+
+    def check(self, limit: int) -> None:
+        while self.pair.poll(0):
+            event = parse_monitor_message(self.pair.recv_multipart())
+            ok = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            self.failures, self.last = (0, None) if ok else (self.failures + 1, event)
+        if self.failures >= limit:
+            raise ChannelRefused(
+                f"{self.channel} channel {self.address}: {self.failures} CURVE handshake(s) in a row failed "
+                f"(zmq event {int(self.last['event'])}, error {self.last['value']}); both sides must use the "
+                "same key set (--curve-keys-dir), and the address must be a Tandem process")
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.pair.close(linger=0)
+
+
+def _watch(sock: zmq.Socket, channel: str, address: str) -> _HandshakeWatch | None:
+    return _HandshakeWatch(sock, channel, address) if address.startswith("tcp://") else None
+
+
 class PushChannel(_Codec[T]):
     """Sending side. Connects (the PULL side binds), so peers may start in any order.
 
-    A send queues while the peer is not up yet (HWM unbounded). On tcp:// a peer that keeps
-    failing the CURVE handshake (other keys, no CURVE, not a Tandem process) would swallow every
-    frame (zmq queues them, or blocks the send for good when the refusal left no pipe): each send
-    reads the socket's handshake events first and raises ChannelRefused after REFUSED_AFTER
-    failures in a row; a send with no pipe waits in slices, and raises at the first failure (a
-    peer that merely restarts leaves the pipe in place: its sends queue)."""
+    A send queues while the peer is not up yet (HWM unbounded). On tcp:// each send reads the
+    handshake watch first (ChannelRefused after REFUSED_AFTER failures in a row); a send with no
+    pipe waits in slices and raises at the first failure (a peer that merely restarts leaves the
+    pipe in place: its frames queue)."""
 
     def __init__(self, ctx: zmq.Context, channel: str, address: str):
         super().__init__(channel)
-        self.address = address
         self.sock = ctx.socket(zmq.PUSH)
         _socket_opts(self.sock)
         _secure(self.sock, address, channel, server=False)
-        self.events = self.sock.get_monitor_socket(_HANDSHAKE) if address.startswith("tcp://") else None
-        self.failures, self.last_failure = 0, None
+        self.watch = _watch(self.sock, channel, address)
         self.sock.connect(address)
 
     def send(self, msg: T) -> None:
         frame = self.encoder.encode(msg)
-        if self.events is None:
+        if self.watch is None:
             self.sock.send(frame, copy=False)
             return
-        blocked = False
+        limit = REFUSED_AFTER
         while True:
-            self._raise_if_refused(REFUSED_AFTER if not blocked else 1)
+            self.watch.check(limit)
             try:
                 self.sock.send(frame, flags=zmq.NOBLOCK, copy=False)
                 return
-            except zmq.Again:  # no pipe: not connected yet, or a refusal dropped it (zmq may not retry)
-                blocked = True
+            except zmq.Again:  # no pipe: a refusal dropped it (zmq may never retry)
+                limit = 1
                 self.sock.poll(WAIT_POLL_MS, zmq.POLLOUT)
 
-    def _raise_if_refused(self, limit: int) -> None:
-        while self.events.poll(0):
-            event = parse_monitor_message(self.events.recv_multipart())
-            ok = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
-            self.failures, self.last_failure = (0, None) if ok else (self.failures + 1, event)
-        if self.failures >= limit:
-            last = self.last_failure
-            raise ChannelRefused(
-                f"{self.channel} channel {self.address}: {self.failures} CURVE handshake(s) in a row failed "
-                f"(zmq event {int(last['event'])}, error {last['value']}); "
-                "both sides must use the same key directory (--curve-keys-dir), and the address must be a Tandem "
-                "process")
-
     def close(self) -> None:
-        if self.events is not None:
-            self.sock.disable_monitor()
-            self.events.close(linger=0)
+        if self.watch is not None:
+            self.watch.close()
         _close(self.sock)
 
 
@@ -195,21 +216,34 @@ class PullChannel(_Codec[T]):
 
 
 class AsyncPushChannel(_Codec[T]):
+    """The front's sending side. PUSH with an unbounded HWM queues while a pipe exists, so the
+    send is synchronous and safe in a handler. On tcp:// it reads the handshake watch as
+    ``PushChannel`` does, and a frame with no pipe to take it raises ChannelRefused instead of
+    vanishing in an unawaited future."""
+
     def __init__(self, ctx: zmq.asyncio.Context, channel: str, address: str):
         super().__init__(channel)
         self.sock = ctx.socket(zmq.PUSH)
         _socket_opts(self.sock)
         _secure(self.sock, address, channel, server=False)
+        self.address, self.watch = address, _watch(self.sock, channel, address)
+        self.sync = zmq.Socket.shadow(self.sock.underlying)  # the same socket, plain calls
         self.sock.connect(address)
 
-    async def send(self, msg: T) -> None:
-        await self.sock.send(self.encoder.encode(msg), copy=False)
-
     def send_nowait(self, msg: T) -> None:
-        """PUSH with an unbounded HWM never blocks, so a synchronous send is safe in a handler."""
-        self.sock.send(self.encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        frame = self.encoder.encode(msg)
+        if self.watch is not None:
+            self.watch.check(REFUSED_AFTER)
+        try:
+            self.sync.send(frame, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if self.watch is not None:
+                self.watch.check(1)
+            raise ChannelRefused(f"{self.channel} channel {self.address}: no connection takes frames") from None
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         _close(self.sock)
 
 

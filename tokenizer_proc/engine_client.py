@@ -48,7 +48,7 @@ from proto.messages import (
     Shutdown,
     StepOutputs,
 )
-from proto.transport import AsyncPullChannel, AsyncPushChannel, Endpoints
+from proto.transport import AsyncPullChannel, AsyncPushChannel, ChannelRefused, Endpoints
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.request_state import Delta, RequestState
@@ -106,7 +106,11 @@ class EngineClient:
 
     def send(self, msg) -> None:
         assert self.requests is not None
-        self.requests.send_nowait(msg)
+        try:
+            self.requests.send_nowait(msg)
+        except ChannelRefused as exc:  # a tcp:// scheduler with other keys: nothing will ever arrive
+            if self.phase != DEAD:
+                self.on_engine_dead(str(exc))
 
     # ------------------------------------------------------------------ admission
     @property
@@ -183,6 +187,10 @@ class EngineClient:
             self.states[s.rid] = s
             self.send(GenerateReq(s.rid, pack_i32(s.prompt_ids), s.params, s.arrival_wall))
             self.sent_generate += 1
+            if self.phase == DEAD:  # the send found the engine unreachable: it failed what it held
+                for t in states:
+                    self.states.pop(t.rid, None)
+                raise APIError(503, f"engine is dead: {self.dead_reason}")
         return sink
 
     def abort(self, state: RequestState, reason: str = "client_disconnect") -> None:

@@ -186,3 +186,30 @@ def test_send_before_the_peer_binds_queues(keys):
         assert got is not None and got.rid == "early"
     finally:
         _teardown(ctx, [push] + ([pull] if pull else []), [])
+
+
+@pytest.mark.asyncio
+async def test_front_send_to_a_refusing_peer_raises(keys):
+    """The front's channel (asyncio) reads the same watch: a frame that no connection takes
+    raises ChannelRefused at once instead of vanishing in an unawaited future."""
+    import zmq.asyncio
+
+    from proto.transport import AsyncPushChannel
+
+    addr = f"tcp://127.0.0.1:{_port()}"
+    ctx = zmq.asyncio.Context()
+    server = ctx.socket(zmq.PULL, socket_class=zmq.Socket)  # no CURVE: refuses our handshake
+    push = None
+    try:
+        server.bind(addr)
+        push = AsyncPushChannel(ctx, "requests", addr)
+        deadline = time.monotonic() + 20
+        with pytest.raises(transport.ChannelRefused, match=r"requests channel tcp://127\.0\.0\.1:\d+"):
+            while time.monotonic() < deadline:
+                push.send_nowait(FlushCache())
+                time.sleep(0.05)
+    finally:
+        if push is not None:
+            push.close()
+        server.close(linger=0)
+        ctx.term()

@@ -172,3 +172,39 @@ def test_admission_estimate_counts_slots_that_free_within_a_step():
         assert engine._waiting_with(2) == 1
     finally:
         engine.ctx.term()
+
+
+def test_unreachable_scheduler_fails_the_request_and_marks_the_engine_dead():
+    """A requests channel that refuses frames (a tcp:// scheduler with other keys): the submit
+    answers 503 naming why, leaves no state behind, and the engine reads as dead."""
+    from proto.transport import ChannelRefused, ipc_endpoints
+    from tokenizer_proc.engine_client import DEAD, READY, EngineClient
+    from tokenizer_proc.metrics import Metrics
+    from tokenizer_proc.request_state import RequestState, StopConfig
+    from proto.messages import EngineInfo, SamplingParams
+    from tokenizer_proc.errors import APIError
+
+    class Decoder:  # the states end with an error: nothing to detokenize
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    class Refusing:
+        def send_nowait(self, msg):
+            raise ChannelRefused("requests channel tcp://10.0.0.2:7001: 5 CURVE handshake(s) in a row failed")
+
+        def close(self):
+            pass
+
+    engine = EngineClient(ServerArgs(model_path="."), ipc_endpoints("/nonexistent"), Metrics("m", None))
+    try:
+        engine.info = EngineInfo(max_context=64, vocab_size=10, page_size=16, num_pages=64, max_running_requests=4,
+                                 device="cpu", dtype="float32", architecture="X")
+        engine.phase, engine.requests = READY, Refusing()
+        states = [RequestState(f"r{i}", i, [1, 2], SamplingParams(max_new_tokens=2), StopConfig(), Decoder())
+                  for i in range(2)]
+        with pytest.raises(APIError) as err:
+            engine.submit(states)
+        assert err.value.status == 503 and "CURVE handshake" in str(err.value)
+        assert engine.phase == DEAD and engine.states == {}
+    finally:
+        engine.ctx.term()
