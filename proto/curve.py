@@ -138,15 +138,22 @@ class _Guard:
         self.users = 0
 
 
+def _monitor_pair(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A plain PAIR socket receiving ``sock``'s monitor events (plain even on an asyncio
+    context, so it can be polled without an event loop)."""
+    addr = f"inproc://tandem-monitor-{id(sock)}"
+    sock.monitor(addr, events)
+    pair = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
+    pair.connect(addr)
+    return pair
+
+
 class _Monitor:
     """Logs handshake failures on one server socket (a plain-text peer never reaches ZAP)."""
 
     def __init__(self, sock: zmq.Socket, channel: str):
         self.sock, self.channel = sock, channel
-        addr = f"inproc://tandem-monitor-{id(sock)}"
-        sock.monitor(addr, _FAIL_EVENTS)
-        self.pair = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
-        self.pair.connect(addr)
+        self.pair = _monitor_pair(sock, _FAIL_EVENTS)
         self.stop_event = threading.Event()
         self.refusals = _RateLimitedLog()
         self.thread = threading.Thread(target=self._run, name=f"curve-monitor-{channel}", daemon=True)
@@ -172,7 +179,47 @@ class _Monitor:
             self.sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        self.thread.join(2.0)
+        self.thread.join(2.0)  # the thread reads the pair until it stops
+        self.pair.close(linger=0)
+
+
+class ChannelRefused(RuntimeError):
+    """The peer of a tcp:// channel refused the CURVE handshake: the two sides hold different
+    keys (or the address is not a Tandem process). The message names the channel and address."""
+
+
+_HANDSHAKE = _FAIL_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
+class HandshakeWatch:
+    """A connector's CURVE handshake outcomes on one tcp:// socket, read without blocking.
+
+    A peer that keeps failing the handshake (other keys, no CURVE, not a Tandem process) would
+    swallow every frame: zmq queues them, or, once the refusal dropped the pipe, a blocking send
+    waits for good. ``check`` raises ChannelRefused after ``limit`` failures in a row (no success
+    between them)."""
+
+    def __init__(self, sock: zmq.Socket, channel: str, address: str):
+        self.sock, self.channel, self.address = sock, channel, address
+        self.pair = _monitor_pair(sock, _HANDSHAKE)
+        self.failures, self.last = 0, None
+
+    def check(self, limit: int) -> None:
+        while self.pair.poll(0):
+            event = parse_monitor_message(self.pair.recv_multipart())
+            ok = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            self.failures, self.last = (0, None) if ok else (self.failures + 1, event)
+        if self.failures >= limit:
+            raise ChannelRefused(
+                f"{self.channel} channel {self.address}: {self.failures} CURVE handshake(s) in a row failed "
+                f"(zmq event {int(self.last['event'])}, error {self.last['value']}); both sides must use the "
+                "same key set (--curve-keys-dir), and the address must be a Tandem process")
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
         self.pair.close(linger=0)
 
 

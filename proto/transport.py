@@ -17,9 +17,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
-from proto.curve import Curve, CurveKeys, load_keys
+from proto.curve import ChannelRefused, Curve, CurveKeys, HandshakeWatch, load_keys
 from proto.messages import OutputMsg, PlanMsg, RequestMsg, ResultMsg
 
 T = TypeVar("T")
@@ -106,56 +105,14 @@ def _socket_opts(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
-class ChannelRefused(RuntimeError):
-    """The peer of a tcp:// channel refused the CURVE handshake: the two sides hold different
-    keys (or the address is not a Tandem process). The message names the channel and address."""
-
-
-_HANDSHAKE = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 # Consecutive failed handshakes (no success between them) that mean "refused": zmq retries
 # every ~0.15 s, and a peer that restarts mid-handshake fails once, not five times in a row.
 REFUSED_AFTER = 5
 WAIT_POLL_MS = 200
 
 
-class _HandshakeWatch:
-    """A connector's CURVE handshake outcomes on a tcp:// socket, read without blocking.
-
-    A peer that keeps failing the handshake (other keys, no CURVE, not a Tandem process) would
-    swallow every frame: zmq queues them, or, once the refusal dropped the pipe, a blocking send
-    waits for good. ``check`` raises ChannelRefused after ``limit`` failures in a row (no success
-    between them). The monitor is a plain socket, so the asyncio channel can read it too."""
-
-    def __init__(self, sock: zmq.Socket, channel: str, address: str):
-        self.sock, self.channel, self.address = sock, channel, address
-        addr = f"inproc://tandem-handshakes-{id(sock)}"
-        sock.monitor(addr, _HANDSHAKE)
-        self.pair = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
-        self.pair.connect(addr)
-        self.failures, self.last = 0, None
-
-    def check(self, limit: int) -> None:
-        while self.pair.poll(0):
-            event = parse_monitor_message(self.pair.recv_multipart())
-            ok = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
-            self.failures, self.last = (0, None) if ok else (self.failures + 1, event)
-        if self.failures >= limit:
-            raise ChannelRefused(
-                f"{self.channel} channel {self.address}: {self.failures} CURVE handshake(s) in a row failed "
-                f"(zmq event {int(self.last['event'])}, error {self.last['value']}); both sides must use the "
-                "same key set (--curve-keys-dir), and the address must be a Tandem process")
-
-    def close(self) -> None:
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.pair.close(linger=0)
-
-
-def _watch(sock: zmq.Socket, channel: str, address: str) -> _HandshakeWatch | None:
-    return _HandshakeWatch(sock, channel, address) if address.startswith("tcp://") else None
+def _watch(sock: zmq.Socket, channel: str, address: str) -> HandshakeWatch | None:
+    return HandshakeWatch(sock, channel, address) if address.startswith("tcp://") else None
 
 
 class PushChannel(_Codec[T]):
