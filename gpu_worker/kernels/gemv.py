@@ -6,11 +6,11 @@ linear layers are weight streams: every weight byte is read once and used M time
 floor. Two kernels, each owning ``BLOCK_N`` output columns per program and streaming their rows
 of W: the FMA kernel keeps M fp32 accumulators (reduced per K tile: cheap at one row, 2-3x
 slower than cuBLAS at four), the tensor-core one (``dot``) multiplies the W tile by x padded to
-16 rows. ``linear`` picks per shape (``launch_config``). Two FMA variants remove a kernel each:
+16 rows. ``linear`` picks per shape (``launch_config``). Two variants remove a kernel each:
 
-- **gated** (``act``, off by default: measured slower, see ``gated_enabled``): W is a merged
-  ``[gate; up]`` weight [2N, K]; a program streams gate rows n and up rows N + n and writes
-  ``act(gate) * up`` with the rounding of the unfused pair (the gate_up output rounded to the
+- **gated** (``act``, see ``gated_mode``: on where gate_up takes the tensor-core kernel, off in
+  the FMA one, where it measured slower): W is a merged ``[gate; up]`` weight [2N, K]; a
+  program streams gate rows n and up rows N + n and writes ``act(gate) * up`` with the rounding of the unfused pair (the gate_up output rounded to the
   model dtype, then ``gated_act``'s roundings) — bitwise the unfused result, one kernel and one
   [M, 2N] round trip fewer;
 - **split-K** (``splits``): the K range is cut into ``splits`` pieces run by separate programs
@@ -100,12 +100,20 @@ def gated_config() -> dict:
     return dict(CONFIG, block_n=max(1, _env_int("TANDEM_GATED_BLOCK_N", CONFIG["block_n"] // 2)))
 
 
-def gated_enabled() -> bool:
-    """The gated gate_up GEMV at one row, ``TANDEM_GATED_GEMV=1``. Off by default: on the H200
-    it cost more than the activation kernel it saves (Gemma-4-9B shape, plain decode at one
-    request: 5.870 -> 5.944 ms a step with 4 + 4 rows a program, +0.5 ms with 8 + 8;
-    BENCHMARKS.md 2026-12-03)."""
-    return os.environ.get("TANDEM_GATED_GEMV", "0") != "0"
+def gated_mode() -> str:
+    """Where gate_up's GEMV also applies the activation (``TANDEM_GATED_GEMV``):
+
+    - ``auto`` (default): wherever gate_up takes the tensor-core GEMV (1-4 rows through a weight
+      of >= BIG_WEIGHT elements, e.g. Llama-8B's): the epilogue holds both halves of its outputs,
+      so the activation kernel and a [M, 2I] round trip go for no extra weight traffic;
+    - ``1``: also the FMA variant at one row through smaller weights (two row blocks a program;
+      measured slower: Gemma-4-9B shape, one request, 5.870 -> 5.944 ms a step, BENCHMARKS.md
+      2026-12-03);
+    - ``0``: never (the merged projection, then the activation kernel)."""
+    mode = os.environ.get("TANDEM_GATED_GEMV", "") or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"TANDEM_GATED_GEMV: expected auto, 0 or 1, got {mode!r}")
+    return mode
 
 
 if triton is not None:
@@ -197,23 +205,38 @@ if triton is not None:
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
 
     @triton.jit
+    def _dot_rows(pid, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
+        """The weight rows of a tensor-core program's tile and their mask. Gated (``ACT`` >= 0):
+        W = [gate; up] [2N, K] and the tile is BLOCK_N / 2 gate rows then the matching up rows,
+        so the program holds both halves of its outputs (no weight re-layout: the rows are
+        gathered, each still read along K)."""
+        i = tl.arange(0, BLOCK_N)
+        if ACT >= 0:
+            HALF: tl.constexpr = BLOCK_N // 2
+            j = pid * HALF + (i % HALF)
+            return j + (i // HALF) * N, j < N
+        n = pid * BLOCK_N + i
+        return n, n < N
+
+    @triton.jit
     def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
-                         MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                         F32: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+                         MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
+                         SPLITS: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
         past M read as zeros). The FMA kernel above reduces every tile once per row, which at
-        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``)."""
+        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``).
+        Gated (``ACT`` >= 0): the epilogue splits the accumulator into its gate and up halves and
+        writes ``act(gate) * up`` [M, N] (the activation kernel's work, in registers)."""
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < N
+        rows, nm = _dot_rows(pid, N, BLOCK_N, ACT)
         r = tl.arange(0, MP)
         rm = r < M
-        w_rows = w_ptr + n.to(tl.int64)[:, None] * swn
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * swn
         if PREFETCH_K > 0:  # as in _gemv_kernel: weights only, before the wait
             sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
-            prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
+            prefetch_l2(w_ptr + tl.where(nm, rows, 0).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
         acc = tl.zeros([BLOCK_N, MP], tl.float32)
         for start in range(k_lo, k_hi, BLOCK_K):
@@ -224,16 +247,29 @@ if triton is not None:
             if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
                 w, xt = w.to(tl.float32), xt.to(tl.float32)
             acc = tl.dot(w, xt, acc)
-        out_m = rm[None, :] & nm[:, None]
-        if SPLITS == 1:
-            tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
+        ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's layout: [split, m, 2N]
+        if ACT >= 0:
+            HALF: tl.constexpr = BLOCK_N // 2
+            g, u = tl.split(tl.permute(tl.reshape(acc, [2, HALF, MP]), [1, 2, 0]))
+            n = pid * HALF + tl.arange(0, HALF)
+            out_m = rm[None, :] & (n < N)[:, None]
+            if SPLITS == 1:
+                tl.store(y_ptr + r[None, :] * sym + n[:, None], _finish(g, u, ACT, y_ptr.dtype.element_ty), mask=out_m)
+            else:
+                tl.store(ws + r[None, :] * 2 * N + n[:, None], g, mask=out_m)
+                tl.store(ws + r[None, :] * 2 * N + N + n[:, None], u, mask=out_m)
         else:
-            ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's layout: [split, m, 2N]
-            tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
+            n = rows
+            out_m = rm[None, :] & nm[:, None]
+            if SPLITS == 1:
+                tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
+            else:
+                tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
+        if SPLITS > 1:
             tl.debug_barrier()  # as in _gemv_kernel: partials before the ticket
             if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
                 for m in tl.static_range(M):
-                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, -1)
+                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, n < N, N, M, SPLITS, ACT)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
@@ -244,18 +280,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
-    sum). ``dot`` takes the tensor-core variant (no ``act``; up to DOT_MAX_M rows).
+    sum). ``dot`` takes the tensor-core variant (up to DOT_MAX_M rows; with ``act`` a program
+    holds ``block_n`` / 2 gate rows and their up rows).
     ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if act else rows
     assert m <= (DOT_MAX_M if dot else GEMV_MAX_M) and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (
         x.shape, w.shape)
-    assert not act or (rows % 2 == 0 and not dot), w.shape
+    assert not act or (rows % 2 == 0 and (not dot or block_n % 2 == 0)), (w.shape, block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if not m:
         return y
-    tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(n, block_n // 2 if act and dot else block_n)
     splits = max(1, min(int(splits), triton.cdiv(k, block_k)))
     chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, chunk)  # no empty split: every program takes its ticket after real work
@@ -269,7 +306,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
     if dot:
         _gemv_dot_kernel[(tiles, splits)](
             x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, MP=max(DOT_ROWS, next_pow2(m)),
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, F32=not x.is_cuda, PDL=on, PREFETCH_K=pre,
+            BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, F32=not x.is_cuda, PDL=on, PREFETCH_K=pre,
             num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
         )
         return y
@@ -328,9 +365,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
-    """``act(x @ gate^T) * (x @ up^T)`` for one decode row in one GEMV (gate_up = [gate; up],
-    [2I, K]), or None where the caller should run the merged projection and the activation
-    separately (more rows, small weights, the torch path, switched off)."""
-    if act not in ACTS or not gated_enabled() or not _skinny(x, gate_up, 1) or gate_up.shape[1] > SKINNY_MAX_K:
+    """``act(x @ gate^T) * (x @ up^T)`` in one GEMV (gate_up = [gate; up], [2I, K]) where
+    ``gated_mode()`` allows it, or None: the caller runs the merged projection and the
+    activation separately (decode batches, small weights, the torch path, switched off).
+    Bitwise the unfused pair: the same sums, rounded to the model dtype, then the activation's
+    roundings."""
+    mode = gated_mode()
+    if act not in ACTS or mode == "0" or not _skinny(x, gate_up):
         return None
-    return gemv(x, gate_up, act=act, splits=short_k_splits(), **gated_config())
+    if gate_up.shape[1] <= SKINNY_MAX_K:
+        splits = short_k_splits()
+    elif (splits := long_k_splits()) <= 1:
+        return None  # cuBLAS there, as ``linear``
+    cfg = launch_config(x.shape[0], gate_up)
+    if cfg is not None and cfg.get("dot"):
+        return gemv(x, gate_up, act=act, splits=splits, **cfg)
+    if mode == "1" and x.shape[0] == 1 and gate_up.shape[1] <= SKINNY_MAX_K:
+        return gemv(x, gate_up, act=act, splits=splits, **gated_config())
+    return None

@@ -51,6 +51,11 @@ def test_gated_and_split_k_match_torch_at_llama_width(env):
     ref_gu = F.linear(x, gu)
     torch.testing.assert_close(a.float(), gated_act(ref_gu[:, :I], ref_gu[:, I:], "silu").float(),
                                rtol=2e-2, atol=2e-2)
+    # the activation in the tensor-core GEMV's epilogue: bitwise the same GEMV, then the kernel
+    for rows in (1, 4):
+        xs = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+        plain = G.gemv(xs, gu, **G.BIG_CONFIG)
+        assert torch.equal(G.gated_linear(xs, gu, "silu"), gated_act(plain[:, :I], plain[:, I:], "silu"))
     ys = [G.linear(a, down) for _ in range(3)]
     torch.testing.assert_close(ys[0].float(), F.linear(a, down).float(), rtol=2e-2, atol=2e-2)
     assert all(torch.equal(ys[0], y) for y in ys[1:])  # deterministic: split order, not finish order

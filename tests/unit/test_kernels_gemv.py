@@ -125,21 +125,24 @@ def _gated_ref(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return (a.float() * u).to(gate_up.dtype)
 
 
+@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("m", [1, 3])
-def test_gated_gemv_is_gemv_then_act(act, m, splits):
+def test_gated_gemv_is_gemv_then_act(act, m, splits, dot):
     """``act(x @ gate^T) * (x @ up^T)`` from one launch has exactly the bits of the plain GEMV
     (same splits, so the same sums) followed by the activation kernel, and matches the float
-    reference within the roundings; ragged N and K tiles, fresh inputs per case."""
+    reference within the roundings; ragged N and K tiles (N = 70 is not a multiple of the
+    tensor-core tile's 16 gate rows), fresh inputs per case."""
     from gpu_worker.kernels.activation import gated_act
 
     g = torch.Generator().manual_seed(7 + m + 10 * splits)
     k, n = 300, 70
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
     w = (torch.randn(2 * n, k, generator=g) * 0.3).to(torch.bfloat16).to(DEV)
-    y = G.gemv(x, w, act=act, splits=splits, block_n=16, block_k=64, num_stages=2)
-    gate_up = G.gemv(x, w, splits=splits, block_n=16, block_k=64, num_stages=2)
+    block_n = 32 if dot else 16
+    y = G.gemv(x, w, act=act, splits=splits, block_n=block_n, block_k=64, num_stages=2, dot=dot)
+    gate_up = G.gemv(x, w, splits=splits, block_n=block_n, block_k=64, num_stages=2, dot=dot)
     enable_cpu_kernels(True)
     try:
         two_step = gated_act(gate_up[:, :n], gate_up[:, n:], act)
@@ -199,45 +202,68 @@ def test_linear_takes_split_k_past_max_k(monkeypatch):
 
 
 def test_gated_linear_dispatch(monkeypatch):
-    """One row through a large-enough gate_up weight takes the gated GEMV; otherwise (more rows,
-    switched off, an unknown activation, the plain CPU path) None: the caller runs the merged
-    projection and the activation separately."""
+    """``TANDEM_GATED_GEMV``: by default (``auto``) the activation rides in gate_up's GEMV
+    wherever that is the tensor-core kernel (a big weight at 1-4 rows, or 2-4 rows through a
+    smaller one) and nowhere else; ``1`` adds the FMA variant at one row; ``0`` never. None
+    means the caller runs the merged projection and the activation separately."""
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 16 * 32)
     g = torch.Generator().manual_seed(5)
     w = torch.randn(32, 32, generator=g).to(torch.bfloat16).to(DEV)
     one = torch.randn(1, 32, generator=g).to(torch.bfloat16).to(DEV)
-    assert G.gated_linear(one, w, "silu") is None  # off by default (measured slower)
-    monkeypatch.setenv("TANDEM_GATED_GEMV", "1")
+    two = torch.randn(2, 32, generator=g).to(torch.bfloat16).to(DEV)
+    calls = []
+    real = G.gemv
+    monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append((x.shape[0], kw.get("dot", False))) or real(x, w, **kw))
+
+    def check(x, mode, big=False):
+        monkeypatch.setenv("TANDEM_GATED_GEMV", mode)
+        monkeypatch.setattr(G, "BIG_WEIGHT", w.numel() if big else 48 << 20)
+        calls.clear()
+        out = G.gated_linear(x, w, "silu")
+        if out is not None:  # within an ulp of gate / up each (the interpreter truncates), then the product
+            torch.testing.assert_close(out.float(), _gated_ref(F.linear(x, w), "silu").float(), rtol=2.0**-5, atol=5e-2)
+            assert out.shape == (x.shape[0], 16)
+            return calls[0][1]  # the tensor-core kernel took it
+        return None
+
+    if DEV == "cpu":
+        assert check(one, "1") is None  # kernels off: the torch reference path
     enable_cpu_kernels(True)
     try:
-        out = G.gated_linear(one, w, "silu")
-        assert out is not None and out.shape == (1, 16)
-        # within the roundings of gate / up (an ulp each; the interpreter truncates) and the product
-        ref = _gated_ref(F.linear(one, w), "silu").float()
-        torch.testing.assert_close(out.float(), ref, rtol=2.0**-5, atol=5e-2)
-        assert G.gated_linear(torch.randn(2, 32).to(torch.bfloat16).to(DEV), w, "silu") is None
+        assert check(one, "auto") is None  # one row, FMA config: the measured-slower variant is off
+        assert check(one, "") is None
+        assert check(one, "1") is False  # ... unless asked for
+        assert check(one, "auto", big=True) is True  # a big weight: the tensor-core GEMV
+        assert check(two, "auto") is True  # 2-4 rows: tensor core whatever the size
+        assert check(two, "1") is True
+        assert check(one, "0", big=True) is None and check(two, "0") is None
+        monkeypatch.setenv("TANDEM_GATED_GEMV", "auto")
         assert G.gated_linear(one, w, "relu2") is None
-        monkeypatch.setenv("TANDEM_GATED_GEMV", "0")
-        assert G.gated_linear(one, w, "silu") is None
+        monkeypatch.setenv("TANDEM_GEMV_ROWS", "1")
+        assert check(two, "auto") is None  # more rows than the GEMV takes: cuBLAS
+        monkeypatch.setenv("TANDEM_GATED_GEMV", "yes")
+        with pytest.raises(ValueError, match="TANDEM_GATED_GEMV"):
+            G.gated_linear(one, w, "silu")
     finally:
         enable_cpu_kernels(False)
-    if DEV == "cpu":
-        monkeypatch.setenv("TANDEM_GATED_GEMV", "1")
-        assert G.gated_linear(one, w, "silu") is None  # kernels off: the torch reference path
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-def test_gated_mlp_one_row_equals_unfused(monkeypatch, act):
-    """GatedMLP at one row takes the gated GEMV when switched on (and a split-K down) and gives
-    exactly the unfused kernels' output."""
+@pytest.mark.parametrize("mode,big,rows", [("1", False, 1), ("auto", True, 1), ("auto", False, 3)])
+def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
+    """GatedMLP at 1-4 rows takes the gated GEMV where ``TANDEM_GATED_GEMV`` allows it (the FMA
+    variant when asked for, the tensor-core one by default for a big weight or several rows),
+    then a split-K down, and gives exactly the unfused kernels' output."""
     from gpu_worker.models.layers import GatedMLP
 
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 1)
     monkeypatch.setattr(G, "SKINNY_MAX_K", 64)
-    monkeypatch.setenv("TANDEM_GATED_GEMV", "1")
+    if big:
+        monkeypatch.setattr(G, "BIG_WEIGHT", 1)
+    monkeypatch.setenv("TANDEM_GATED_GEMV", mode)
     torch.manual_seed(3)
     mlp = GatedMLP(64, 96, act).to(torch.bfloat16).to(DEV)
-    x = torch.randn(1, 64).to(torch.bfloat16).to(DEV)
+    x = torch.randn(rows, 64).to(torch.bfloat16).to(DEV)
     calls = []
     real = G.gemv
     monkeypatch.setattr(G, "gemv", lambda *a, **kw: calls.append((kw.get("act"), kw.get("splits", 1))) or real(*a, **kw))
