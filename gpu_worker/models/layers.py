@@ -17,6 +17,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.activation import gated_act
 from gpu_worker.kernels.gemv import gated_linear, linear
+from gpu_worker.kernels import qkv_rope
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
@@ -283,6 +284,24 @@ def rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBatch, 
         k = apply_rope(k_norm(k) if k_norm is not None else k, cos, sin)
         v = v_norm(v) if v_norm is not None else v
     return paged_attention(backend, layer, q, k, v, fb)
+
+
+def qkv_rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBatch, qkv_proj: nn.Module,
+                       x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor | None:
+    """One decode row of a Llama-style layer (no qkv bias, no per-head norm): the qkv GEMV
+    rotates q and k and stores k / v in its epilogue (``kernels/qkv_rope.py``), then the backend
+    reads the pool -> [1, Hq * D]. None where that kernel does not apply: the caller runs the
+    projection and ``rope_attention``."""
+    if not (use_triton(x) and fb.out_loc is not None and layer.writes_kv and type(qkv_proj) is MergedLinear
+            and qkv_proj.bias is None and qkv_rope.applies(x, qkv_proj.weight, head_dim)):
+        return None
+    pool = backend.pool
+    q = qkv_rope.qkv_rope_store(
+        x, qkv_proj.weight, fb.positions, rotary.inv_freq, fb.out_loc, pool.k[layer.kv_layer],
+        pool.v[layer.kv_layer], num_heads, num_kv_heads, head_dim,
+        q_out=None if fb.scratch is None else fb.scratch.view("q", 1, num_heads, head_dim),
+    )
+    return paged_attention(backend, layer, q, None, None, fb)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

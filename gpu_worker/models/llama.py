@@ -14,7 +14,7 @@ from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import LayerSpec, LlamaSpec
-from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, rope_attention
+from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, qkv_rope_attention, rope_attention
 from gpu_worker.parallel import factory, shard
 
 
@@ -37,6 +37,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
         t = x.shape[0]
+        if self.q_norm is None:  # one decode row: RoPE and the KV store in the qkv GEMV
+            o = qkv_rope_attention(backend, self.attn, rotary, fb, self.qkv_proj, x, self.num_heads,
+                                   self.num_kv_heads, self.head_dim)
+            if o is not None:
+                return self.o_proj(o)
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

@@ -28,6 +28,7 @@ def env(monkeypatch):
     def set_(pdl_on: bool = False, fused: bool = True):
         monkeypatch.setenv("TANDEM_PDL", "1" if pdl_on else "0")
         monkeypatch.setenv("TANDEM_GATED_GEMV", "1" if fused else "0")
+        monkeypatch.setenv("TANDEM_GEMV_ROPE", "1" if fused else "0")
         monkeypatch.setenv("TANDEM_GEMV_SPLITK", "4" if fused else "0")
     return set_
 
@@ -155,6 +156,43 @@ def test_engine_tokens_track_unfused(tmp_path, env):
         k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if k is not None:
             assert want[k] in top[k] and abs(top[k][got[k]] - top[k][want[k]]) < 0.05, (i, k, top[k])
+
+
+def test_qkv_rope_at_llama_width_in_graph():
+    """The qkv GEMV with RoPE and the KV store in its epilogue, Llama-8B's heads: bitwise the
+    plain GEMV then rope_store, eagerly and in graph replays on fresh rows and positions."""
+    from gpu_worker.kernels import qkv_rope as QR
+    from gpu_worker.kernels.rope import rope_store
+    from gpu_worker.models.config import RopeSpec
+    from gpu_worker.models.layers import rope_inv_freq
+
+    torch.manual_seed(5)
+    hq, hkv, d, slots = 32, 8, 128, 64
+    w = 0.02 * torch.randn((hq + 2 * hkv) * d, H, device="cuda", dtype=torch.bfloat16)
+    inv = rope_inv_freq(d, RopeSpec(rope_type="default", theta=500000.0)).cuda()
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    assert QR.applies(x, w, d)
+    pos, loc = torch.tensor([0], device="cuda"), torch.tensor([0], device="cuda")
+    kc = torch.zeros(slots, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+
+    def reference(x1, p, l):
+        k2, v2 = kc.clone(), vc.clone()
+        q, k, v = G.gemv(x1, w, **G.CONFIG).split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = rope_store(q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), p, inv, l, k2, v2)
+        return q, k2, v2
+
+    QR.qkv_rope_store(x, w, pos, inv, loc, kc, vc, hq, hkv, d)  # warm-up (compile) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out = QR.qkv_rope_store(x, w, pos, inv, loc, kc, vc, hq, hkv, d)
+    for i in range(6):
+        x1 = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+        p1, l1 = torch.tensor([17 + 997 * i], device="cuda"), torch.tensor([3 + 9 * i], device="cuda")
+        q_ref, k_ref, v_ref = reference(x1, p1, l1)
+        x.copy_(x1), pos.copy_(p1), loc.copy_(l1)
+        graph.replay()
+        assert torch.equal(q_out, q_ref) and torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
 
 
 def test_fused_split_merge_in_graph(monkeypatch):

@@ -1,0 +1,118 @@
+"""The one-row qkv projection with RoPE and the KV store in its epilogue (Llama-style layers).
+
+At one decode row the qkv projection is the FMA GEMV (``kernels/gemv.py``) and RoPE + the KV
+store a separate 2 us launch (``kernels/rope.py``) that re-reads the qkv output. Here each
+program streams ``PAIRS`` weight rows from the first half of one head and the matching rows
+``+ D / 2`` of the second half (gathered rows: no weight re-layout), so it holds both halves of
+the rotate-half pairs it owns and can finish them in registers:
+
+- a query head's pairs are rotated and written to ``q_out`` [Hq, D];
+- a key head's pairs are rotated and written to the pool's key slot ``out_loc[0]``;
+- a value head's rows go to the pool's value slot unrotated.
+
+Same sums as the plain GEMV with ``block_n = 2 * PAIRS`` (same K tiles, same reduction), rounded
+to the model dtype, then ``rope.py``'s roundings (cos / sin from float32, each product and the
+sum rounded, as HF): bitwise the unfused pair. Only where that pair would run: one row, no
+qkv bias, no per-head q/k norm, one K split (the dispatch is ``applies``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gpu_worker.kernels import pdl
+from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
+from gpu_worker.kernels.gemv import CONFIG, PREFETCH_K, SKINNY_MAX_K, _skinny, launch_config, short_k_splits
+
+try:
+    import triton
+    import triton.language as tl
+
+    from gpu_worker.kernels.rope import _rnd, _rotate
+except ImportError:
+    triton = None
+
+
+def enabled() -> bool:
+    """``TANDEM_GEMV_ROPE=0`` keeps the GEMV and the RoPE launch apart (A/Bs)."""
+    return os.environ.get("TANDEM_GEMV_ROPE", "1") != "0"
+
+
+def applies(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
+    """Whether the one-row qkv GEMV (FMA kernel, one K split) would run for ``x`` through ``w``,
+    and ``head_dim`` splits into whole program tiles."""
+    pairs = CONFIG["block_n"] // 2
+    return (enabled() and x.dim() == 2 and x.shape[0] == 1 and _skinny(x, w) and w.shape[1] <= SKINNY_MAX_K
+            and short_k_splits() == 1 and launch_config(1, w) is CONFIG and head_dim % 2 == 0
+            and (head_dim // 2) % pairs == 0)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _qkv_rope_kernel(x_ptr, w_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, loc_ptr, inv_ptr, K, swn, skn, skh, svn,
+                         svh, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAIRS: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+        HALF: tl.constexpr = D // 2
+        PER_HEAD: tl.constexpr = HALF // PAIRS  # programs per head
+        pid = tl.program_id(0)
+        head = pid // PER_HEAD
+        j = (pid % PER_HEAD) * PAIRS + tl.arange(0, PAIRS)  # this program's pairs: columns j, j + HALF
+        i = tl.arange(0, 2 * PAIRS)
+        rows = head * D + (pid % PER_HEAD) * PAIRS + (i % PAIRS) + (i // PAIRS) * HALF
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * swn
+        if PREFETCH_K > 0:  # as the GEMV: weights only, before the wait
+            prefetch_l2(w_rows + tl.minimum(tl.arange(0, PREFETCH_K // 16) * 16, K - 1)[None, :], PDL)
+        gdc_enter(PDL)
+        # the epilogue's operands, loaded before the weight stream so their latency hides in it
+        f = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + j)
+        loc = tl.load(loc_ptr)
+        k0 = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([2 * PAIRS], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + k0
+            km = k < K
+            w = tl.load(w_rows + k[None, :], mask=km[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
+        DT = qo_ptr.dtype.element_ty
+        x1, x2 = tl.split(tl.permute(tl.reshape(_rnd(acc, DT), [2, PAIRS]), [1, 0]))
+        if head < HQ + HKV:
+            o1, o2 = _rotate(x1, x2, _rnd(tl.cos(f), DT), _rnd(tl.sin(f), DT), DT)
+            if head < HQ:
+                dst = qo_ptr + head * D + j
+                tl.store(dst, o1.to(DT))
+                tl.store(dst + HALF, o2.to(DT))
+            else:
+                dst = kc_ptr + loc * skn + (head - HQ) * skh + j
+                tl.store(dst, o1.to(kc_ptr.dtype.element_ty))
+                tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty))
+        else:
+            dst = vc_ptr + loc * svn + (head - HQ - HKV) * svh + j
+            tl.store(dst, x1.to(vc_ptr.dtype.element_ty))
+            tl.store(dst + HALF, x2.to(vc_ptr.dtype.element_ty))
+
+
+def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                   out_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, head_dim: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] through the merged qkv weight w [(Hq + 2 Hkv) D, K] -> rotated q [1, Hq, D]
+    (into ``q_out`` when given); the rotated k and the v of the row go to the caches
+    ([slots, Hkv, D], unit last stride) at ``out_loc[0]``. Callers check ``applies`` first."""
+    assert w.shape[0] == (num_heads + 2 * num_kv_heads) * head_dim and x.shape[0] == 1, (x.shape, w.shape)
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and v_cache.shape[-1] == head_dim
+    if q_out is None:
+        q_out = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    assert q_out.is_contiguous()
+    pairs = CONFIG["block_n"] // 2
+    on = pdl(x)
+    grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // pairs),)
+    _qkv_rope_kernel[grid](
+        x, w, q_out, k_cache, v_cache, positions, out_loc, inv_freq, x.shape[1], w.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAIRS=pairs, BLOCK_K=CONFIG["block_k"], PDL=on,
+        PREFETCH_K=PREFETCH_K if on else 0, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        launch_pdl=on,
+    )
+    return q_out
