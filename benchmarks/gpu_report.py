@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -35,11 +36,17 @@ QWEN_RUNS = ["qwen_nano", "qwen_nano_pdl0", "qwen_nano_pdl1", "qwen_nano_lpt0", 
              "qwen_nano_sg1", "qwen_first_lazy1", "qwen_first_eager", "qwen_first_lazy2"]
 
 
+def env_runs(out: str) -> list[tuple[str, str, bool]]:
+    """Part envab's runs (``llama_env_<variant>.json``), in file order."""
+    names = sorted(os.path.basename(p)[: -len(".json")] for p in glob.glob(os.path.join(out, "llama_env_*.json")))
+    return [(n, "env " + n[len("llama_env_"):], False) for n in names]
+
+
 def main(out: str, dm: str) -> None:
     bw = json.load(open(os.path.join(out, "hbm.json")))["hbm_copy_bandwidth_bytes_s"]
     rows = [f"copy bandwidth (ceiling): {bw / 1e12:.2f} TB/s"]
     llama = model_shapes(os.path.join(dm, "llama-3.1-8b"))
-    for name, label, expected in LLAMA_RUNS:
+    for name, label, expected in LLAMA_RUNS + env_runs(out):
         r = load(out, name)
         if r is None:
             if expected:
