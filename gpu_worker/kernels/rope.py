@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import next_pow2, pdl
+from gpu_worker.kernels import interpreting, next_pow2, pdl
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import libdevice
+
+    # Compiled code multiplies through ``mul.rn`` (below); the interpreter's numpy never fuses.
+    _EXACT_MUL = tl.constexpr(not interpreting())
 except ImportError:
     triton = None
 
@@ -44,9 +48,19 @@ if triton is not None:
         return _rnd(x1 * inv * w1, DT), _rnd(x2 * inv * w2, DT)
 
     @triton.jit
+    def _mul(a, b):
+        """a * b (float32), never contracted into an add: with FP fusion on, LLVM narrowed
+        ``rnd(rnd(x1 * c) + rnd(-x2 * s))`` to a bf16 FMA, dropping the product's rounding (HF
+        rounds it), and picked which product to fuse per kernel (rope_store and the fused qkv
+        GEMV then disagreed in the last bit on the H200)."""
+        if _EXACT_MUL:
+            return libdevice.mul_rn(a, b)
+        return a * b
+
+    @triton.jit
     def _rotate(x1, x2, c, s, DT: tl.constexpr):
-        o1 = _rnd(_rnd(x1 * c, DT) + _rnd(-x2 * s, DT), DT)
-        o2 = _rnd(_rnd(x2 * c, DT) + _rnd(x1 * s, DT), DT)
+        o1 = _rnd(_rnd(_mul(x1, c), DT) + _rnd(_mul(-x2, s), DT), DT)
+        o2 = _rnd(_rnd(_mul(x2, c), DT) + _rnd(_mul(x1, s), DT), DT)
         return o1, o2
 
     @triton.jit
