@@ -69,6 +69,12 @@ BIG_WEIGHT = 48 << 20  # elements
 BIG_CONFIG = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, dot=True)
 ROWS_CONFIG = dict(block_n=32, block_k=256, num_warps=4, num_stages=4, dot=True)
 DEFAULT_ROWS = 4
+# gate_up with the activation in its epilogue past GEMV_MAX_M rows (decode batches up to 64):
+# the best tiles of kernel_sweep.py --only wide (h200-2026-12-03u) for Llama-8B's gate_up. Alone
+# it streams like cuBLAS there (64 rows 63.7 vs 62.5 us, 32 rows 60.0 vs 58.3), and it saves the
+# activation kernel (3.6 us a layer at 64 rows) that cuBLAS needs after it.
+WIDE_GATED = ((16, BIG_CONFIG), (32, dict(block_n=64, block_k=64, num_warps=4, num_stages=4, dot=True)),
+              (64, dict(block_n=64, block_k=128, num_warps=4, num_stages=3, dot=True)))
 PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (16 KB a program)
 
 
@@ -104,8 +110,9 @@ def gated_mode() -> str:
     """Where gate_up's GEMV also applies the activation (``TANDEM_GATED_GEMV``):
 
     - ``auto`` (default): wherever gate_up takes the tensor-core GEMV (1-4 rows through a weight
-      of >= BIG_WEIGHT elements, e.g. Llama-8B's): the epilogue holds both halves of its outputs,
-      so the activation kernel and a [M, 2I] round trip go for no extra weight traffic;
+      of >= BIG_WEIGHT elements, e.g. Llama-8B's, and up to ``gated_max_rows()`` rows of a
+      decode batch through such a weight): the epilogue holds both halves of its outputs, so
+      the activation kernel and a [M, 2I] round trip go for no extra weight traffic;
     - ``1``: also the FMA variant at one row through smaller weights (two row blocks a program;
       measured slower: Gemma-4-9B shape, one request, 5.870 -> 5.944 ms a step, BENCHMARKS.md
       2026-12-03);
@@ -218,25 +225,31 @@ if triton is not None:
         n = pid * BLOCK_N + i
         return n, n < N
 
-    @triton.jit
-    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
+    @triton.jit(do_not_specialize=["rows"])
+    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, rows, M: tl.constexpr,
                          MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-                         SPLITS: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+                         SPLITS: tl.constexpr, ROWS_RT: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr,
+                         PREFETCH_K: tl.constexpr):
         """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
         past M read as zeros). The FMA kernel above reduces every tile once per row, which at
         four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``).
         Gated (``ACT`` >= 0): the epilogue splits the accumulator into its gate and up halves and
-        writes ``act(gate) * up`` [M, N] (the activation kernel's work, in registers)."""
+        writes ``act(gate) * up`` [M, N] (the activation kernel's work, in registers).
+        ``ROWS_RT``: the row count is the runtime ``rows`` (decode batches past GEMV_MAX_M share
+        one compiled variant per MP), else the constexpr M (1-4 rows, split-K)."""
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
-        rows, nm = _dot_rows(pid, N, BLOCK_N, ACT)
+        w_idx, nm = _dot_rows(pid, N, BLOCK_N, ACT)
         r = tl.arange(0, MP)
-        rm = r < M
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * swn
+        if ROWS_RT:
+            rm = r < rows
+        else:
+            rm = r < M
+        w_rows = w_ptr + w_idx.to(tl.int64)[:, None] * swn
         if PREFETCH_K > 0:  # as in _gemv_kernel: weights only, before the wait
             sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
-            prefetch_l2(w_ptr + tl.where(nm, rows, 0).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
+            prefetch_l2(w_ptr + tl.where(nm, w_idx, 0).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
         acc = tl.zeros([BLOCK_N, MP], tl.float32)
         for start in range(k_lo, k_hi, BLOCK_K):
@@ -259,7 +272,7 @@ if triton is not None:
                 tl.store(ws + r[None, :] * 2 * N + n[:, None], g, mask=out_m)
                 tl.store(ws + r[None, :] * 2 * N + N + n[:, None], u, mask=out_m)
         else:
-            n = rows
+            n = w_idx
             out_m = rm[None, :] & nm[:, None]
             if SPLITS == 1:
                 tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
@@ -304,9 +317,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
     on = pdl(x)
     pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
     if dot:
+        mp = max(DOT_ROWS, next_pow2(m))
+        rt = m > GEMV_MAX_M and splits == 1  # one variant per MP for decode batches (no compile per size)
         _gemv_dot_kernel[(tiles, splits)](
-            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, MP=max(DOT_ROWS, next_pow2(m)),
-            BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, F32=not x.is_cuda, PDL=on, PREFETCH_K=pre,
+            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), m, M=mp if rt else m, MP=mp,
+            BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, ROWS_RT=rt, F32=not x.is_cuda, PDL=on, PREFETCH_K=pre,
             num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
         )
         return y
@@ -364,14 +379,35 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return F.linear(x, w, bias)
 
 
+def gated_max_rows() -> int:
+    """The most rows a big gate_up takes through the gated tensor-core GEMV
+    (``TANDEM_GATED_MAX_M``, default 64; 4 keeps cuBLAS + the activation kernel above 4 rows)."""
+    return min(_env_int("TANDEM_GATED_MAX_M", WIDE_GATED[-1][0]), WIDE_GATED[-1][0])
+
+
+def wide_gated_config(m: int) -> dict:
+    return next(cfg for rows, cfg in WIDE_GATED if m <= rows)
+
+
+def _wide(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """A decode batch of GEMV_MAX_M < rows <= gated_max_rows() through a big gate_up weight."""
+    return (x.dim() == 2 and GEMV_MAX_M < x.shape[0] and x.dtype in (torch.bfloat16, torch.float16)
+            and w.numel() >= BIG_WEIGHT and w.shape[1] <= SKINNY_MAX_K and x.stride(1) == 1
+            and w.is_contiguous() and use_triton(x) and dot_enabled() and x.shape[0] <= gated_max_rows())
+
+
 def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
     """``act(x @ gate^T) * (x @ up^T)`` in one GEMV (gate_up = [gate; up], [2I, K]) where
     ``gated_mode()`` allows it, or None: the caller runs the merged projection and the
-    activation separately (decode batches, small weights, the torch path, switched off).
-    Bitwise the unfused pair: the same sums, rounded to the model dtype, then the activation's
-    roundings."""
+    activation separately (small weights, batches past 64 rows, the torch path, switched off).
+    Bitwise the same GEMV then the activation kernel: the same sums, rounded to the model
+    dtype, then the activation's roundings."""
     mode = gated_mode()
-    if act not in ACTS or mode == "0" or not _skinny(x, gate_up):
+    if act not in ACTS or mode == "0":
+        return None
+    if _wide(x, gate_up):
+        return gemv(x, gate_up, act=act, **wide_gated_config(x.shape[0]))
+    if not _skinny(x, gate_up):
         return None
     if gate_up.shape[1] <= SKINNY_MAX_K:
         splits = short_k_splits()

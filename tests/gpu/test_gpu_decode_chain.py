@@ -53,10 +53,12 @@ def test_gated_and_split_k_match_torch_at_llama_width(env):
     torch.testing.assert_close(a.float(), gated_act(ref_gu[:, :I], ref_gu[:, I:], "silu").float(),
                                rtol=2e-2, atol=2e-2)
     # the activation in the tensor-core GEMV's epilogue: bitwise the same GEMV, then the kernel
-    for rows in (1, 4):
+    # (and past four rows, decode batches up to 64, in the tiles chosen for them)
+    for rows in (1, 4, 8, 24, 64):
         xs = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
-        plain = G.gemv(xs, gu, **G.BIG_CONFIG)
-        assert torch.equal(G.gated_linear(xs, gu, "silu"), gated_act(plain[:, :I], plain[:, I:], "silu"))
+        plain = G.gemv(xs, gu, **(G.BIG_CONFIG if rows <= 4 else G.wide_gated_config(rows)))
+        assert torch.equal(G.gated_linear(xs, gu, "silu"), gated_act(plain[:, :I], plain[:, I:], "silu")), rows
+        torch.testing.assert_close(plain.float(), F.linear(xs, gu).float(), rtol=2e-2, atol=2e-2)
     ys = [G.linear(a, down) for _ in range(3)]
     torch.testing.assert_close(ys[0].float(), F.linear(a, down).float(), rtol=2e-2, atol=2e-2)
     assert all(torch.equal(ys[0], y) for y in ys[1:])  # deterministic: split order, not finish order

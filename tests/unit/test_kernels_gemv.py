@@ -156,6 +156,28 @@ def test_gated_gemv_is_gemv_then_act(act, m, splits, dot):
     assert tickets_clear()
 
 
+@pytest.mark.parametrize("m", [5, 20, 64])
+def test_gated_dot_takes_decode_batches(m):
+    """Past GEMV_MAX_M rows the tensor-core GEMV reads its row count at run time (one variant
+    per padded width) and the gated epilogue gives the bits of the GEMV then the activation."""
+    from gpu_worker.kernels.activation import gated_act
+
+    g = torch.Generator().manual_seed(m)
+    k, n = 200, 40
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(2 * n, k, generator=g) * 0.3).to(torch.bfloat16).to(DEV)
+    cfg = dict(block_n=32, block_k=64, num_stages=2, dot=True)
+    y = G.gemv(x, w, act="silu", **cfg)
+    plain = G.gemv(x, w, **cfg)
+    enable_cpu_kernels(True)
+    try:
+        two_step = gated_act(plain[:, :n], plain[:, n:], "silu")
+    finally:
+        enable_cpu_kernels(False)
+    assert y.shape == (m, n) and torch.equal(y, two_step)
+    torch.testing.assert_close(plain.float(), x.float() @ w.float().t(), rtol=2.0**-6, atol=2e-2)
+
+
 def test_split_k_is_deterministic_and_leaves_tickets_clear():
     """Every launch of a split-K GEMV gives the same bits (the partials are summed in split
     order, whichever program finishes last) and puts every ticket back to 0, so launches in a
@@ -237,6 +259,13 @@ def test_gated_linear_dispatch(monkeypatch):
         assert check(two, "auto") is True  # 2-4 rows: tensor core whatever the size
         assert check(two, "1") is True
         assert check(one, "0", big=True) is None and check(two, "0") is None
+        eight = torch.randn(8, 32, generator=g).to(torch.bfloat16).to(DEV)
+        assert check(eight, "auto") is None  # a decode batch through a small weight: cuBLAS
+        assert check(eight, "auto", big=True) is True  # ... through a big one: the gated GEMV
+        monkeypatch.setenv("TANDEM_GATED_MAX_M", "4")
+        assert check(eight, "auto", big=True) is None
+        monkeypatch.delenv("TANDEM_GATED_MAX_M")
+        assert check(torch.randn(65, 32).to(torch.bfloat16).to(DEV), "auto", big=True) is None  # past 64 rows
         monkeypatch.setenv("TANDEM_GATED_GEMV", "auto")
         assert G.gated_linear(one, w, "relu2") is None
         monkeypatch.setenv("TANDEM_GEMV_ROWS", "1")
