@@ -10,9 +10,9 @@ slower than cuBLAS at four), the tensor-core one (``dot``) multiplies the W tile
 
 - **gated** (``act``, see ``gated_mode``: on where gate_up takes the tensor-core kernel, off in
   the FMA one, where it measured slower): W is a merged ``[gate; up]`` weight [2N, K]; a
-  program streams gate rows n and up rows N + n and writes ``act(gate) * up`` with the rounding of the unfused pair (the gate_up output rounded to the
-  model dtype, then ``gated_act``'s roundings) — bitwise the unfused result, one kernel and one
-  [M, 2N] round trip fewer;
+  program streams gate rows n and up rows N + n and writes ``act(gate) * up`` rounded as the
+  unfused pair (gate_up rounded to the model dtype, then ``gated_act``'s roundings): bitwise
+  the unfused result, one kernel and one [M, 2N] round trip fewer;
 - **split-K** (``splits``): the K range is cut into ``splits`` pieces run by separate programs
   (a long-K projection such as Llama's down, K = 14336, needs more programs in flight than N
   alone gives), each writing fp32 partial sums; the last program of a column tile to finish
@@ -230,8 +230,8 @@ if triton is not None:
                          MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
                          SPLITS: tl.constexpr, ROWS_RT: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr,
                          PREFETCH_K: tl.constexpr):
-        """Tensor-core variant for 1..16 rows: acc [BLOCK_N, 16] += W tile @ x tile^T (rows of x
-        past M read as zeros). The FMA kernel above reduces every tile once per row, which at
+        """Tensor-core variant for 1..DOT_MAX_M rows: acc [BLOCK_N, MP] += W tile @ x tile^T (x
+        padded to MP rows, read as zeros). The FMA kernel above reduces every tile once per row, which at
         four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``).
         Gated (``ACT`` >= 0): the epilogue splits the accumulator into its gate and up halves and
         writes ``act(gate) * up`` [M, N] (the activation kernel's work, in registers).
@@ -321,8 +321,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         rt = m > GEMV_MAX_M and splits == 1  # one variant per MP for decode batches (no compile per size)
         _gemv_dot_kernel[(tiles, splits)](
             x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), m, M=mp if rt else m, MP=mp,
-            BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, ROWS_RT=rt, F32=not x.is_cuda, PDL=on, PREFETCH_K=pre,
-            num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
+            BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, ROWS_RT=rt,
+            F32=not x.is_cuda, PDL=on, PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
         )
         return y
     _gemv_kernel[(tiles, splits)](
