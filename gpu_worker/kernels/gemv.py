@@ -356,11 +356,17 @@ def launch_config(m: int, w: torch.Tensor) -> dict | None:
     return CONFIG if m == 1 else ROWS_CONFIG
 
 
+def _operands(x: torch.Tensor, w: torch.Tensor, lo: int, hi: int, min_weight: int) -> bool:
+    """x [lo..hi rows, K] in a half dtype with unit column stride, a contiguous w of at least
+    ``min_weight`` elements, on the kernel path: what every GEMV launch needs."""
+    return (x.dim() == 2 and lo <= x.shape[0] <= hi and x.dtype in (torch.bfloat16, torch.float16)
+            and w.numel() >= min_weight and x.stride(1) == 1 and w.is_contiguous() and use_triton(x))
+
+
 def _skinny(x: torch.Tensor, w: torch.Tensor, rows: int | None = None) -> bool:
     """Whether ``x`` through ``w`` takes a GEMV: at most ``rows`` rows (default ``skinny_rows()``,
     read only for calls of at most GEMV_MAX_M rows: prefill projections never touch the environment)."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in (torch.bfloat16, torch.float16)
-            and w.numel() >= SKINNY_MIN_WEIGHT and x.stride(1) == 1 and w.is_contiguous() and use_triton(x)
+    return (_operands(x, w, 1, GEMV_MAX_M, SKINNY_MIN_WEIGHT)
             and x.shape[0] <= (skinny_rows() if rows is None else rows))
 
 
@@ -391,9 +397,8 @@ def wide_gated_config(m: int) -> dict:
 
 def _wide(x: torch.Tensor, w: torch.Tensor) -> bool:
     """A decode batch of GEMV_MAX_M < rows <= gated_max_rows() through a big gate_up weight."""
-    return (x.dim() == 2 and GEMV_MAX_M < x.shape[0] and x.dtype in (torch.bfloat16, torch.float16)
-            and w.numel() >= BIG_WEIGHT and w.shape[1] <= SKINNY_MAX_K and x.stride(1) == 1
-            and w.is_contiguous() and use_triton(x) and dot_enabled() and x.shape[0] <= gated_max_rows())
+    return (_operands(x, w, GEMV_MAX_M + 1, DOT_MAX_M, BIG_WEIGHT) and w.shape[1] <= SKINNY_MAX_K
+            and dot_enabled() and x.shape[0] <= gated_max_rows())
 
 
 def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:

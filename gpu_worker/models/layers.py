@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
-from gpu_worker.kernels import use_triton
+from gpu_worker.kernels import qkv_rope, use_triton
 from gpu_worker.kernels.activation import gated_act
 from gpu_worker.kernels.gemv import gated_linear, linear
-from gpu_worker.kernels import qkv_rope
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
@@ -292,8 +291,8 @@ def qkv_rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBat
     rotates q and k and stores k / v in its epilogue (``kernels/qkv_rope.py``), then the backend
     reads the pool -> [1, Hq * D]. None where that kernel does not apply: the caller runs the
     projection and ``rope_attention``."""
-    if not (use_triton(x) and fb.out_loc is not None and layer.writes_kv and type(qkv_proj) is MergedLinear
-            and qkv_proj.bias is None and qkv_rope.applies(x, qkv_proj.weight, head_dim)):
+    if not (fb.out_loc is not None and layer.writes_kv and type(qkv_proj) is MergedLinear and qkv_proj.bias is None
+            and qkv_rope.applies(x, qkv_proj.weight, head_dim)):  # applies: one row on the kernel path
         return None
     pool = backend.pool
     q = qkv_rope.qkv_rope_store(
