@@ -197,7 +197,9 @@ class HandshakeWatch:
     A peer that keeps failing the handshake (other keys, no CURVE, not a Tandem process) would
     swallow every frame: zmq queues them, or, once the refusal dropped the pipe, a blocking send
     waits for good. ``check`` raises ChannelRefused after ``limit`` failures in a row (no success
-    between them)."""
+    between them), or at once after a ZMTP protocol failure (a mechanism mismatch: the peer runs
+    without CURVE): zmq never reconnects after one, and the pipe it sometimes keeps would queue
+    every later frame for good."""
 
     def __init__(self, sock: zmq.Socket, channel: str, address: str):
         self.sock, self.channel, self.address = sock, channel, address
@@ -209,7 +211,8 @@ class HandshakeWatch:
             event = parse_monitor_message(self.pair.recv_multipart())
             ok = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
             self.failures, self.last = (0, None) if ok else (self.failures + 1, event)
-        if self.failures >= limit:
+        final = self.last is not None and self.last["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        if self.failures >= limit or final:
             raise ChannelRefused(
                 f"{self.channel} channel {self.address}: {self.failures} CURVE handshake(s) in a row failed "
                 f"(zmq event {int(self.last['event'])}, error {self.last['value']}); both sides must use the "

@@ -170,6 +170,31 @@ def test_send_to_a_refusing_peer_raises_instead_of_hanging(keys, peer):
         _teardown(ctx, [push] if push else [], [server])
 
 
+def test_plain_peer_refusal_is_final_whether_or_not_zmq_keeps_the_pipe(keys):
+    """A peer without CURVE fails the handshake with a ZMTP mechanism mismatch, after which zmq
+    never reconnects; it drops the connection's pipe in most runs but keeps it in some (then
+    every frame would queue for good behind one counted failure). Either way the channel's
+    next send raises: many short trials, each given 2 s."""
+    ctx = zmq.Context()
+    try:
+        for _ in range(20):
+            addr = f"tcp://127.0.0.1:{_port()}"
+            server = ctx.socket(zmq.PULL)
+            server.bind(addr)
+            push = PushChannel(ctx, "outputs", addr)
+            try:
+                deadline = time.monotonic() + 2
+                with pytest.raises(transport.ChannelRefused, match=r"outputs channel"):
+                    while time.monotonic() < deadline:
+                        push.send(FlushCache())
+                        time.sleep(0.02)
+            finally:
+                push.close()
+                server.close(linger=0)
+    finally:
+        ctx.term()
+
+
 def test_send_before_the_peer_binds_queues(keys):
     """A connector may start first: its sends queue (no error, no wait) and arrive once the
     keyed peer binds."""
