@@ -69,18 +69,29 @@ if interpreting() and triton_available():
 # --------------------------------------------------------------------------- PDL
 # Programmatic dependent launch (Hopper+): a kernel launched with ``launch_pdl=True`` may start
 # while the kernel before it in the stream still runs, and CUDA graphs keep that edge. Our
-# kernels take a ``PDL`` constexpr and then obey one invariant (``gdc_enter`` below):
-#   before ``gdc_wait`` a program reads only weights (never written while serving) and writes
-#   nothing; it lets its own dependents launch only after its wait has returned.
+# kernels take a ``PDL`` constexpr, one of three levels (``gdc_enter`` in ``gdc.py``):
+#   PDL_OFF     nothing (the default, and always on the CPU interpreter);
+#   PDL_TRIGGER launched normally, but lets the next kernel launch as soon as it starts, so a
+#               PDL kernel after it can run its prologue early;
+#   PDL_ON      launched with PDL: before ``gdc_wait`` a program reads only what no kernel still
+#               running can write (weights; step inputs written before the previous kernel
+#               started) and writes nothing; it lets its own dependents launch only after its
+#               wait has returned.
 # So at most one kernel runs ahead, in its prologue (the GEMV prefetches its weights into L2
-# there), and every read of activations still happens after the previous kernel completed.
-# ``TANDEM_PDL=1`` turns it on; off by default: on the H200 it measured no gain (BENCHMARKS.md,
-# 2026-12-02 evening). The interpreter (CPU) never takes it.
+# there; decode attention loads its row's lengths, page entries and past keys), and every read of
+# what the previous kernel writes still happens after that kernel completed. Every kernel but
+# the previous one has completed when a PDL kernel starts: the previous one started only after
+# its own predecessor completed (normal launch) or after its wait (PDL).
+# ``TANDEM_PDL``: ``0`` (default: on the H200 the whole chain with PDL measured no gain,
+# BENCHMARKS.md 2026-12-02 evening and 2026-12-03 night), ``1`` every kernel, or a list of the
+# kernel kinds to launch with PDL (``PDL_KINDS``, joined by ``,`` or ``+``); the others trigger.
+PDL_OFF, PDL_TRIGGER, PDL_ON = 0, 1, 2
+PDL_KINDS = ("norm", "gemv", "attn", "rope", "act")
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_device(index: int, setting: str) -> bool:
-    if setting == "0" or not triton_available():
+def _pdl_device(index: int) -> bool:
+    if not triton_available():
         return False
     try:
         import triton.language as tl
@@ -92,13 +103,30 @@ def _pdl_device(index: int, setting: str) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl(x: torch.Tensor) -> bool:
-    """Launch the kernels that read ``x`` with PDL (CUDA, sm90+, switched on). Read at each
+@functools.lru_cache(maxsize=None)
+def pdl_kinds(setting: str) -> frozenset[str]:
+    """The kinds ``TANDEM_PDL=setting`` launches with PDL (ValueError naming the variable)."""
+    if setting in ("", "0"):
+        return frozenset()
+    if setting == "1":
+        return frozenset(PDL_KINDS)
+    kinds = frozenset(k.strip() for k in setting.replace("+", ",").split(",") if k.strip())
+    bad = sorted(kinds - set(PDL_KINDS))
+    if bad:
+        raise ValueError(f"TANDEM_PDL: expected 0, 1 or a list of {', '.join(PDL_KINDS)} joined by , or +; got {bad}")
+    return kinds
+
+
+def pdl(x: torch.Tensor, kind: str) -> int:
+    """The PDL level of a ``kind`` kernel reading ``x`` (CUDA, sm90+, switched on). Read at each
     launch, so a process can capture graphs both ways (benchmarks, tests)."""
-    if not x.is_cuda:
-        return False
+    kinds = pdl_kinds(os.environ.get("TANDEM_PDL", "0"))
+    if not kinds or not x.is_cuda:
+        return PDL_OFF
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _pdl_device(index, os.environ.get("TANDEM_PDL", "0"))
+    if not _pdl_device(index):
+        return PDL_OFF
+    return PDL_ON if kind in kinds else PDL_TRIGGER
 
 
 # --------------------------------------------------------------------------- tickets

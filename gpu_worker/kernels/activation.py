@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import next_pow2, pdl
+from gpu_worker.kernels import PDL_ON, next_pow2, pdl
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
@@ -57,9 +57,9 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     t, n = gate.shape
     out = torch.empty((t, n), dtype=gate.dtype, device=gate.device)
     if t:
-        block, on = min(4096, next_pow2(n)), pdl(gate)
+        block, on = min(4096, next_pow2(n)), pdl(gate, "act")
         _gated_act_kernel[(t, triton.cdiv(n, block))](
             gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), ACT=ACTS[act], BLOCK=block,
-            PDL=on, num_warps=4, launch_pdl=on,
+            PDL=on, num_warps=4, launch_pdl=on == PDL_ON,
         )
     return out

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from gpu_worker.kernels import TICKETS, interpreting, next_pow2, pdl, tickets
+from gpu_worker.kernels import PDL_ON, TICKETS, interpreting, next_pow2, pdl, tickets
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
@@ -38,6 +38,47 @@ except ImportError:
     triton = None
 
 if triton is not None:
+
+    @triton.jit
+    def _locations(pt_ptr, slot, spt, n, nm, PAGE: tl.constexpr):
+        """Pool locations of keys n of a row (page table row ``slot``)."""
+        page = tl.load(pt_ptr + slot * spt + n // PAGE, mask=nm, other=0).to(tl.int64)
+        return page * PAGE + n % PAGE
+
+    @triton.jit
+    def _kv_tile(k_ptr, v_ptr, loc, mask, kvh, skn, skh, svn, svh, d, dm, dv, dvm):
+        """K [BLOCK_N, BLOCK_D] and V [BLOCK_N, BLOCK_DV] of one KV head at ``loc`` (zeros where
+        ``mask`` is off)."""
+        k = tl.load(k_ptr + loc[:, None] * skn + kvh * skh + d[None, :], mask=mask[:, None] & dm[None, :], other=0.0)
+        v = tl.load(v_ptr + loc[:, None] * svn + kvh * svh + dv[None, :], mask=mask[:, None] & dvm[None, :],
+                    other=0.0)
+        return k, v
+
+    @triton.jit
+    def _attend(q, k, v, n, nm, qpos, m_i, l_i, acc, scale, softcap, window, USE_WINDOW: tl.constexpr,
+                USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+        """One key tile into the running max, sum and output (online softmax)."""
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if USE_SOFTCAP:
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
+        vis = nm[None, :] & (n[None, :] <= qpos[:, None])
+        if USE_WINDOW:
+            vis = vis & (n[None, :] > qpos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
 
     # Per-call views (a row group's slice of q, out and the index arrays) start at varying offsets:
     # specialising on their 16-byte alignment would JIT-compile new variants mid-serving. Unused
@@ -53,7 +94,6 @@ if triton is not None:
         SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
         PDL: tl.constexpr, ORDERED: tl.constexpr, FUSED_MERGE: tl.constexpr,
     ):
-        gdc_enter(PDL)
         if ORDERED:
             kvh = tl.program_id(0)
             b = tl.load(order_ptr + tl.program_id(1)).to(tl.int64)
@@ -61,6 +101,7 @@ if triton is not None:
             b = tl.program_id(0).to(tl.int64)
             kvh = tl.program_id(1)
         split = tl.program_id(2)
+        # the row's step inputs (written before the previous kernel started: safe before the wait)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         kv_len = tl.load(kvlen_ptr + b).to(tl.int32)
         m = tl.arange(0, BLOCK_M)
@@ -70,8 +111,6 @@ if triton is not None:
         qpos = tl.load(qpos_ptr + tok, mask=mvalid, other=-1).to(tl.int32)
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        q = tl.load(q_ptr + tok[:, None] * sqt + qh[:, None] * sqh + d[None, :],
-                    mask=mvalid[:, None] & dm[None, :], other=0.0)
         hi = tl.minimum(kv_len, tl.max(qpos, axis=0) + 1)
         lo = 0
         if USE_WINDOW:
@@ -82,39 +121,38 @@ if triton is not None:
         s_hi = tl.minimum(hi, s_lo + chunk)
         dv = tl.arange(0, BLOCK_DV)
         dvm = dv < DV
+        if PDL == 2:
+            # Launched early (PDL): the split's first key tile is read before the wait, except the
+            # keys at the row's query positions and past them, which this forward writes (the
+            # previous kernel may still be storing them); those are read after it.
+            fresh_from = tl.min(tl.where(mvalid, qpos, 2147483647), axis=0)
+            n0 = s_lo + tl.arange(0, BLOCK_N)
+            nm0 = n0 < s_hi
+            loc0 = _locations(pt_ptr, slot, spt, n0, nm0, PAGE)
+            k0, v0 = _kv_tile(k_ptr, v_ptr, loc0, nm0 & (n0 < fresh_from), kvh, skn, skh, svn, svh, d, dm, dv, dvm)
+        gdc_enter(PDL)
+        q = tl.load(q_ptr + tok[:, None] * sqt + qh[:, None] * sqh + d[None, :],
+                    mask=mvalid[:, None] & dm[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        for start in range(s_lo, s_hi, BLOCK_N):
+        first = s_lo
+        if PDL == 2:
+            if s_lo < s_hi:
+                fresh = nm0 & (n0 >= fresh_from)
+                k1, v1 = _kv_tile(k_ptr, v_ptr, loc0, fresh, kvh, skn, skh, svn, svh, d, dm, dv, dvm)
+                k0 = tl.where(fresh[:, None], k1, k0)
+                v0 = tl.where(fresh[:, None], v1, v0)
+                m_i, l_i, acc = _attend(q, k0, v0, n0, nm0, qpos, m_i, l_i, acc, scale, softcap, window,
+                                        USE_WINDOW, USE_SOFTCAP, IEEE)
+            first = s_lo + BLOCK_N
+        for start in range(first, s_hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             nm = n < s_hi
-            page = tl.load(pt_ptr + slot * spt + n // PAGE, mask=nm, other=0).to(tl.int64)
-            loc = page * PAGE + n % PAGE
-            k = tl.load(k_ptr + loc[:, None] * skn + kvh * skh + d[None, :], mask=nm[:, None] & dm[None, :],
-                        other=0.0)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            if USE_SOFTCAP:
-                s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
-            vis = nm[None, :] & (n[None, :] <= qpos[:, None])
-            if USE_WINDOW:
-                vis = vis & (n[None, :] > qpos[:, None] - window)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + loc[:, None] * svn + kvh * svh + dv[None, :], mask=nm[:, None] & dvm[None, :],
-                        other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            loc = _locations(pt_ptr, slot, spt, n, nm, PAGE)
+            k, v = _kv_tile(k_ptr, v_ptr, loc, nm, kvh, skn, skh, svn, svh, d, dm, dv, dvm)
+            m_i, l_i, acc = _attend(q, k, v, n, nm, qpos, m_i, l_i, acc, scale, softcap, window,
+                                    USE_WINDOW, USE_SOFTCAP, IEEE)
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         if SPLITS == 1:
@@ -238,7 +276,7 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
     bdv = next_pow2(dv)
     splits = next_pow2(max(1, num_splits))
     part = lse = tk = page_table  # stand-ins when unused (one split): a whole tensor, fixed alignment
-    on = pdl(q)
+    on = pdl(q, "attn")
     fused = splits > 1 and b * hkv <= TICKETS and fused_merge_enabled()
     if splits > 1:
         part = torch.empty((n, hq, splits, bdv), dtype=torch.float32, device=q.device)
@@ -255,9 +293,9 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
         BLOCK_M=max(16, next_pow2(t * g)), BLOCK_N=block_n, SPLITS=splits, USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), PDL=on,
         ORDERED=order is not None, FUSED_MERGE=fused,
-        num_warps=warps, num_stages=stages, launch_pdl=on,
+        num_warps=warps, num_stages=stages, launch_pdl=on == PDL_ON,
     )
     if splits > 1 and not fused:
         _merge_kernel[(n, hq)](part, lse, out, out.stride(0), out.stride(1), HQ=hq, DV=dv, BLOCK_DV=bdv,
-                               SPLITS=splits, PDL=on, num_warps=4, launch_pdl=on)
+                               SPLITS=splits, PDL=on, num_warps=4, launch_pdl=on == PDL_ON)
     return out

@@ -37,7 +37,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import TICKETS, next_pow2, pdl, tickets, use_triton
+from gpu_worker.kernels import PDL_ON, TICKETS, next_pow2, pdl, tickets, use_triton
 from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 
@@ -85,6 +85,17 @@ def _env_int(name: str, default: int) -> int:
     if not raw.isdigit():
         raise ValueError(f"{name}: expected a non-negative integer, got {raw!r}")
     return int(raw)
+
+
+def prefetch_cols(rows: int, splits: int, chunk: int) -> int:
+    """Weight columns per row a PDL-launched GEMV program pulls into L2 before its wait:
+    PREFETCH_K, or with ``TANDEM_PDL_PREFETCH_MB`` as many (a power of 2, at most the K chunk) as
+    keep the whole launch's prefetch within that many MB (A/Bs)."""
+    raw = os.environ.get("TANDEM_PDL_PREFETCH_MB", "")
+    if not raw:
+        return PREFETCH_K
+    cols = int(float(raw) * (1 << 20) / (2 * rows * splits))
+    return 0 if cols < 16 else min(1 << (cols.bit_length() - 1), next_pow2(chunk))
 
 
 def long_k_splits() -> int:
@@ -314,21 +325,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         assert tiles <= TICKETS, (n, block_n)
         ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
         tk = tickets(x.device)
-    on = pdl(x)
-    pre = (PREFETCH_K if prefetch_k is None else prefetch_k) if on else 0
+    on = pdl(x, "gemv")
+    pre = (prefetch_cols(rows, splits, chunk) if prefetch_k is None else prefetch_k) if on == PDL_ON else 0
     if dot:
         mp = max(DOT_ROWS, next_pow2(m))
         rt = m > GEMV_MAX_M and splits == 1  # one variant per MP for decode batches (no compile per size)
         _gemv_dot_kernel[(tiles, splits)](
             x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), m, M=mp if rt else m, MP=mp,
             BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, ROWS_RT=rt,
-            F32=not x.is_cuda, PDL=on, PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
+            F32=not x.is_cuda, PDL=on, PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages, launch_pdl=on == PDL_ON,
         )
         return y
     _gemv_kernel[(tiles, splits)](
         x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n,
         BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=on == PDL_ON,
     )
     return y
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import next_pow2, pdl
+from gpu_worker.kernels import PDL_ON, next_pow2, pdl
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
@@ -94,11 +94,11 @@ def launch_norm(mode: int, x, residual, w1, w2, scale, eps: float, gemma: bool) 
     want_out = mode != MODE_NORM_ADD or w2 is not None
     out = torch.empty_like(x2) if want_out else x2
     if n_rows:
-        block, on = next_pow2(n_cols), pdl(x2)
+        block, on = next_pow2(n_cols), pdl(x2, "norm")
         _norm_kernel[(n_rows,)](
             x2, r2, w1 if w1 is not None else x2, w2 if w2 is not None else x2,
             scale if scale is not None else x2, out, n_cols, x2.stride(0), r2.stride(0), out.stride(0), eps,
             MODE=mode, HAS_W1=w1 is not None, HAS_W2=w2 is not None, HAS_SCALE=scale is not None,
-            GEMMA=gemma, BLOCK=block, PDL=on, num_warps=min(16, max(1, block // 256)), launch_pdl=on,
+            GEMMA=gemma, BLOCK=block, PDL=on, num_warps=min(16, max(1, block // 256)), launch_pdl=on == PDL_ON,
         )
     return out.view(x.shape) if want_out else None

@@ -22,9 +22,9 @@ import os
 
 import torch
 
-from gpu_worker.kernels import pdl
+from gpu_worker.kernels import PDL_ON, pdl
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
-from gpu_worker.kernels.gemv import CONFIG, PREFETCH_K, SKINNY_MAX_K, _skinny, launch_config, short_k_splits
+from gpu_worker.kernels.gemv import CONFIG, SKINNY_MAX_K, _skinny, launch_config, prefetch_cols, short_k_splits
 
 try:
     import triton
@@ -106,13 +106,14 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, in
         q_out = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
     assert q_out.is_contiguous()
     pairs = CONFIG["block_n"] // 2
-    on = pdl(x)
+    on = pdl(x, "gemv")
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // pairs),)
     _qkv_rope_kernel[grid](
         x, w, q_out, k_cache, v_cache, positions, out_loc, inv_freq, x.shape[1], w.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAIRS=pairs, BLOCK_K=CONFIG["block_k"], PDL=on,
-        PREFETCH_K=PREFETCH_K if on else 0, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
-        launch_pdl=on,
+        PREFETCH_K=prefetch_cols(w.shape[0], 1, x.shape[1]) if on == PDL_ON else 0,
+        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        launch_pdl=on == PDL_ON,
     )
     return q_out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import interpreting, next_pow2, pdl
+from gpu_worker.kernels import PDL_ON, interpreting, next_pow2, pdl
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
@@ -147,7 +147,7 @@ def rope_store(q, k, v, positions, inv_freq, out_loc, k_cache, v_cache, *, norm:
     dummy = q_out
     hb = heads_per_prog or heads_per_program(t, hq)
     grid = (t, -(-hq // hb) + -(-hkv // hb))
-    on = pdl(q)
+    on = pdl(q, "rope")
     _rope_store_kernel[grid](
         q, k if store else dummy, v if store else dummy, q_out,
         k_cache if store else dummy, v_cache if store else dummy, positions,
@@ -161,6 +161,6 @@ def rope_store(q, k, v, positions, inv_freq, out_loc, k_cache, v_cache, *, norm:
         v_cache.stride(0) if store else 0, v_cache.stride(1) if store else 0, eps,
         HQ=hq, HKV=hkv, HB=hb, HALF=d // 2, DV=dv, BLOCK_H=next_pow2(d // 2), BLOCK_DV=next_pow2(dv),
         NORM=norm, V_NORM=v_norm, PDL=on, num_warps=(1 if d <= 256 else 2) * (1 if hb == 1 else 4),
-        launch_pdl=on,
+        launch_pdl=on == PDL_ON,
     )
     return q_out

@@ -28,6 +28,11 @@ def _children(pid: int) -> list[tuple[int, list[str]]]:
     return out
 
 
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
 def _wait(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -37,11 +42,15 @@ def _wait(cond, timeout: float, what: str) -> None:
 
 def test_dp_size_two_engines_behind_one_router(ckpts):
     srv = Server(ckpts["llama"], "--dp-size", "2", "--router-health-check-interval-secs", "0.3",
-                 "--router-health-failure-threshold", "1")
+                 "--router-health-failure-threshold", "1", "--log-level", "info")
     try:
         workers = lambda: httpx.get(srv.url + "/workers", timeout=5).json()["workers"]  # noqa: E731
         # serve is up once one engine is; the other may still be loading its model
         _wait(lambda: sum(w["is_healthy"] for w in workers()) == 2, 120, "both engines in rotation")
+        # The router serves as soon as it sees a healthy engine, but the dp parent is still in
+        # start-up until its own poll has seen every engine and the router: an engine lost before
+        # then fails the start-up (the whole service stops), so the kill below waits for it.
+        _wait(lambda: "ready: 2 engines behind the router" in _read(srv.log_path), 60, "the dp parent ready")
         urls = [w["url"] for w in workers()]
         assert all(u.startswith("http://127.0.0.1:") for u in urls) and srv.url not in urls
         via = OpenAI(base_url=srv.base_url, api_key="x")

@@ -25,8 +25,8 @@ H, I = 4096, 14336
 
 @pytest.fixture
 def env(monkeypatch):
-    def set_(pdl_on: bool = False, fused: bool = True):
-        monkeypatch.setenv("TANDEM_PDL", "1" if pdl_on else "0")
+    def set_(pdl_on: bool | str = False, fused: bool = True):  # a string: a TANDEM_PDL list
+        monkeypatch.setenv("TANDEM_PDL", pdl_on if isinstance(pdl_on, str) else "1" if pdl_on else "0")
         monkeypatch.setenv("TANDEM_GATED_GEMV", "1" if fused else "0")
         monkeypatch.setenv("TANDEM_GEMV_ROPE", "1" if fused else "0")
         monkeypatch.setenv("TANDEM_GEMV_SPLITK", "4" if fused else "0")
@@ -68,7 +68,7 @@ def test_gated_and_split_k_match_torch_at_llama_width(env):
 @pytest.mark.parametrize("pdl_on", [False, True])
 def test_chain_in_graph_equals_eager(env, pdl_on):
     env(pdl_on)
-    if pdl_on and not pdl(torch.empty(1, device="cuda")):
+    if pdl_on and not pdl(torch.empty(1, device="cuda"), "gemv"):
         pytest.skip("PDL needs sm90+ and a Triton with gdc_wait")
     torch.manual_seed(1)
     ws = [(1 + 0.02 * torch.randn(H, device="cuda", dtype=torch.bfloat16),
@@ -133,13 +133,13 @@ def _run(d, overlap: bool, logprobs: int = 0):
 def test_engine_tokens_equal_with_and_without_pdl(tmp_path, env, overlap):
     d = _llama_8b_width(str(tmp_path), 14336)
     runs = []
-    for on in (False, True):
+    for on in (False, True, "gemv+attn"):  # off, every kernel, the GEMVs and attention only
         env(on)
         eng = _run(d, overlap)
         runs.append([eng.tokens[f"r{i}"] for i in range(len(PROMPTS))])
         del eng
         torch.cuda.empty_cache()
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
 
 
 def test_engine_tokens_track_unfused(tmp_path, env):
@@ -229,4 +229,65 @@ def test_fused_split_merge_in_graph(monkeypatch):
         monkeypatch.setenv("TANDEM_DECODE_FUSED_MERGE", "0")
         torch.testing.assert_close(got, paged_decode(q1, kc, vc, pt, slots, kv_lens, q_pos, **kw), rtol=1e-2, atol=1e-2)
         monkeypatch.setenv("TANDEM_DECODE_FUSED_MERGE", "1")
+    assert tickets_clear()
+
+
+@pytest.mark.parametrize("t,rows,splits", [(1, 1, 16), (4, 1, 8), (1, 16, 1)])
+def test_attention_prologue_after_kv_store_in_graph(env, t, rows, splits):
+    """Decode attention launched with PDL right after the kernel that stores the step's keys
+    (rope_store; Llama-8B's heads): it reads its first key tile before that kernel completes
+    and the fresh keys after it. Graph replays, each writing new keys at new positions into the
+    pool, give the bits of eager launches without PDL (attention output and pool)."""
+    from gpu_worker.kernels.attention_decode import paged_decode
+    from gpu_worker.kernels.rope import rope_store
+    from gpu_worker.models.config import RopeSpec
+    from gpu_worker.models.layers import rope_inv_freq
+
+    env(True)
+    if not pdl(torch.empty(1, device="cuda"), "attn"):
+        pytest.skip("PDL needs sm90+ and a Triton with gdc_wait")
+    torch.manual_seed(6 + t)
+    ps, hkv, hq, d, ctx = 16, 8, 32, 128, 600
+    pages = rows * (ctx // ps + 4) + 1
+    kc = torch.randn(pages * ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    pt = (1 + torch.randperm(pages - 1, device="cuda", dtype=torch.int32)).view(rows, -1)
+    pt = torch.cat([torch.zeros_like(pt[:1]), pt])  # slot 0: padding
+    slots = torch.arange(1, rows + 1, device="cuda")
+    inv = rope_inv_freq(d, RopeSpec(rope_type="default", theta=500000.0)).cuda()
+    qkv = torch.empty(rows * t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    kv_lens = torch.empty(rows, dtype=torch.int64, device="cuda")
+    q_pos = torch.empty(rows * t, dtype=torch.int64, device="cuda")
+    out_loc = torch.empty(rows * t, dtype=torch.int64, device="cuda")
+
+    def step(k_cache, v_cache):
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = rope_store(q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d), q_pos, inv, out_loc,
+                       k_cache, v_cache)
+        return paged_decode(q, k_cache, v_cache, pt, slots, kv_lens, q_pos, t=t, page_size=ps, scale=d**-0.5,
+                            num_splits=splits)
+
+    def inputs(i):
+        qkv.copy_(torch.randn_like(qkv))
+        lens = torch.tensor([ctx - 37 * r + 5 * i for r in range(rows)], device="cuda")
+        kv_lens.copy_(lens)
+        pos = (lens - t)[:, None] + torch.arange(t, device="cuda")[None, :]
+        q_pos.copy_(pos.reshape(-1))
+        page = pt[slots.repeat_interleave(t), (q_pos // ps)].long()
+        out_loc.copy_(page * ps + q_pos % ps)
+
+    inputs(0)
+    step(kc.clone(), vc.clone())  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(kc, vc)
+    for i in range(1, 7):
+        inputs(i)
+        k_ref, v_ref = kc.clone(), vc.clone()
+        env(False)
+        want = step(k_ref, v_ref)
+        env(True)
+        graph.replay()
+        assert torch.equal(out, want), (i, (out.float() - want.float()).abs().max().item())
+        assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
     assert tickets_clear()

@@ -211,3 +211,43 @@ def test_decode_launch_shape_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match="TANDEM_DECODE_TUNE"):
             ad.env_tune()
     ad.env_tune.cache_clear()
+
+
+@pytest.mark.parametrize("t,splits,window", [(3, 1, None), (1, 4, None), (3, 2, 5)])
+def test_pdl_prologue_reads_no_fresh_key_and_changes_no_bit(monkeypatch, t, splits, window):
+    """Launched with PDL, the decode kernel reads its split's first key tile before waiting for
+    the previous kernel, and the keys at the rows' query positions (which that kernel may still
+    be writing) after it. The fresh keys of row 0 (served by the first program) hold NaN until
+    the wait (a hook in place of ``gdc_enter`` stores them): one taken from before the wait
+    would leave NaN. The result is the bits of the launch without PDL (the first tile peeled,
+    the rest in the loop)."""
+    from gpu_worker.kernels import PDL_ON
+    from gpu_worker.kernels import attention_decode as ad
+
+    if DEV != "cpu":
+        pytest.skip("the hook runs in the interpreter (the GPU twin: tests/gpu/test_gpu_decode_chain.py)")
+    ps, hkv, hq, d = 4, 2, 4, 32
+    kc, vc = _pool(40, ps, hkv, d, d, torch.bfloat16, seed=11 + t)
+    pt = _page_table(6, 12, 40, seed=12)
+    slots = torch.tensor([3, 1, 0, 4, 5])
+    kv_lens = torch.tensor([21, 40, 0, 1 + t, 30])
+    q_pos = ((kv_lens - t).clamp_min(0)[:, None] + torch.arange(t)[None, :]).reshape(-1)
+    q_pos[2 * t : 3 * t] = 0
+    q = torch.randn(5 * t, hq, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+    kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window, tune={"block_n": 8})
+    want = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
+
+    fresh = [int(pt[3, p // ps]) * ps + p % ps for p in q_pos[:t].tolist()]  # row 0's new keys
+    real_k, real_v = kc[fresh].clone(), vc[fresh].clone()
+    kc[fresh], vc[fresh] = float("nan"), float("nan")
+    waits = []
+
+    def store_at_wait(level):  # the previous kernel completes: its stores become visible
+        waits.append(level)
+        kc[fresh], vc[fresh] = real_k, real_v
+
+    monkeypatch.setattr(ad, "pdl", lambda x, kind: PDL_ON)
+    monkeypatch.setattr(ad, "gdc_enter", store_at_wait)
+    got = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
+    assert waits and not torch.isnan(got).any()
+    assert torch.equal(got, want)

@@ -305,3 +305,24 @@ def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
     finally:
         enable_cpu_kernels(False)
     assert torch.equal(fused, unfused)
+
+
+def test_pdl_switch_and_prefetch_budget(monkeypatch):
+    """``TANDEM_PDL`` picks the kernel kinds launched with PDL (the others only let the next
+    kernel launch early); a bad kind is an error naming the variable; CPU tensors never take it.
+    ``TANDEM_PDL_PREFETCH_MB`` sizes a GEMV's pre-wait prefetch by the whole launch."""
+    from gpu_worker.kernels import PDL_KINDS, PDL_OFF, pdl, pdl_kinds
+
+    assert pdl_kinds("0") == frozenset() and pdl_kinds("1") == frozenset(PDL_KINDS)
+    assert pdl_kinds("gemv+attn") == pdl_kinds("attn,gemv") == {"gemv", "attn"}
+    with pytest.raises(ValueError, match="TANDEM_PDL"):
+        pdl_kinds("gemv,bogus")
+    monkeypatch.setenv("TANDEM_PDL", "1")
+    assert pdl(torch.zeros(1), "gemv") == PDL_OFF
+    monkeypatch.delenv("TANDEM_PDL_PREFETCH_MB", raising=False)
+    assert G.prefetch_cols(4096, 1, 4096) == G.PREFETCH_K
+    monkeypatch.setenv("TANDEM_PDL_PREFETCH_MB", "16")
+    assert G.prefetch_cols(4096, 1, 4096) == 2048  # o: 16 MB = half its 4096 x 4096 bf16
+    assert G.prefetch_cols(4096, 4, 3584) == 512  # a split-K down: four K chunks share the budget
+    assert G.prefetch_cols(28672, 1, 4096) == 256
+    assert G.prefetch_cols(1 << 20, 1, 4096) == 0
