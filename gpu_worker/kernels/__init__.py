@@ -82,11 +82,15 @@ if interpreting() and triton_available():
 # what the previous kernel writes still happens after that kernel completed. Every kernel but
 # the previous one has completed when a PDL kernel starts: the previous one started only after
 # its own predecessor completed (normal launch) or after its wait (PDL).
-# ``TANDEM_PDL``: ``0`` (default: on the H200 the whole chain with PDL measured no gain,
-# BENCHMARKS.md 2026-12-02 evening and 2026-12-03 night), ``1`` every kernel, or a list of the
-# kernel kinds to launch with PDL (``PDL_KINDS``, joined by ``,`` or ``+``); the others trigger.
+# ``TANDEM_PDL``: ``1`` (default) every kernel, ``0`` none, or a list of the kernel kinds to
+# launch with PDL (``PDL_KINDS``, joined by ``,`` or ``+``; the others trigger). Only forwards of
+# at most ``TANDEM_PDL_MAX_TOKENS`` tokens (default 4: one-row decode, MTP's verify and draft at
+# one request) take it. On the H200 (BENCHMARKS.md, 2026-12-04) it made the 8B one-row decode
+# step 3 % faster (4.340 -> 4.202 ms) once the GEMV's pre-wait prefetch fit in L2, and the
+# 64-row step 6 % and the Qwen3 recipe 5 % slower: their kernels run without it.
 PDL_OFF, PDL_TRIGGER, PDL_ON = 0, 1, 2
 PDL_KINDS = ("norm", "gemv", "attn", "rope", "act")
+PDL_MAX_TOKENS = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,11 +121,22 @@ def pdl_kinds(setting: str) -> frozenset[str]:
     return kinds
 
 
+@functools.lru_cache(maxsize=None)
+def _max_tokens(setting: str) -> int:
+    if not setting:
+        return PDL_MAX_TOKENS
+    if not setting.isdigit():
+        raise ValueError(f"TANDEM_PDL_MAX_TOKENS: expected a non-negative integer, got {setting!r}")
+    return int(setting)
+
+
 def pdl(x: torch.Tensor, kind: str) -> int:
-    """The PDL level of a ``kind`` kernel reading ``x`` (CUDA, sm90+, switched on). Read at each
-    launch, so a process can capture graphs both ways (benchmarks, tests)."""
-    kinds = pdl_kinds(os.environ.get("TANDEM_PDL", "0"))
-    if not kinds or not x.is_cuda:
+    """The PDL level of a ``kind`` kernel reading ``x`` (tokens along dim 0; CUDA, sm90+, switched
+    on, at most ``TANDEM_PDL_MAX_TOKENS`` tokens, so that every kernel of one forward agrees).
+    Read at each launch, so a process can capture graphs both ways (benchmarks, tests)."""
+    kinds = pdl_kinds(os.environ.get("TANDEM_PDL", "1"))
+    limit = _max_tokens(os.environ.get("TANDEM_PDL_MAX_TOKENS", ""))
+    if not kinds or not x.is_cuda or x.shape[0] > limit:
         return PDL_OFF
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if not _pdl_device(index):

@@ -13,6 +13,11 @@ second kernel (``TANDEM_DECODE_FUSED_MERGE=0``); the split count depends only on
 bucket, so the launch is the same on every CUDA-graph replay (splits past the row's keys store
 an empty partial at once). Rows with no visible key (graph padding) produce zeros, never NaN.
 
+PDL (``kernels/__init__.py``): launched early, a program loads its row's lengths, positions and
+page entries and its split's first key tile before waiting for the previous kernel; keys at or
+past the row's first query position (this forward's, which that kernel may still be storing)
+are loaded after the wait and replace theirs in the tile. The arithmetic is the loop's.
+
 Launch order (``order``): rows of one batch can differ 20x in length (a served mix), and with
 more programs than the SMs hold at once the GPU starts them in grid order, so a long row that
 starts last runs alone at the end. Given a permutation of the rows, longest first, the grid is

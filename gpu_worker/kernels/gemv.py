@@ -6,7 +6,8 @@ linear layers are weight streams: every weight byte is read once and used M time
 floor. Two kernels, each owning ``BLOCK_N`` output columns per program and streaming their rows
 of W: the FMA kernel keeps M fp32 accumulators (reduced per K tile: cheap at one row, 2-3x
 slower than cuBLAS at four), the tensor-core one (``dot``) multiplies the W tile by x padded to
-16 rows. ``linear`` picks per shape (``launch_config``). Two variants remove a kernel each:
+16 rows (the kernels: ``kernels/gemv_kernels.py``). ``linear`` picks per shape
+(``launch_config``). Two variants remove a kernel each:
 
 - **gated** (``act``, see ``gated_mode``: on where gate_up takes the tensor-core kernel, off in
   the FMA one, where it measured slower): W is a merged ``[gate; up]`` weight [2N, K]; a
@@ -25,7 +26,7 @@ A split-K launch takes tickets 0..tiles-1 of the device's ticket buffer (``kerne
 where the invariant is stated).
 
 PDL (``kernels/__init__.py``): before waiting for the previous kernel, a program prefetches the
-first ``PREFETCH_K`` columns of its weight rows into L2. Rounding as F.linear: fp32
+first columns of its weight rows into L2 (``prefetch_cols``: PREFETCH_MB for the whole launch). Rounding as F.linear: fp32
 accumulation, one rounding to the output dtype (the summation order differs from cuBLAS's, as
 cuBLAS's differs between its own kernels).
 """
@@ -39,13 +40,11 @@ import torch.nn.functional as F
 
 from gpu_worker.kernels import PDL_ON, TICKETS, next_pow2, pdl, tickets, use_triton
 from gpu_worker.kernels.activation import ACTS
-from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 
 try:
     import triton
-    import triton.language as tl
 
-    from gpu_worker.kernels.activation import gated_value
+    from gpu_worker.kernels.gemv_kernels import _gemv_dot_kernel, _gemv_kernel
 except ImportError:
     triton = None
 
@@ -75,7 +74,11 @@ DEFAULT_ROWS = 4
 # activation kernel (3.6 us a layer at 64 rows) that cuBLAS needs after it.
 WIDE_GATED = ((16, BIG_CONFIG), (32, dict(block_n=64, block_k=64, num_warps=4, num_stages=4, dot=True)),
               (64, dict(block_n=64, block_k=128, num_warps=4, num_stages=3, dot=True)))
-PREFETCH_K = 1024  # weight columns per row pulled into L2 before the PDL wait (16 KB a program)
+# Weight bytes a PDL-launched GEMV pulls into L2 before its wait, the whole launch together (its
+# first columns in every row). The 8B's one-row step on the H200 (BENCHMARKS.md 2026-12-04):
+# 2-8 MB 4.205-4.211 ms, none 4.241, 16 MB 4.235; the former 1024 columns a row (gate_up: 56 MB,
+# more than L2 holds) 4.359, slower than without PDL.
+PREFETCH_MB = 4.0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -88,13 +91,15 @@ def _env_int(name: str, default: int) -> int:
 
 
 def prefetch_cols(rows: int, splits: int, chunk: int) -> int:
-    """Weight columns per row a PDL-launched GEMV program pulls into L2 before its wait:
-    PREFETCH_K, or with ``TANDEM_PDL_PREFETCH_MB`` as many (a power of 2, at most the K chunk) as
-    keep the whole launch's prefetch within that many MB (A/Bs)."""
+    """Weight columns per row a PDL-launched GEMV program pulls into L2 before its wait: as many
+    (a power of 2, at least 16, at most the K chunk) as keep the launch's prefetch within
+    PREFETCH_MB (``TANDEM_PDL_PREFETCH_MB`` overrides; 0: none)."""
     raw = os.environ.get("TANDEM_PDL_PREFETCH_MB", "")
-    if not raw:
-        return PREFETCH_K
-    cols = int(float(raw) * (1 << 20) / (2 * rows * splits))
+    try:
+        mb = float(raw) if raw else PREFETCH_MB
+    except ValueError:
+        raise ValueError(f"TANDEM_PDL_PREFETCH_MB: expected a number, got {raw!r}") from None
+    cols = int(mb * (1 << 20) / (2 * rows * splits))
     return 0 if cols < 16 else min(1 << (cols.bit_length() - 1), next_pow2(chunk))
 
 
@@ -134,169 +139,6 @@ def gated_mode() -> str:
     return mode
 
 
-if triton is not None:
-
-    @triton.jit
-    def _accumulate(w, x_ptr, sxm, k, km, M: tl.constexpr, a0, a1, a2, a3):
-        """a_m += W_tile . x[m, k] for each of the M rows (x read as float32)."""
-        a0 += tl.sum(w * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
-        if M > 1:
-            a1 += tl.sum(w * tl.load(x_ptr + sxm + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
-        if M > 2:
-            a2 += tl.sum(w * tl.load(x_ptr + 2 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
-        if M > 3:
-            a3 += tl.sum(w * tl.load(x_ptr + 3 * sxm + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
-        return a0, a1, a2, a3
-
-    @triton.jit
-    def _finish(a, b, ACT: tl.constexpr, DT: tl.constexpr):
-        """The output value of one row: the sum, or act(gate) * up from the gate and up sums."""
-        if ACT >= 0:
-            return gated_value(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), ACT, DT).to(DT)
-        return a.to(DT)
-
-    @triton.jit
-    def _store_row(y_ptr, ws_ptr, m, n, nm, a, b, N, SPLITS: tl.constexpr, ACT: tl.constexpr):
-        """Row m's result, or (split-K) its fp32 partials: ws[split, m, 0:N] gate, [N:2N] up."""
-        if SPLITS == 1:
-            tl.store(y_ptr + n, _finish(a, b, ACT, y_ptr.dtype.element_ty), mask=nm)
-        else:
-            tl.store(ws_ptr + m * 2 * N + n, a, mask=nm)
-            if ACT >= 0:
-                tl.store(ws_ptr + m * 2 * N + N + n, b, mask=nm)
-
-    @triton.jit
-    def _reduce_row(y_ptr, ws_ptr, m, n, nm, N, M: tl.constexpr, SPLITS: tl.constexpr, ACT: tl.constexpr):
-        """The last program of a tile: partials summed in split order (deterministic)."""
-        a = tl.zeros(n.shape, tl.float32)
-        b = tl.zeros(n.shape, tl.float32)
-        for s in tl.static_range(SPLITS):
-            base = ws_ptr + (s * M + m) * 2 * N
-            a += tl.load(base + n, mask=nm, other=0.0, cache_modifier=".cg")
-            if ACT >= 0:
-                b += tl.load(base + N + n, mask=nm, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + n, _finish(a, b, ACT, y_ptr.dtype.element_ty), mask=nm)
-
-    @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
-        pid = tl.program_id(0)
-        k_lo = tl.program_id(1) * K_CHUNK
-        k_hi = tl.minimum(K, k_lo + K_CHUNK)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < N
-        g_rows = w_ptr + n.to(tl.int64)[:, None] * swn
-        u_rows = w_ptr + (n + N).to(tl.int64)[:, None] * swn  # gated: the up half of [gate; up]
-        if PREFETCH_K > 0:  # weights only, before the wait (one prefetch per 32-byte sector)
-            sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
-            prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
-        gdc_enter(PDL)
-        k0 = tl.arange(0, BLOCK_K)
-        a0 = tl.zeros([BLOCK_N], tl.float32)
-        a1, a2, a3 = a0, a0, a0
-        b0, b1, b2, b3 = a0, a0, a0, a0
-        for start in range(k_lo, k_hi, BLOCK_K):
-            k = start + k0
-            km = k < k_hi
-            wm = nm[:, None] & km[None, :]
-            w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
-            if ACT >= 0:
-                w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
-        ws = ws_ptr + tl.program_id(1) * M * 2 * N
-        _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, SPLITS, ACT)
-        if M > 1:
-            _store_row(y_ptr + sym, ws, 1, n, nm, a1, b1, N, SPLITS, ACT)
-        if M > 2:
-            _store_row(y_ptr + 2 * sym, ws, 2, n, nm, a2, b2, N, SPLITS, ACT)
-        if M > 3:
-            _store_row(y_ptr + 3 * sym, ws, 3, n, nm, a3, b3, N, SPLITS, ACT)
-        if SPLITS > 1:
-            # every thread's partial stores precede the ticket (the barrier), which releases them
-            # at GPU scope; the last taker acquires them and bypasses L1 to read them
-            tl.debug_barrier()
-            if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                for m in tl.static_range(M):
-                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, ACT)
-                tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
-
-    @triton.jit
-    def _dot_rows(pid, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
-        """The weight rows of a tensor-core program's tile and their mask. Gated (``ACT`` >= 0):
-        W = [gate; up] [2N, K] and the tile is BLOCK_N / 2 gate rows then the matching up rows,
-        so the program holds both halves of its outputs (no weight re-layout: the rows are
-        gathered, each still read along K)."""
-        i = tl.arange(0, BLOCK_N)
-        if ACT >= 0:
-            HALF: tl.constexpr = BLOCK_N // 2
-            j = pid * HALF + (i % HALF)
-            return j + (i // HALF) * N, j < N
-        n = pid * BLOCK_N + i
-        return n, n < N
-
-    @triton.jit(do_not_specialize=["rows"])
-    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, rows, M: tl.constexpr,
-                         MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-                         SPLITS: tl.constexpr, ROWS_RT: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr,
-                         PREFETCH_K: tl.constexpr):
-        """Tensor-core variant for 1..DOT_MAX_M rows: acc [BLOCK_N, MP] += W tile @ x tile^T (x
-        padded to MP rows, read as zeros). The FMA kernel above reduces every tile once per row, which at
-        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``).
-        Gated (``ACT`` >= 0): the epilogue splits the accumulator into its gate and up halves and
-        writes ``act(gate) * up`` [M, N] (the activation kernel's work, in registers).
-        ``ROWS_RT``: the row count is the runtime ``rows`` (decode batches past GEMV_MAX_M share
-        one compiled variant per MP), else the constexpr M (1-4 rows, split-K)."""
-        pid = tl.program_id(0)
-        k_lo = tl.program_id(1) * K_CHUNK
-        k_hi = tl.minimum(K, k_lo + K_CHUNK)
-        w_idx, nm = _dot_rows(pid, N, BLOCK_N, ACT)
-        r = tl.arange(0, MP)
-        if ROWS_RT:
-            rm = r < rows
-        else:
-            rm = r < M
-        w_rows = w_ptr + w_idx.to(tl.int64)[:, None] * swn
-        if PREFETCH_K > 0:  # as in _gemv_kernel: weights only, before the wait
-            sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
-            prefetch_l2(w_ptr + tl.where(nm, w_idx, 0).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
-        gdc_enter(PDL)
-        acc = tl.zeros([BLOCK_N, MP], tl.float32)
-        for start in range(k_lo, k_hi, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            km = k < k_hi
-            w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            xt = tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
-            if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
-                w, xt = w.to(tl.float32), xt.to(tl.float32)
-            acc = tl.dot(w, xt, acc)
-        ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's layout: [split, m, 2N]
-        if ACT >= 0:
-            HALF: tl.constexpr = BLOCK_N // 2
-            g, u = tl.split(tl.permute(tl.reshape(acc, [2, HALF, MP]), [1, 2, 0]))
-            n = pid * HALF + tl.arange(0, HALF)
-            out_m = rm[None, :] & (n < N)[:, None]
-            if SPLITS == 1:
-                tl.store(y_ptr + r[None, :] * sym + n[:, None], _finish(g, u, ACT, y_ptr.dtype.element_ty), mask=out_m)
-            else:
-                tl.store(ws + r[None, :] * 2 * N + n[:, None], g, mask=out_m)
-                tl.store(ws + r[None, :] * 2 * N + N + n[:, None], u, mask=out_m)
-        else:
-            n = w_idx
-            out_m = rm[None, :] & nm[:, None]
-            if SPLITS == 1:
-                tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
-            else:
-                tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
-        if SPLITS > 1:
-            tl.debug_barrier()  # as in _gemv_kernel: partials before the ticket
-            if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                for m in tl.static_range(M):
-                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, n < N, N, M, SPLITS, ACT)
-                tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: int = 1, block_n: int = 16,
          block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None,
          dot: bool = False) -> torch.Tensor:
@@ -306,7 +148,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
     sum). ``dot`` takes the tensor-core variant (up to DOT_MAX_M rows; with ``act`` a program
     holds ``block_n`` / 2 gate rows and their up rows).
-    ``prefetch_k`` overrides PREFETCH_K (benchmarks)."""
+    ``prefetch_k`` overrides ``prefetch_cols`` (benchmarks)."""
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if act else rows

@@ -309,8 +309,9 @@ def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
 
 def test_pdl_switch_and_prefetch_budget(monkeypatch):
     """``TANDEM_PDL`` picks the kernel kinds launched with PDL (the others only let the next
-    kernel launch early); a bad kind is an error naming the variable; CPU tensors never take it.
-    ``TANDEM_PDL_PREFETCH_MB`` sizes a GEMV's pre-wait prefetch by the whole launch."""
+    kernel launch early); a bad kind or token limit is an error naming the variable; CPU
+    tensors never take it. A GEMV's pre-wait prefetch is sized by the whole launch (4 MB,
+    ``TANDEM_PDL_PREFETCH_MB``)."""
     from gpu_worker.kernels import PDL_KINDS, PDL_OFF, pdl, pdl_kinds
 
     assert pdl_kinds("0") == frozenset() and pdl_kinds("1") == frozenset(PDL_KINDS)
@@ -319,8 +320,14 @@ def test_pdl_switch_and_prefetch_budget(monkeypatch):
         pdl_kinds("gemv,bogus")
     monkeypatch.setenv("TANDEM_PDL", "1")
     assert pdl(torch.zeros(1), "gemv") == PDL_OFF
+    monkeypatch.setenv("TANDEM_PDL_MAX_TOKENS", "x")
+    with pytest.raises(ValueError, match="TANDEM_PDL_MAX_TOKENS"):
+        pdl(torch.zeros(1, device="meta"), "gemv")
     monkeypatch.delenv("TANDEM_PDL_PREFETCH_MB", raising=False)
-    assert G.prefetch_cols(4096, 1, 4096) == G.PREFETCH_K
+    assert G.prefetch_cols(4096, 1, 4096) == 512  # 4 MB by default
+    assert G.prefetch_cols(28672, 1, 4096) == 64  # gate_up: its programs share the same 4 MB
+    monkeypatch.setenv("TANDEM_PDL_PREFETCH_MB", "0")
+    assert G.prefetch_cols(4096, 1, 4096) == 0
     monkeypatch.setenv("TANDEM_PDL_PREFETCH_MB", "16")
     assert G.prefetch_cols(4096, 1, 4096) == 2048  # o: 16 MB = half its 4096 x 4096 bf16
     assert G.prefetch_cols(4096, 4, 3584) == 512  # a split-K down: four K chunks share the budget
