@@ -149,7 +149,7 @@ def pdl(x: torch.Tensor, kind: str) -> int:
 # finished programs per output tile on a ticket; the last one to take it sums the partials and
 # puts the ticket back to 0. Invariant: the buffer is all zeros between kernels, and launches
 # sharing it never run concurrently (the worker issues every forward on one stream; PDL lets a
-# kernel run only its weight prefetch before the previous one completed).
+# kernel run only its prologue, reads, before the previous one completed: tickets come after).
 TICKETS = 1 << 16
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 
