@@ -2,11 +2,14 @@
 decoder layer, in order, with their mean duration and the mean gap before each (negative: the
 kernel started before the previous one ended, as programmatic dependent launch allows).
 
-A layer is found by its anchor kernel (one launch per layer; default the RoPE + KV-store
-kernel) and the most common distance between consecutive anchors; only windows whose kernel
-names repeat that layout are averaged, so prefill steps and the LM head stay out.
+A layer is found by its anchor kernel (one launch per layer; by default the one-row qkv GEMV
+with RoPE + KV store, ``qkv_rope``, with the input norm before it, else the RoPE + KV-store
+kernel with the norm and the qkv projection before it) and the most common distance between
+consecutive anchors; only windows whose kernel names repeat that layout are averaged, so
+prefill steps and the LM head stay out. With PDL a kernel's span includes its wait for the one
+before, so the column to read is "adds": how much later it ends than its predecessor.
 
-    python benchmarks/trace_layers.py trace_8b_bs1.json.gz [--anchor rope_store] [--json]
+    python benchmarks/trace_layers.py trace_8b_bs1.json.gz [--anchor rope_store --before 2] [--json]
 """
 
 from __future__ import annotations
@@ -55,28 +58,40 @@ def layer_table(events: list[dict], anchor: str, before: int = 2) -> dict:
             durs.append(e["dur"])
             gaps.append(e["ts"] - (prev["ts"] + prev["dur"]))
         rows.append(dict(pos=pos, name=name, dur_us=statistics.fmean(durs), gap_us=statistics.fmean(gaps),
-                         min_gap_us=min(gaps)))
+                         min_gap_us=min(gaps), adds_us=statistics.fmean(durs) + statistics.fmean(gaps)))
     total = sum(r["dur_us"] + r["gap_us"] for r in rows)
     return dict(anchor=anchor, kernels_per_layer=period, layers_averaged=count, rows=rows,
                 layer_us=total, kernel_us=sum(r["dur_us"] for r in rows), gap_us=sum(r["gap_us"] for r in rows))
 
 
+def default_anchor(events: list[dict]) -> tuple[str, int]:
+    """(anchor, kernels before it): the fused one-row qkv + RoPE kernel after the input norm
+    where the trace has one, else RoPE + KV store after the norm and the qkv projection."""
+    if any("qkv_rope" in e["name"] for e in events):
+        return "qkv_rope", 1
+    return "rope_store", 2
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
-    ap.add_argument("--anchor", default="rope_store", help="a kernel name part launched once per layer")
-    ap.add_argument("--before", type=int, default=2, help="kernels of the layer ahead of the anchor (norm, qkv)")
+    ap.add_argument("--anchor", help="a kernel name part launched once per layer (default: qkv_rope if "
+                    "the trace has it, else rope_store)")
+    ap.add_argument("--before", type=int, help="kernels of the layer ahead of the anchor (default 1 for "
+                    "qkv_rope: the norm; 2 for rope_store: norm, qkv)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    table = layer_table(load_kernels(args.trace), args.anchor, args.before)
+    events = load_kernels(args.trace)
+    anchor, before = default_anchor(events)
+    table = layer_table(events, args.anchor or anchor, before if args.before is None else args.before)
     if args.json:
         print(json.dumps(table, indent=1))
         return
     print(f"{table['layers_averaged']} layers of {table['kernels_per_layer']} kernels: "
           f"{table['layer_us']:.2f} us a layer = {table['kernel_us']:.2f} in kernels + {table['gap_us']:.2f} between")
-    print(f"{'kernel':44s} {'us':>8s} {'gap before':>11s} {'min gap':>8s}")
+    print(f"{'kernel':44s} {'us':>8s} {'gap before':>11s} {'min gap':>8s} {'adds':>7s}")
     for r in table["rows"]:
-        print(f"{r['name'][:44]:44s} {r['dur_us']:8.2f} {r['gap_us']:11.2f} {r['min_gap_us']:8.2f}")
+        print(f"{r['name'][:44]:44s} {r['dur_us']:8.2f} {r['gap_us']:11.2f} {r['min_gap_us']:8.2f} {r['adds_us']:7.2f}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.trace_layers import layer_table, load_kernels
+from benchmarks.trace_layers import default_anchor, layer_table, load_kernels
 
 LAYER = [("norm", 2.0), ("qkv", 14.0), ("rope_store", 2.0), ("attn", 6.0), ("o", 12.0)]
 
@@ -46,3 +46,16 @@ def test_overlap_shows_as_a_negative_gap(tmp_path):
 def test_no_anchor_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="rope_store"):
         layer_table(load_kernels(_trace(tmp_path / "t.json.gz", layers=1, gap=0.5)), "rope_store")
+
+
+def test_pdl_overlap_adds_and_the_default_anchor(tmp_path):
+    """Under PDL a kernel's span includes its wait: "adds" (how much later it ends than the one
+    before) is what it costs the layer, and the layer's adds sum to its time. A trace with the
+    fused one-row qkv + RoPE kernel is anchored there (rope_store runs only in prefill steps)."""
+    events = load_kernels(_trace(tmp_path / "t.json.gz", layers=4, gap=0.5, overlap_at="attn"))
+    table = layer_table(events, *default_anchor(events))
+    adds = {r["name"]: r["adds_us"] for r in table["rows"]}
+    assert adds["attn"] == pytest.approx(6.0 - 0.5) and adds["o"] == pytest.approx(12.5)
+    assert sum(adds.values()) == pytest.approx(table["layer_us"])
+    fused = [dict(e, name="_qkv_rope_kernel") if e["name"] == "qkv" else e for e in events]
+    assert default_anchor(fused) == ("qkv_rope", 1) and default_anchor(events) == ("rope_store", 2)
