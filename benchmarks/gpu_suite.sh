@@ -117,8 +117,8 @@ if has profile; then
 fi
 if has pdlprof; then
   # One decode layer of the 8B at one row, PDL off and on: mean kernel times and the gap before
-  # each (negative = it started before its predecessor ended). PDL measured no gain end to end
-  # (2026-12-02 evening, 2026-12-03): this shows whether the graph overlaps anything at all.
+  # each (negative = it started before its predecessor ended; read trace_layers.py's "adds").
+  # PDL is on by default at <= 4 tokens since 2026-12-04 (BENCHMARKS.md).
   echo "== the 8B one-row decode layer, TANDEM_PDL=0 / 1"
   for p in 0 1; do
     TANDEM_PDL=$p timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \

@@ -3,8 +3,8 @@ inside a CUDA graph, as the engine's dispatch runs it (``kernels/gemv.py: linear
 gated_linear``) under each variant's environment: the MLP as gate_up GEMV + activation kernel
 + cuBLAS split-K down (the chain before 2026-12-03),
 the gated GEMV (activation in its epilogue; 4 or 8 rows of gate and of up per program), its
-split-K down at 2 / 4 / 8 splits, split K on the shorter projections too, and programmatic
-dependent launch (PDL) on top.
+split-K down at 2 / 4 / 8 splits, split K on the shorter projections too, and the defaults
+without programmatic dependent launch (PDL, on by default at one row since 2026-12-04).
 
 Chain per layer (the engine's order, attention replaced by a same-sized norm so no KV pool is
 needed): add+norm -> qkv -> norm(q) -> o -> add+norm -> MLP. Eight layers of distinct weights
@@ -47,7 +47,7 @@ VARIANTS = [
     ("gated 2x8 rows, cuBLAS down", dict(TANDEM_GATED_GEMV="1", TANDEM_GEMV_SPLITK="0", TANDEM_GATED_BLOCK_N="8")),
     ("gated 2x4, split-K down 4", dict(TANDEM_GATED_GEMV="1")),
     ("default, K<=8192 split 2", dict(TANDEM_GEMV_SPLITK_SHORT="2")),
-    ("default + PDL", dict(TANDEM_PDL="1")),
+    ("default without PDL", dict(TANDEM_PDL="0")),
 ]
 
 

@@ -70,7 +70,7 @@ if interpreting() and triton_available():
 # Programmatic dependent launch (Hopper+): a kernel launched with ``launch_pdl=True`` may start
 # while the kernel before it in the stream still runs, and CUDA graphs keep that edge. Our
 # kernels take a ``PDL`` constexpr, one of three levels (``gdc_enter`` in ``gdc.py``):
-#   PDL_OFF     nothing (the default, and always on the CPU interpreter);
+#   PDL_OFF     nothing (``TANDEM_PDL=0``, forwards past the token limit, the CPU interpreter);
 #   PDL_TRIGGER launched normally, but lets the next kernel launch as soon as it starts, so a
 #               PDL kernel after it can run its prologue early;
 #   PDL_ON      launched with PDL: before ``gdc_wait`` a program reads only what no kernel still
