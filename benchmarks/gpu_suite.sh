@@ -153,7 +153,7 @@ if has fuse; then
     || echo "layer chain bench failed"
   tail -14 "$OUT/layer_chain.log"
   # gated GEMV, split-K down splits, PDL, split-KV merged in the decode kernel: all off (the chain
-  # before 2026-12-03), the MLP fusions, the default, the default + PDL
+  # before 2026-12-03), the MLP fusions, those without PDL, with PDL (the default since 2026-12-04)
   for v in ${FUSE_VARIANTS:-0,0,0,0 1,4,0,0 1,4,0,1 1,4,1,1}; do
     set -- ${v//,/ }; export TANDEM_GATED_GEMV=$1 TANDEM_GEMV_SPLITK=$2 TANDEM_PDL=$3 TANDEM_DECODE_FUSED_MERGE=$4
     n=llama1_fuse_$1_$2_$3_$4
@@ -243,7 +243,7 @@ if has gfuse; then
       "$OUT/$n.json" "gemma gated=$1 splitk=$2 merge=$3 pdl=$4" 2>/dev/null
   done
   unset TANDEM_GATED_GEMV TANDEM_GEMV_SPLITK TANDEM_DECODE_FUSED_MERGE
-  for p in $([ "${GFUSE_LLAMA:-1}" = 1 ] && echo 0 1); do  # (a) at the defaults, and with PDL
+  for p in $([ "${GFUSE_LLAMA:-1}" = 1 ] && echo 0 1); do  # (a) without PDL, and with it (the default since 2026-12-04)
     export TANDEM_PDL=$p
     off llama1_default_pdl$p 150 "${LLAMA8B[@]}" --num-prompts 1 --warmup-rounds 1
     python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads'][0]; print(sys.argv[2],

@@ -132,7 +132,10 @@ def _max_tokens(setting: str) -> int:
 
 def pdl(x: torch.Tensor, kind: str) -> int:
     """The PDL level of a ``kind`` kernel reading ``x`` (tokens along dim 0; CUDA, sm90+, switched
-    on, at most ``TANDEM_PDL_MAX_TOKENS`` tokens, so that every kernel of one forward agrees).
+    on, at most ``TANDEM_PDL_MAX_TOKENS`` tokens). A forward's kernels mostly see its token count;
+    one that sees fewer rows (decode attention on a mixed batch's decode group) may take
+    another level, which keeps the invariant: a kernel launched without PDL starts after its
+    predecessor completed and lets nothing start early unless it triggers.
     Read at each launch, so a process can capture graphs both ways (benchmarks, tests)."""
     kinds = pdl_kinds(os.environ.get("TANDEM_PDL", "1"))
     limit = _max_tokens(os.environ.get("TANDEM_PDL_MAX_TOKENS", ""))

@@ -232,23 +232,37 @@ def test_fused_split_merge_in_graph(monkeypatch):
     assert tickets_clear()
 
 
-@pytest.mark.parametrize("t,rows,splits", [(1, 1, 16), (4, 1, 8), (1, 16, 1)])
-def test_attention_prologue_after_kv_store_in_graph(env, t, rows, splits):
+# Lengths per replay i, chosen so the fresh keys fall in a split's first tile (read before the
+# wait, then replaced): 16 splits of 64 keys (BLOCK_N 64) at one row; at verify (T = 4, 8 splits
+# of 128 keys) the four new keys straddle a split start, two in the tile before the wait, two in
+# the loop; 16 rows of one split, every row shorter than one tile.
+LENS = {
+    (1, 1, 16): lambda i, r: 600 + 5 * i,
+    (4, 1, 8): lambda i, r: 128 * (4 + i % 2) + 2,
+    (1, 16, 1): lambda i, r: 20 + 2 * r + i,
+}
+
+
+@pytest.mark.parametrize("t,rows,splits", list(LENS))
+def test_attention_prologue_after_kv_store_in_graph(env, monkeypatch, t, rows, splits):
     """Decode attention launched with PDL right after the kernel that stores the step's keys
     (rope_store; Llama-8B's heads): it reads its first key tile before that kernel completes
     and the fresh keys after it. Graph replays, each writing new keys at new positions into the
     pool, give the bits of eager launches without PDL (attention output and pool)."""
+    from gpu_worker.kernels import PDL_ON
     from gpu_worker.kernels.attention_decode import paged_decode
     from gpu_worker.kernels.rope import rope_store
     from gpu_worker.models.config import RopeSpec
     from gpu_worker.models.layers import rope_inv_freq
 
     env(True)
-    if not pdl(torch.empty(1, device="cuda"), "attn"):
+    monkeypatch.setenv("TANDEM_PDL_MAX_TOKENS", str(rows * t))  # 16 rows: past the default 4
+    if pdl(torch.empty(rows * t, device="cuda"), "attn") != PDL_ON:
         pytest.skip("PDL needs sm90+ and a Triton with gdc_wait")
     torch.manual_seed(6 + t)
-    ps, hkv, hq, d, ctx = 16, 8, 32, 128, 600
-    pages = rows * (ctx // ps + 4) + 1
+    ps, hkv, hq, d, ctx = 16, 8, 32, 128, 800
+    lens_of = LENS[(t, rows, splits)]
+    pages = rows * (ctx // ps) + 1
     kc = torch.randn(pages * ps, hkv, d, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     pt = (1 + torch.randperm(pages - 1, device="cuda", dtype=torch.int32)).view(rows, -1)
@@ -269,7 +283,8 @@ def test_attention_prologue_after_kv_store_in_graph(env, t, rows, splits):
 
     def inputs(i):
         qkv.copy_(torch.randn_like(qkv))
-        lens = torch.tensor([ctx - 37 * r + 5 * i for r in range(rows)], device="cuda")
+        lens = torch.tensor([lens_of(i, r) for r in range(rows)], device="cuda")
+        assert int(lens.max()) <= ctx
         kv_lens.copy_(lens)
         pos = (lens - t)[:, None] + torch.arange(t, device="cuda")[None, :]
         q_pos.copy_(pos.reshape(-1))

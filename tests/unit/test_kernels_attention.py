@@ -217,10 +217,11 @@ def test_decode_launch_shape_from_the_environment(monkeypatch):
 def test_pdl_prologue_reads_no_fresh_key_and_changes_no_bit(monkeypatch, t, splits, window):
     """Launched with PDL, the decode kernel reads its split's first key tile before waiting for
     the previous kernel, and the keys at the rows' query positions (which that kernel may still
-    be writing) after it. The fresh keys of row 0 (served by the first program) hold NaN until
-    the wait (a hook in place of ``gdc_enter`` stores them): one taken from before the wait
-    would leave NaN. The result is the bits of the launch without PDL (the first tile peeled,
-    the rest in the loop)."""
+    be writing) after it. Row 0 is short enough to lie in the first tile of split 0, which the
+    first program serves (the interpreter runs programs in grid order); its fresh keys hold NaN
+    until that program's wait (a hook in place of ``gdc_enter`` stores them): one taken from
+    before the wait would leave NaN. The longer rows run the peeled tile and the loop; the
+    result is the bits of the launch without PDL."""
     from gpu_worker.kernels import PDL_ON
     from gpu_worker.kernels import attention_decode as ad
 
@@ -230,11 +231,13 @@ def test_pdl_prologue_reads_no_fresh_key_and_changes_no_bit(monkeypatch, t, spli
     kc, vc = _pool(40, ps, hkv, d, d, torch.bfloat16, seed=11 + t)
     pt = _page_table(6, 12, 40, seed=12)
     slots = torch.tensor([3, 1, 0, 4, 5])
-    kv_lens = torch.tensor([21, 40, 0, 1 + t, 30])
+    block_n = 8
+    kv_lens = torch.tensor([6, 40, 0, 1 + t, 30])
+    assert kv_lens[0] <= block_n  # row 0: one tile, the first of split 0, whatever the split count
     q_pos = ((kv_lens - t).clamp_min(0)[:, None] + torch.arange(t)[None, :]).reshape(-1)
     q_pos[2 * t : 3 * t] = 0
     q = torch.randn(5 * t, hq, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
-    kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window, tune={"block_n": 8})
+    kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window, tune={"block_n": block_n})
     want = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
 
     fresh = [int(pt[3, p // ps]) * ps + p % ps for p in q_pos[:t].tolist()]  # row 0's new keys

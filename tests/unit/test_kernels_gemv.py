@@ -309,17 +309,34 @@ def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
 
 def test_pdl_switch_and_prefetch_budget(monkeypatch):
     """``TANDEM_PDL`` picks the kernel kinds launched with PDL (the others only let the next
-    kernel launch early); a bad kind or token limit is an error naming the variable; CPU
-    tensors never take it. A GEMV's pre-wait prefetch is sized by the whole launch (4 MB,
+    kernel launch early) for forwards of at most ``TANDEM_PDL_MAX_TOKENS`` tokens; a bad kind
+    or token limit is an error naming the variable; CPU tensors never take it. A GEMV's pre-wait prefetch is sized by the whole launch (4 MB,
     ``TANDEM_PDL_PREFETCH_MB``)."""
-    from gpu_worker.kernels import PDL_KINDS, PDL_OFF, pdl, pdl_kinds
+    from gpu_worker.kernels import PDL_KINDS, PDL_OFF, PDL_ON, PDL_TRIGGER, pdl, pdl_kinds
 
     assert pdl_kinds("0") == frozenset() and pdl_kinds("1") == frozenset(PDL_KINDS)
     assert pdl_kinds("gemv+attn") == pdl_kinds("attn,gemv") == {"gemv", "attn"}
     with pytest.raises(ValueError, match="TANDEM_PDL"):
         pdl_kinds("gemv,bogus")
     monkeypatch.setenv("TANDEM_PDL", "1")
-    assert pdl(torch.zeros(1), "gemv") == PDL_OFF
+    assert pdl(torch.zeros(1), "gemv") == PDL_OFF  # a CPU tensor
+    # the levels on a (stand-in) sm90 CUDA tensor of n tokens
+    import types
+
+    import gpu_worker.kernels as K
+
+    monkeypatch.setattr(K, "_pdl_device", lambda index: True)
+
+    def rows(n):
+        return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(n, 4096))
+
+    assert pdl(rows(4), "gemv") == PDL_ON and pdl(rows(5), "gemv") == PDL_OFF  # default limit: 4 tokens
+    monkeypatch.setenv("TANDEM_PDL", "gemv")
+    assert pdl(rows(1), "gemv") == PDL_ON and pdl(rows(1), "attn") == PDL_TRIGGER
+    monkeypatch.setenv("TANDEM_PDL_MAX_TOKENS", "16")
+    assert pdl(rows(16), "gemv") == PDL_ON
+    monkeypatch.setenv("TANDEM_PDL", "0")
+    assert pdl(rows(1), "gemv") == PDL_OFF
     monkeypatch.setenv("TANDEM_PDL_MAX_TOKENS", "x")
     with pytest.raises(ValueError, match="TANDEM_PDL_MAX_TOKENS"):
         pdl(torch.zeros(1, device="meta"), "gemv")
