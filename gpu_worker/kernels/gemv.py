@@ -26,9 +26,9 @@ A split-K launch takes tickets 0..tiles-1 of the device's ticket buffer (``kerne
 where the invariant is stated).
 
 PDL (``kernels/__init__.py``): before waiting for the previous kernel, a program prefetches the
-first columns of its weight rows into L2 (``prefetch_cols``: PREFETCH_MB for the whole launch). Rounding as F.linear: fp32
-accumulation, one rounding to the output dtype (the summation order differs from cuBLAS's, as
-cuBLAS's differs between its own kernels).
+first columns of its weight rows into L2 (``prefetch_cols``: PREFETCH_MB for the whole launch).
+Rounding as F.linear: fp32 accumulation, one rounding to the output dtype (the summation order
+differs from cuBLAS's, as cuBLAS's differs between its own kernels).
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         _gemv_dot_kernel[(tiles, splits)](
             x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), m, M=mp if rt else m, MP=mp,
             BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, ROWS_RT=rt,
-            F32=not x.is_cuda, PDL=on, PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages, launch_pdl=on == PDL_ON,
+            F32=not x.is_cuda, PDL=on, PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages,
+            launch_pdl=on == PDL_ON,
         )
         return y
     _gemv_kernel[(tiles, splits)](

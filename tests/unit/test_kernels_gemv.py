@@ -310,8 +310,8 @@ def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
 def test_pdl_switch_and_prefetch_budget(monkeypatch):
     """``TANDEM_PDL`` picks the kernel kinds launched with PDL (the others only let the next
     kernel launch early) for forwards of at most ``TANDEM_PDL_MAX_TOKENS`` tokens; a bad kind
-    or token limit is an error naming the variable; CPU tensors never take it. A GEMV's pre-wait prefetch is sized by the whole launch (4 MB,
-    ``TANDEM_PDL_PREFETCH_MB``)."""
+    or token limit is an error naming the variable; CPU tensors never take it. A GEMV's pre-wait
+    prefetch is sized by the whole launch (4 MB, ``TANDEM_PDL_PREFETCH_MB``)."""
     from gpu_worker.kernels import PDL_KINDS, PDL_OFF, PDL_ON, PDL_TRIGGER, pdl, pdl_kinds
 
     assert pdl_kinds("0") == frozenset() and pdl_kinds("1") == frozenset(PDL_KINDS)
