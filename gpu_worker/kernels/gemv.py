@@ -79,6 +79,11 @@ WIDE_GATED = ((16, BIG_CONFIG), (32, dict(block_n=64, block_k=64, num_warps=4, n
 # 2-8 MB 4.205-4.211 ms, none 4.241, 16 MB 4.235; the former 1024 columns a row (gate_up: 56 MB,
 # more than L2 holds) 4.359, slower than without PDL.
 PREFETCH_MB = 4.0
+# The o projection's budget: it follows one-row decode attention, a latency-bound kernel that
+# leaves HBM mostly idle. Its whole weight (33.5 MB at the 8B) measured 0.4 % faster a step than
+# 4 MB, in two calls (4.152 -> 4.135 and 4.149 -> 4.131 ms; 12 / 24 MB in between), far less than
+# an L2 filled during attention would give (BENCHMARKS.md 2026-12-04, "o projection prefetch").
+AFTER_ATTN_MB = 32.0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -90,15 +95,29 @@ def _env_int(name: str, default: int) -> int:
     return int(raw)
 
 
-def prefetch_cols(rows: int, splits: int, chunk: int) -> int:
-    """Weight columns per row a PDL-launched GEMV program pulls into L2 before its wait: as many
-    (a power of 2, at least 16, at most the K chunk) as keep the launch's prefetch within
-    PREFETCH_MB (``TANDEM_PDL_PREFETCH_MB`` overrides; 0: none)."""
-    raw = os.environ.get("TANDEM_PDL_PREFETCH_MB", "")
+def prefetch_mb(after_attention: bool = False) -> float:
+    """The prefetch budget of one PDL-launched GEMV: PREFETCH_MB (``TANDEM_PDL_PREFETCH_MB``), and
+    for a projection right after attention (``after_attention``: the o projection) AFTER_ATTN_MB
+    (``TANDEM_PDL_PREFETCH_MB_O``): one-row decode attention is latency-bound and leaves HBM
+    mostly idle for its 5-7 us, time in which the o projection's weights can stream into L2.
+    A ValueError names the variable when it is not a number >= 0."""
+    name, default = ("TANDEM_PDL_PREFETCH_MB_O", AFTER_ATTN_MB) if after_attention else ("TANDEM_PDL_PREFETCH_MB",
+                                                                                          PREFETCH_MB)
+    raw = os.environ.get(name, "")
     try:
-        mb = float(raw) if raw else PREFETCH_MB
+        mb = float(raw) if raw else default
     except ValueError:
-        raise ValueError(f"TANDEM_PDL_PREFETCH_MB: expected a number, got {raw!r}") from None
+        raise ValueError(f"{name}: expected a number, got {raw!r}") from None
+    if mb < 0:
+        raise ValueError(f"{name}: expected a number >= 0, got {raw!r}")
+    return mb
+
+
+def prefetch_cols(rows: int, splits: int, chunk: int, mb: float | None = None) -> int:
+    """Weight columns per row a PDL-launched GEMV program pulls into L2 before its wait: as many
+    (a power of 2, at least 16, at most the K chunk) as keep the launch's prefetch within ``mb``
+    megabytes (default ``prefetch_mb()``; 0: none)."""
+    mb = prefetch_mb() if mb is None else mb
     cols = int(mb * (1 << 20) / (2 * rows * splits))
     return 0 if cols < 16 else min(1 << (cols.bit_length() - 1), next_pow2(chunk))
 
@@ -141,14 +160,15 @@ def gated_mode() -> str:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: int = 1, block_n: int = 16,
          block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None,
-         dot: bool = False) -> torch.Tensor:
+         dot: bool = False, after_attention: bool = False) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M, unit column stride), w [N, K] contiguous -> [M, N].
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
     sum). ``dot`` takes the tensor-core variant (up to DOT_MAX_M rows; with ``act`` a program
     holds ``block_n`` / 2 gate rows and their up rows).
-    ``prefetch_k`` overrides ``prefetch_cols`` (benchmarks)."""
+    ``after_attention``: the PDL prefetch budget of a projection right after attention
+    (``prefetch_mb``); ``prefetch_k`` overrides ``prefetch_cols`` (benchmarks)."""
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if act else rows
@@ -168,7 +188,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
         tk = tickets(x.device)
     on = pdl(x, "gemv")
-    pre = (prefetch_cols(rows, splits, chunk) if prefetch_k is None else prefetch_k) if on == PDL_ON else 0
+    if on != PDL_ON:
+        pre = 0
+    else:
+        pre = prefetch_cols(rows, splits, chunk, prefetch_mb(after_attention)) if prefetch_k is None else prefetch_k
     if dot:
         mp = max(DOT_ROWS, next_pow2(m))
         rt = m > GEMV_MAX_M and splits == 1  # one variant per MP for decode batches (no compile per size)
@@ -224,18 +247,19 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, rows: int | None = None) -> bool:
             and x.shape[0] <= (skinny_rows() if rows is None else rows))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           after_attention: bool = False) -> torch.Tensor:
     """F.linear, or the GEMV where it measured faster: up to ``skinny_rows()`` rows through a
     mid-sized weight, split-K past SKINNY_MAX_K. Decode batches (16-256 rows) stay with cuBLAS:
     a Triton small-M GEMM (M x N tiles, split K) measured slower there on the H200
-    (BENCHMARKS.md, 2026-12-02 night)."""
+    (BENCHMARKS.md, 2026-12-02 night). ``after_attention``: see ``prefetch_mb``."""
     cfg = launch_config(x.shape[0], w) if bias is None and _skinny(x, w) else None
     if cfg is not None:
         if w.shape[1] <= SKINNY_MAX_K:
-            return gemv(x, w, splits=short_k_splits(), **cfg)
+            return gemv(x, w, splits=short_k_splits(), after_attention=after_attention, **cfg)
         splits = long_k_splits()
         if splits > 1:
-            return gemv(x, w, splits=splits, **cfg)
+            return gemv(x, w, splits=splits, after_attention=after_attention, **cfg)
     return F.linear(x, w, bias)
 
 

@@ -167,10 +167,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py)."""
+    """nn.Linear whose one-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py).
+    ``after_attention`` (set by the attention block on its output projection) sizes the GEMV's
+    PDL prefetch for the idle HBM time of the attention kernel before it (``gemv.prefetch_mb``)."""
+
+    after_attention = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, after_attention=self.after_attention)
 
 
 class MergedLinear(Linear):

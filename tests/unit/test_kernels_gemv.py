@@ -95,7 +95,7 @@ def test_several_rows_dispatch(monkeypatch):
         for x in rows:
             G.linear(x, small)
             G.linear(x, big)
-        cfg = {(m, n): {k: v for k, v in kw.items() if k != "splits"} for m, n, kw in calls}
+        cfg = {(m, n): {k: v for k, v in kw.items() if k not in ("splits", "after_attention")} for m, n, kw in calls}
         assert sorted(cfg) == [(m, n) for m in (1, 2, 4) for n in (64, 128)]  # five rows: cuBLAS
         assert cfg[1, 64] == G.CONFIG and cfg[2, 64] == cfg[4, 64] == G.ROWS_CONFIG
         assert cfg[1, 128] == cfg[2, 128] == cfg[4, 128] == G.BIG_CONFIG
@@ -350,3 +350,37 @@ def test_pdl_switch_and_prefetch_budget(monkeypatch):
     assert G.prefetch_cols(4096, 4, 3584) == 512  # a split-K down: four K chunks share the budget
     assert G.prefetch_cols(28672, 1, 4096) == 256
     assert G.prefetch_cols(1 << 20, 1, 4096) == 0
+    # the o projection (after attention) has its own budget: its whole weight by default
+    monkeypatch.delenv("TANDEM_PDL_PREFETCH_MB")
+    assert G.prefetch_mb() == 4.0 and G.prefetch_mb(after_attention=True) == 32.0
+    assert G.prefetch_cols(4096, 1, 4096, G.prefetch_mb(after_attention=True)) == 4096
+    monkeypatch.setenv("TANDEM_PDL_PREFETCH_MB_O", "8")
+    assert G.prefetch_mb(after_attention=True) == 8.0 and G.prefetch_mb() == 4.0
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv("TANDEM_PDL_PREFETCH_MB_O", bad)
+        with pytest.raises(ValueError, match="TANDEM_PDL_PREFETCH_MB_O"):
+            G.prefetch_mb(after_attention=True)
+
+
+def test_llama_o_projection_takes_the_after_attention_budget(tmp_path, monkeypatch):
+    """Llama's o projection, and no other, asks the GEMV for the after-attention prefetch budget."""
+    transformers = pytest.importorskip("transformers")
+    from gpu_worker.models.loader import load_model
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.bfloat16, device=DEV)
+    layer = model.model.layers[0]
+    seen = []
+    monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 1)
+    monkeypatch.setattr(G, "gemv", lambda x, w, **kw: seen.append(kw["after_attention"]) or F.linear(x, w))
+    enable_cpu_kernels(True)
+    try:
+        layer.self_attn.o_proj(torch.randn(1, 64).to(torch.bfloat16).to(DEV))
+        layer.mlp.down_proj(torch.randn(1, 96).to(torch.bfloat16).to(DEV))
+        layer.self_attn.qkv_proj(torch.randn(1, 64).to(torch.bfloat16).to(DEV))
+    finally:
+        enable_cpu_kernels(False)
+    assert seen == [True, False, False]
+
