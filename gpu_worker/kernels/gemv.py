@@ -79,11 +79,6 @@ WIDE_GATED = ((16, BIG_CONFIG), (32, dict(block_n=64, block_k=64, num_warps=4, n
 # 2-8 MB 4.205-4.211 ms, none 4.241, 16 MB 4.235; the former 1024 columns a row (gate_up: 56 MB,
 # more than L2 holds) 4.359, slower than without PDL.
 PREFETCH_MB = 4.0
-# The o projection's budget: it follows one-row decode attention, a latency-bound kernel that
-# leaves HBM mostly idle. Its whole weight (33.5 MB at the 8B) measured 0.4 % faster a step than
-# 4 MB, in two calls (4.152 -> 4.135 and 4.149 -> 4.131 ms; 12 / 24 MB in between), far less than
-# an L2 filled during attention would give (BENCHMARKS.md 2026-12-04, "o projection prefetch").
-AFTER_ATTN_MB = 32.0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -96,13 +91,18 @@ def _env_int(name: str, default: int) -> int:
 
 
 def prefetch_mb(after_attention: bool = False) -> float:
-    """The prefetch budget of one PDL-launched GEMV: PREFETCH_MB (``TANDEM_PDL_PREFETCH_MB``), and
-    for a projection right after attention (``after_attention``: the o projection) AFTER_ATTN_MB
-    (``TANDEM_PDL_PREFETCH_MB_O``): one-row decode attention is latency-bound and leaves HBM
-    mostly idle for its 5-7 us, time in which the o projection's weights can stream into L2.
-    A ValueError names the variable when it is not a number >= 0."""
-    name, default = ("TANDEM_PDL_PREFETCH_MB_O", AFTER_ATTN_MB) if after_attention else ("TANDEM_PDL_PREFETCH_MB",
-                                                                                          PREFETCH_MB)
+    """The prefetch budget of one PDL-launched GEMV: PREFETCH_MB (``TANDEM_PDL_PREFETCH_MB``). A
+    projection right after attention (``after_attention``: the o projection) takes the same
+    unless ``TANDEM_PDL_PREFETCH_MB_O`` sets its own: one-row decode attention is latency-bound
+    and leaves HBM mostly idle for its 5-7 us, time in which the o projection's weights could
+    stream into L2. Its whole weight (32 MB) made the 8B's one-row step 0.4 % faster in three
+    calls, far less than an L2 filled during attention would give, and the Gemma-4 9B's plain
+    and MTP steps 1.6 % and 2.1 % slower on the same machine (BENCHMARKS.md 2026-12-04
+    afternoon): kept for A/Bs, not on by default. A ValueError names a variable that is not a
+    number >= 0."""
+    name, default = "TANDEM_PDL_PREFETCH_MB", PREFETCH_MB
+    if after_attention and os.environ.get("TANDEM_PDL_PREFETCH_MB_O", ""):
+        name = "TANDEM_PDL_PREFETCH_MB_O"
     raw = os.environ.get(name, "")
     try:
         mb = float(raw) if raw else default

@@ -350,12 +350,13 @@ def test_pdl_switch_and_prefetch_budget(monkeypatch):
     assert G.prefetch_cols(4096, 4, 3584) == 512  # a split-K down: four K chunks share the budget
     assert G.prefetch_cols(28672, 1, 4096) == 256
     assert G.prefetch_cols(1 << 20, 1, 4096) == 0
-    # the o projection (after attention) has its own budget: its whole weight by default
+    # the o projection (after attention) takes the same budget unless its own variable is set
+    assert G.prefetch_mb() == G.prefetch_mb(after_attention=True) == 16.0
     monkeypatch.delenv("TANDEM_PDL_PREFETCH_MB")
-    assert G.prefetch_mb() == 4.0 and G.prefetch_mb(after_attention=True) == 32.0
-    assert G.prefetch_cols(4096, 1, 4096, G.prefetch_mb(after_attention=True)) == 4096
-    monkeypatch.setenv("TANDEM_PDL_PREFETCH_MB_O", "8")
-    assert G.prefetch_mb(after_attention=True) == 8.0 and G.prefetch_mb() == 4.0
+    assert G.prefetch_mb() == 4.0 and G.prefetch_mb(after_attention=True) == 4.0
+    monkeypatch.setenv("TANDEM_PDL_PREFETCH_MB_O", "32")
+    assert G.prefetch_mb(after_attention=True) == 32.0 and G.prefetch_mb() == 4.0
+    assert G.prefetch_cols(4096, 1, 4096, G.prefetch_mb(after_attention=True)) == 4096  # the whole o weight
     for bad in ("-1", "lots"):
         monkeypatch.setenv("TANDEM_PDL_PREFETCH_MB_O", bad)
         with pytest.raises(ValueError, match="TANDEM_PDL_PREFETCH_MB_O"):
