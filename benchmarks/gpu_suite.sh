@@ -9,7 +9,10 @@
 #  gfuse = the same on the Gemma-4 9B shape;
 #  rows = the GEMV's tensor-core variant (1-4 rows) and the greedy tail: sweep, engine A/B, tests;
 #  envab = the 8B at 1 and 64 requests (ENVAB_PROMPTS) once per ENV_VARIANTS entry ("name:VAR=v,VAR=v ...");
-#  pdlprof = one 8B decode layer's kernels and the gaps between them, PDL off and on (trace_layers.py);
+#  pdlprof = one 8B decode layer's kernels and the gaps between them, PDL off and on (trace_layers.py;
+#            PDLPROF_LEVELS="1": on only);
+#  mtpprof = (e)'s MTP step on the Gemma-4 9B + assistant at one request, kernel by kernel (the draft
+#            loop's share: profile_step.py --draft), trace under $OUT;
 #  lpt = decode rows launched longest first, A/B; sweep = kernel_sweep.py's logits and GEMM parts;
 #  transient = the recipe's first round in fresh processes, Triton variants logged, lazy vs eager;
 #  chunk = the recipe's first round in fresh processes at 8192 / 16384 / 32768 tokens a step,
@@ -125,6 +128,15 @@ if has pdlprof; then
       --trace "$OUT/trace_pdl$p.json.gz" > "$OUT/profile_pdl$p.txt" 2>&1 || echo "profile PDL=$p failed"
     echo "TANDEM_PDL=$p"; python3 benchmarks/trace_layers.py "$OUT/trace_pdl$p.json.gz" 2>&1 | tee "$OUT/layers_pdl$p.txt"
   done
+fi
+if has mtpprof; then
+  # Where the MTP step's time goes beyond the plain step's: the draft loop (1.04 ms at S=3 on
+  # 2026-12-04, its floor ~0.4 ms: three 537 MB LM heads) and the verify forward at 4 rows.
+  echo "== Gemma-4 9B + assistant, S=3, one request: the MTP decode step's kernels"
+  timeout 240 python3 benchmarks/profile_step.py --model-path $DM/gemma4-dense-9b \
+    --draft $DM/gemma4-dense-9b-assistant --decode-only --steps 24 --trace "$OUT/trace_mtp.json.gz" \
+    > "$OUT/profile_mtp.txt" 2>&1 || echo "profile mtp failed"
+  head -45 "$OUT/profile_mtp.txt"
 fi
 if has llama; then
   echo "== (a, b, d) Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"
