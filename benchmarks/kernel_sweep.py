@@ -11,6 +11,7 @@ engine runs them) with weights/KV rotated over more than L2 holds:
   ``gpu_worker/kernels/argmax.py``).
 
     python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,gemv,attn,logits,wide]
+    SWEEP_ROTATE_MB=0 python benchmarks/kernel_sweep.py --only gemv   # weights left in L2
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from gpu_worker.kernels.attention_decode import paged_decode  # noqa: E402
 from gpu_worker.kernels.argmax import argmax_last  # noqa: E402
 from gpu_worker.kernels.gemv import GEMV_MAX_M, gemv  # noqa: E402
 
-L2_BYTES = 200 << 20  # rotate over more than the H200's 50 MB L2
+# Rotate over more than the H200's 50 MB L2. SWEEP_ROTATE_MB=0: one copy, so a weight that fits
+# stays in L2 between calls (what a kernel costs when its bytes are not the limit: latency,
+# ramp and tail; e.g. the one-row o projection, 2026-12-04 afternoon in BENCHMARKS.md).
+L2_BYTES = int(float(os.environ.get("SWEEP_ROTATE_MB", "200")) * (1 << 20))
 # (label, M, N, K): Llama-3.1-8B's projections at 1 and 4 rows (decode, MTP verify at one
 # request) and 64, Qwen3-0.6B's at 256.
 LLAMA = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
