@@ -54,7 +54,7 @@ GEMV_MAX_M = 4
 # qkv 16.5 -> 14.7 us, o 13.4 -> 11.9, gate_up 59.8 -> 54.8; without split-K its down (K =
 # 14336) lost, 32.1 -> 34.5, and at four rows it lost everywhere. Elsewhere cuBLAS stays.
 SKINNY_MAX_K = 8192
-SKINNY_MIN_WEIGHT = 8 << 20  # elements
+SKINNY_MIN_WEIGHT = 8 << 20  # elements; TANDEM_GEMV_MIN_WEIGHT overrides (read at import, below)
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 # The tensor-core variant (``gemv(dot=True)``, x padded to DOT_ROWS rows, tl.dot's smallest tile)
 # where it measured fastest (kernel_sweep.py --only gemv, H200, h200-2026-12-03h, in a CUDA
@@ -88,6 +88,11 @@ def _env_int(name: str, default: int) -> int:
     if not raw.isdigit():
         raise ValueError(f"{name}: expected a non-negative integer, got {raw!r}")
     return int(raw)
+
+
+# For A/Bs of smaller weights, e.g. the Gemma-4 assistant's 4M-element projections (cuBLAS at one
+# row, outside the PDL chain): one read per process, not one per projection call.
+SKINNY_MIN_WEIGHT = _env_int("TANDEM_GEMV_MIN_WEIGHT", SKINNY_MIN_WEIGHT)
 
 
 def prefetch_mb(after_attention: bool = False) -> float:

@@ -385,3 +385,21 @@ def test_llama_o_projection_takes_the_after_attention_budget(tmp_path, monkeypat
         enable_cpu_kernels(False)
     assert seen == [True, False, False]
 
+
+def test_min_weight_from_the_environment():
+    """``TANDEM_GEMV_MIN_WEIGHT`` (elements, read at import) moves the smallest weight a one-row
+    projection sends through the GEMV; a bad value is an error naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from gpu_worker.kernels import gemv as G; print(G.SKINNY_MIN_WEIGHT)"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_GEMV_MIN_WEIGHT"}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, **extra},  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    assert run({}).stdout.strip() == str(8 << 20)
+    assert run({"TANDEM_GEMV_MIN_WEIGHT": "4194304"}).stdout.strip() == "4194304"
+    bad = run({"TANDEM_GEMV_MIN_WEIGHT": "4M"})
+    assert bad.returncode != 0 and "TANDEM_GEMV_MIN_WEIGHT" in bad.stderr
+
