@@ -105,12 +105,11 @@ def prefetch_mb(after_attention: bool = False) -> float:
     and MTP steps 1.6 % and 2.1 % slower on the same machine (BENCHMARKS.md 2026-12-04
     afternoon): kept for A/Bs, not on by default. A ValueError names a variable that is not a
     number >= 0."""
-    name, default = "TANDEM_PDL_PREFETCH_MB", PREFETCH_MB
-    if after_attention and os.environ.get("TANDEM_PDL_PREFETCH_MB_O", ""):
-        name = "TANDEM_PDL_PREFETCH_MB_O"
+    name = "TANDEM_PDL_PREFETCH_MB_O" if after_attention and os.environ.get("TANDEM_PDL_PREFETCH_MB_O") else (
+        "TANDEM_PDL_PREFETCH_MB")
     raw = os.environ.get(name, "")
     try:
-        mb = float(raw) if raw else default
+        mb = float(raw) if raw else PREFETCH_MB
     except ValueError:
         raise ValueError(f"{name}: expected a number, got {raw!r}") from None
     if mb < 0:
