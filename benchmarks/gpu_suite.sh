@@ -8,7 +8,8 @@
 # (and, not in the default: fi = flashinfer vs triton; fuse = the one-row MLP fusions and PDL, A/B;
 #  gfuse = the same on the Gemma-4 9B shape;
 #  rows = the GEMV's tensor-core variant (1-4 rows) and the greedy tail: sweep, engine A/B, tests;
-#  envab = the 8B at 1 and 64 requests (ENVAB_PROMPTS) once per ENV_VARIANTS entry ("name:VAR=v,VAR=v ...");
+#  envab = the 8B at 1 and 64 requests (ENVAB_PROMPTS) once per ENV_VARIANTS entry ("name:VAR=v,VAR=v ...";
+#          ENVAB_MODEL=qwen3-0.6b: another dummy shape); gemmaab = (e) per ENV_VARIANTS entry;
 #  pdlprof = one 8B decode layer's kernels and the gaps between them, PDL off and on (trace_layers.py;
 #            PDLPROF_LEVELS="1": on only);
 #  mtpprof = (e)'s MTP step on the Gemma-4 9B + assistant at one request, kernel by kernel (the draft
@@ -300,10 +301,24 @@ if has envab; then
   for v in ${ENV_VARIANTS:-default:}; do
     name=${v%%:*}; vars=${v#*:}
     (for kv in ${vars//,/ }; do export "$kv"; done
-     off llama_env_$name 150 "${LLAMA8B[@]}" --warmup-rounds 1 --num-prompts "${ENVAB_PROMPTS:-1,64}")
+     off llama_env_$name 150 "${LLAMA8B[@]}" --warmup-rounds 1 --num-prompts "${ENVAB_PROMPTS:-1,64}" \
+       --model-path $DM/${ENVAB_MODEL:-llama-3.1-8b})
     python3 -c "import json,sys; [print(sys.argv[2], w['num_prompts'], 'req: decode ms/step %.3f' % w['decode_busy_ms_per_step'],
       'decode tok/s %.1f' % w['decode_tok_s'], 'tok/s %.1f' % w['output_tok_s']) for w in json.load(open(sys.argv[1]))['workloads']]" \
       "$OUT/llama_env_$name.json" "$name ($vars)" 2>/dev/null || echo "$name failed"
+  done
+fi
+if has gemmaab; then
+  # (e) once per ENV_VARIANTS entry (as envab), plain and MTP on the same machine: the ratio per variant
+  echo "== (e) Gemma-4 9B plain vs MTP S=3, A/B over environment switches"
+  for v in ${ENV_VARIANTS:-default:}; do
+    name=${v%%:*}; vars=${v#*:}
+    (for kv in ${vars//,/ }; do export "$kv"; done
+     off gemma_plain_$name 150 "${G[@]}"; off gemma_mtp_$name 150 "${G[@]}" "${MTPG[@]}")
+    python3 -c "import json,sys; p, m = (json.load(open(f))['workloads'][0] for f in sys.argv[1:3]); print(sys.argv[3],
+      'plain %.3f ms, MTP %.3f ms (draft %.3f) = %.4fx' % (p['busy_ms_per_step'], m['busy_ms_per_step'],
+      m['draft_ms_per_step'], m['busy_ms_per_step'] / p['busy_ms_per_step']))" \
+      "$OUT/gemma_plain_$name.json" "$OUT/gemma_mtp_$name.json" "$name ($vars)" 2>/dev/null || echo "$name failed"
   done
 fi
 if has gemma; then

@@ -84,7 +84,7 @@ class DecodeBody:
         seq = st.seq_len[slots]
         meta = self.backend.decode_meta(slots, seq, seq - 1, 1)  # exactly the committed keys
         fb = ForwardBatch(None, seq + DRAFT_ROPE_OFFSET, None, meta, slots.shape[0])
-        tokens[:, 1:] = draft_chain(self.assistant, self.target, self.backend, fb, bonus, st.hidden[slots],
+        tokens[:, 1:] = draft_chain(self.assistant, self.backend, fb, bonus, st.hidden[slots],
                                     self.t - 1)
 
     def forward(self, slots: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

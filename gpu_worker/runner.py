@@ -229,7 +229,7 @@ class ModelRunner:
         if self.assistant is None:
             return bonus[:, None]
         fb = build_draft_batch(dec_slots_t, rows.dec_slots, self.state, self.backend, self.windows, DRAFT_ROPE_OFFSET)
-        drafts = draft_chain(self.assistant, self.target, self.backend, fb, bonus, self.state.hidden[dec_slots_t],
+        drafts = draft_chain(self.assistant, self.backend, fb, bonus, self.state.hidden[dec_slots_t],
                              self.t - 1)
         return torch.cat([bonus[:, None], drafts], dim=1)
 

@@ -25,13 +25,12 @@ from gpu_worker.sampling import SALT_ACCEPT, SALT_RESIDUAL, SALT_SAMPLE, RowSamp
 DRAFT_ROPE_OFFSET = 0
 
 
-def draft_chain(assistant, target, backend, fb, bonus: torch.Tensor, hidden: torch.Tensor, steps: int):
+def draft_chain(assistant, backend, fb, bonus: torch.Tensor, hidden: torch.Tensor, steps: int):
     """S greedy draft tokens per row: [D, S]. The draft is a deterministic proposer."""
     tokens = []
     tok = bonus
     for _ in range(steps):
-        logits, hidden = assistant(target.embed(tok), hidden, fb, backend)
-        tok = argmax_last(logits)
+        tok, hidden = assistant.draft_step(tok, hidden, fb, backend)
         tokens.append(tok)
     return torch.stack(tokens, dim=1)
 

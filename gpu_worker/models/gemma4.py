@@ -19,11 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.kernels.embed import embed_cat
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4Spec, LayerSpec
 from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, Rotary, gated, rope_attention, softcap
 from gpu_worker.parallel import factory, shard
+from gpu_worker.parallel.state import tp_size
 
 _SCALE_CACHE: dict[tuple[float, torch.dtype], float] = {}
 
@@ -218,6 +220,14 @@ class Gemma4ForCausalLM(CausalLM):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(ids)
+
+    def embed_cat(self, ids: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """``cat(embed(ids), tail)`` (the frozen-KV draft's input row) in one kernel where the
+        embedding is whole (TP = 1); the gather, scale and cat otherwise."""
+        table = self.model.embed_tokens.weight
+        if tp_size() > 1:
+            return torch.cat([self.embed(ids), tail], dim=-1)
+        return embed_cat(ids, table, dtype_rounded(self.spec.hidden_size**0.5, table.dtype), tail)
 
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
         x = self.model.embed(fb.input_ids)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.kernels.argmax import argmax_last
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4AssistantSpec
 from gpu_worker.models.gemma4 import Gemma4Backbone
@@ -139,16 +140,31 @@ class Gemma4AssistantForCausalLM(CausalLM):
         ``fb`` is a Q-only batch: out_loc None, RoPE positions = the constant draft position,
         metadata built with q_pos = kv_len - 1 so each row sees exactly its committed keys.
         """
-        x = self.pre_projection(torch.cat([token_embeds, prev_hidden], dim=-1))
-        h = self.model.run(x, None, fb, backend)
-        next_hidden = self.post_projection(h)
+        h, next_hidden = self._run(torch.cat([token_embeds, prev_hidden], dim=-1), fb, backend)
         return self.compute_logits(h), next_hidden
+
+    def draft_step(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, fb: ForwardBatch, backend
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy draft step: ``forward`` on the target's embedding of ``tokens`` [R], then
+        the argmax -> (next tokens [R], next_hidden [R, Ht]). The input row is one kernel
+        (``embed_cat``) and the argmax reads the logits in the model dtype: the same index as
+        over their float32 copy, without the copy (three launches fewer per step)."""
+        h, next_hidden = self._run(self.target.embed_cat(tokens, prev_hidden), fb, backend)
+        return argmax_last(self._logits(h)), next_hidden
+
+    def _run(self, x: torch.Tensor, fb: ForwardBatch, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-projected input [R, 2 Ht] -> (post-norm draft hidden [R, Ha], next_hidden [R, Ht])."""
+        h = self.model.run(self.pre_projection(x), None, fb, backend)
+        return h, self.post_projection(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Post-norm draft hidden [R, Ha] -> float32 logits [R, V] (no softcap, as HF)."""
+        return self._logits(hidden).float()
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.masked_embedding is not None:
-            return self.masked_embedding(hidden, self.lm_head_weight()).float()
-        return factory.logits(hidden, self.lm_head_weight(), self.vocab_size).float()
+            return self.masked_embedding(hidden, self.lm_head_weight())
+        return factory.logits(hidden, self.lm_head_weight(), self.vocab_size)
 
     def init_dummy_(self, seed: int = 0) -> None:
         super().init_dummy_(seed)
