@@ -50,11 +50,16 @@ except ImportError:
 
 GEMV_MAX_M = 4
 # Where the FMA kernel beat cuBLAS on the H200 (benchmarks/kernel_sweep.py, 2026-12-02, in a CUDA
-# graph, weights rotated past L2): one row, K <= 8192, a weight of at least 16 MB — Llama-8B's
-# qkv 16.5 -> 14.7 us, o 13.4 -> 11.9, gate_up 59.8 -> 54.8; without split-K its down (K =
-# 14336) lost, 32.1 -> 34.5, and at four rows it lost everywhere. Elsewhere cuBLAS stays.
+# graph, weights rotated past L2): one row, K <= 8192 — Llama-8B's qkv 16.5 -> 14.7 us, o 13.4
+# -> 11.9, gate_up 59.8 -> 54.8; without split-K its down (K = 14336) lost, 32.1 -> 34.5, and
+# at four rows it lost everywhere. Elsewhere cuBLAS stays. The smallest weight was 8M elements
+# until the engine A/B of 2026-12-04 (evening): inside the one-row decode graph a GEMV is a link
+# of the PDL chain and a cuBLAS kernel breaks it, so smaller weights gain more there than alone.
+# Qwen3-0.6B at one request, decode ms/step, same machine: 8M 1.422, 4M 1.256, 2M 0.980, 1M
+# 0.960 (its o 2M and down 3M elements; nothing of it lies between 1M and 2M); the Gemma-4 9B
+# MTP step 6.734 -> 6.706 ms (the assistant's 4M-element projections).
 SKINNY_MAX_K = 8192
-SKINNY_MIN_WEIGHT = 8 << 20  # elements; TANDEM_GEMV_MIN_WEIGHT overrides (read at import, below)
+SKINNY_MIN_WEIGHT = 2 << 20  # elements; TANDEM_GEMV_MIN_WEIGHT overrides (read at import, below)
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 # The tensor-core variant (``gemv(dot=True)``, x padded to DOT_ROWS rows, tl.dot's smallest tile)
 # where it measured fastest (kernel_sweep.py --only gemv, H200, h200-2026-12-03h, in a CUDA
@@ -90,8 +95,8 @@ def _env_int(name: str, default: int) -> int:
     return int(raw)
 
 
-# For A/Bs of smaller weights, e.g. the Gemma-4 assistant's 4M-element projections (cuBLAS at one
-# row, outside the PDL chain): one read per process, not one per projection call.
+# For A/Bs of the smallest weight (cuBLAS below it, outside the PDL chain): one read per
+# process, not one per projection call.
 SKINNY_MIN_WEIGHT = _env_int("TANDEM_GEMV_MIN_WEIGHT", SKINNY_MIN_WEIGHT)
 
 

@@ -312,3 +312,28 @@ def test_attention_prologue_after_kv_store_in_graph(env, monkeypatch, t, rows, s
         assert torch.equal(out, want), (i, (out.float() - want.float()).abs().max().item())
         assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
     assert tickets_clear()
+
+
+def test_small_projections_track_cublas(tmp_path, monkeypatch):
+    """Qwen3-0.6B's widths (o 2M, down 3M, qkv 4M, gate_up 6M elements): at one row every
+    projection takes the GEMV (the default smallest weight, 2M elements) and the engine decodes
+    what cuBLAS projections decode, up to a row's first differing token, a near-tie."""
+    d = os.path.join(str(tmp_path), "qwen3-width")
+    os.makedirs(d)
+    with open("benchmarks/configs/qwen3-0.6b.json") as f:
+        cfg = dict(json.load(f), num_hidden_layers=2, vocab_size=32000)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    x = torch.zeros(1, 2048, device="cuda", dtype=torch.bfloat16)
+    assert G._skinny(x, torch.zeros(1024, 2048, device="cuda", dtype=torch.bfloat16))  # o takes the GEMV
+    engines = []
+    for floor in (G.SKINNY_MIN_WEIGHT, 1 << 40):  # the default, then cuBLAS everywhere
+        monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", floor)
+        engines.append(_run(d, overlap=True, logprobs=2))
+    gemv, cublas = engines
+    for i in range(len(PROMPTS)):
+        got, want, top = gemv.tokens[f"r{i}"], cublas.tokens[f"r{i}"], top_alternatives(gemv, f"r{i}")
+        assert len(got) == len(want) == len(top) == 24
+        k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if k is not None:
+            assert want[k] in top[k] and abs(top[k][got[k]] - top[k][want[k]]) < 0.05, (i, k, top[k])

@@ -110,7 +110,7 @@ def test_min_weight_from_the_environment():
         return subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, **extra}, capture_output=True,
                               text=True, timeout=120)
 
-    assert run({}).stdout.strip() == str(8 << 20)
+    assert run({}).stdout.strip() == str(2 << 20)
     assert run({"TANDEM_GEMV_MIN_WEIGHT": "4194304"}).stdout.strip() == "4194304"
     bad = run({"TANDEM_GEMV_MIN_WEIGHT": "4M"})
     assert bad.returncode != 0 and "TANDEM_GEMV_MIN_WEIGHT" in bad.stderr
