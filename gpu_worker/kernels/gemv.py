@@ -131,13 +131,6 @@ def prefetch_cols(rows: int, splits: int, chunk: int, mb: float | None = None) -
     return 0 if cols < 16 else min(1 << (cols.bit_length() - 1), next_pow2(chunk))
 
 
-def late_sum() -> bool:
-    """``TANDEM_GEMV_LATE_SUM=1``: the one-row FMA GEMV (and the qkv + RoPE kernel) keep each
-    product per K lane and reduce across K once, after the weight stream, instead of once per
-    K tile (a cross-warp reduction and barrier every tile). Changes the fp32 summation order."""
-    return os.environ.get("TANDEM_GEMV_LATE_SUM", "0") == "1"
-
-
 def long_k_splits() -> int:
     """K splits for one-row projections with K > SKINNY_MAX_K (``TANDEM_GEMV_SPLITK``; 0 or 1 =
     cuBLAS there, as before split-K existed)."""
@@ -220,7 +213,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         return y
     _gemv_kernel[(tiles, splits)](
         x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n,
-        BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre, LATE=late_sum(),
+        BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=on == PDL_ON,
     )
     return y

@@ -31,25 +31,6 @@ if triton is not None:
         return a0, a1, a2, a3
 
     @triton.jit
-    def _stream_late(x_ptr, g_rows, u_rows, nm, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ACT: tl.constexpr):
-        """One row's sums over [k_lo, k_hi) with the products kept per K lane ([BLOCK_N, BLOCK_K]
-        fp32) and reduced once at the end: no cross-warp reduction (and its barrier) per K tile.
-        Returns (gate or plain sums, up sums; zeros without ``ACT``)."""
-        k0 = tl.arange(0, BLOCK_K)
-        ga = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        ua = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for start in range(k_lo, k_hi, BLOCK_K):
-            k = start + k0
-            km = k < k_hi
-            wm = nm[:, None] & km[None, :]
-            xk = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :]
-            ga += tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32) * xk
-            if ACT >= 0:
-                ua += tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32) * xk
-        return tl.sum(ga, axis=1), tl.sum(ua, axis=1)
-
-    @triton.jit
     def _finish(a, b, ACT: tl.constexpr, DT: tl.constexpr):
         """The output value of one row: the sum, or act(gate) * up from the gate and up sums."""
         if ACT >= 0:
@@ -81,7 +62,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LATE: tl.constexpr):
+                     PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -97,18 +78,15 @@ if triton is not None:
         a0 = tl.zeros([BLOCK_N], tl.float32)
         a1, a2, a3 = a0, a0, a0
         b0, b1, b2, b3 = a0, a0, a0, a0
-        if LATE and M == 1:  # elementwise products summed across K once, after the stream
-            a0, b0 = _stream_late(x_ptr, g_rows, u_rows, nm, k_lo, k_hi, BLOCK_N, BLOCK_K, ACT)
-        else:
-            for start in range(k_lo, k_hi, BLOCK_K):
-                k = start + k0
-                km = k < k_hi
-                wm = nm[:, None] & km[None, :]
-                w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-                a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
-                if ACT >= 0:
-                    w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
-                    b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
+        for start in range(k_lo, k_hi, BLOCK_K):
+            k = start + k0
+            km = k < k_hi
+            wm = nm[:, None] & km[None, :]
+            w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
+            if ACT >= 0:
+                w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
         ws = ws_ptr + tl.program_id(1) * M * 2 * N
         _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, SPLITS, ACT)
         if M > 1:

@@ -24,14 +24,12 @@ import torch
 
 from gpu_worker.kernels import PDL_ON, pdl
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
-from gpu_worker.kernels.gemv import (CONFIG, SKINNY_MAX_K, _skinny, late_sum, launch_config, prefetch_cols,
-                                     short_k_splits)
+from gpu_worker.kernels.gemv import CONFIG, SKINNY_MAX_K, _skinny, launch_config, prefetch_cols, short_k_splits
 
 try:
     import triton
     import triton.language as tl
 
-    from gpu_worker.kernels.gemv_kernels import _stream_late
     from gpu_worker.kernels.rope import _rnd, _rotate
 except ImportError:
     triton = None
@@ -56,7 +54,7 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, loc_ptr, inv_ptr, K, swn, skn, skh, svn,
                          svh, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAIRS: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LATE: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         HALF: tl.constexpr = D // 2
         PER_HEAD: tl.constexpr = HALF // PAIRS  # programs per head
         pid = tl.program_id(0)
@@ -71,16 +69,13 @@ if triton is not None:
         # the epilogue's operands, loaded before the weight stream so their latency hides in it
         f = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + j)
         loc = tl.load(loc_ptr)
-        if LATE:  # as the GEMV's late sum: one reduction across K, after the stream
-            acc, _ = _stream_late(x_ptr, w_rows, w_rows, rows >= 0, 0, K, 2 * PAIRS, BLOCK_K, -1)
-        else:
-            k0 = tl.arange(0, BLOCK_K)
-            acc = tl.zeros([2 * PAIRS], tl.float32)
-            for start in range(0, K, BLOCK_K):
-                k = start + k0
-                km = k < K
-                w = tl.load(w_rows + k[None, :], mask=km[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(w * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
+        k0 = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([2 * PAIRS], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + k0
+            km = k < K
+            w = tl.load(w_rows + k[None, :], mask=km[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
         DT = qo_ptr.dtype.element_ty
         x1, x2 = tl.split(tl.permute(tl.reshape(_rnd(acc, DT), [2, PAIRS]), [1, 0]))
         if head < HQ + HKV:
@@ -117,7 +112,7 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, in
         x, w, q_out, k_cache, v_cache, positions, out_loc, inv_freq, x.shape[1], w.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAIRS=pairs, BLOCK_K=CONFIG["block_k"], PDL=on,
-        PREFETCH_K=prefetch_cols(w.shape[0], 1, x.shape[1]) if on == PDL_ON else 0, LATE=late_sum(),
+        PREFETCH_K=prefetch_cols(w.shape[0], 1, x.shape[1]) if on == PDL_ON else 0,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
         launch_pdl=on == PDL_ON,
     )

@@ -160,13 +160,9 @@ def test_engine_tokens_track_unfused(tmp_path, env):
             assert want[k] in top[k] and abs(top[k][got[k]] - top[k][want[k]]) < 0.05, (i, k, top[k])
 
 
-@pytest.mark.parametrize("late", ["0", "1"])
-def test_qkv_rope_at_llama_width_in_graph(monkeypatch, late):
+def test_qkv_rope_at_llama_width_in_graph():
     """The qkv GEMV with RoPE and the KV store in its epilogue, Llama-8B's heads: bitwise the
-    plain GEMV then rope_store, eagerly and in graph replays on fresh rows and positions; with
-    the per-tile or the late K reduction (``TANDEM_GEMV_LATE_SUM``), the GEMV within bf16 of
-    F.linear."""
-    monkeypatch.setenv("TANDEM_GEMV_LATE_SUM", late)
+    plain GEMV then rope_store, eagerly and in graph replays on fresh rows and positions."""
     from gpu_worker.kernels import qkv_rope as QR
     from gpu_worker.kernels.rope import rope_store
     from gpu_worker.models.config import RopeSpec
@@ -184,9 +180,7 @@ def test_qkv_rope_at_llama_width_in_graph(monkeypatch, late):
 
     def reference(x1, p, l):
         k2, v2 = kc.clone(), vc.clone()
-        y = G.gemv(x1, w, **G.CONFIG)
-        torch.testing.assert_close(y.float(), F.linear(x1, w).float(), rtol=2e-2, atol=2e-2)
-        q, k, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = G.gemv(x1, w, **G.CONFIG).split([hq * d, hkv * d, hkv * d], dim=-1)
         q = rope_store(q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), p, inv, l, k2, v2)
         return q, k2, v2
 

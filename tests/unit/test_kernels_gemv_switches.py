@@ -1,7 +1,6 @@
 """The GEMV's environment switches (kernels/gemv.py, kernels/__init__.py): the PDL levels and the
 token limit, the pre-wait prefetch budgets (the o projection's included, and which projection
-asks for it), the smallest weight a one-row projection sends through the GEMV, and the late
-K reduction of the one-row FMA GEMV."""
+asks for it), and the smallest weight a one-row projection sends through the GEMV."""
 
 from __future__ import annotations
 
@@ -114,27 +113,3 @@ def test_min_weight_from_the_environment():
     assert run({"TANDEM_GEMV_MIN_WEIGHT": "4194304"}).stdout.strip() == "4194304"
     bad = run({"TANDEM_GEMV_MIN_WEIGHT": "4M"})
     assert bad.returncode != 0 and "TANDEM_GEMV_MIN_WEIGHT" in bad.stderr
-
-
-@pytest.mark.parametrize("act", [None, "silu"])
-@pytest.mark.parametrize("n,k,splits", [(24, 1100, 1), (40, 700, 2), (8, 512, 1)])
-def test_late_sum_matches_linear(monkeypatch, act, n, k, splits):
-    """``TANDEM_GEMV_LATE_SUM=1``: the one-row FMA GEMV sums its products per K lane and reduces
-    once at the end (masked K tails, split-K partials and the gated epilogue included): F.linear
-    within the fp32 summation order, and bitwise run to run."""
-    g = torch.Generator().manual_seed(n + k)
-    x = torch.randn(1, k, generator=g).to(torch.bfloat16).to(DEV)
-    w = (torch.randn(2 * n if act else n, k, generator=g) * k**-0.5).to(torch.bfloat16).to(DEV)
-    monkeypatch.setenv("TANDEM_GEMV_LATE_SUM", "1")
-    assert G.late_sum()
-    got = G.gemv(x, w, act=act, splits=splits, **G.CONFIG)
-    assert torch.equal(got, G.gemv(x, w, act=act, splits=splits, **G.CONFIG))
-    ref = F.linear(x.float(), w.float()).to(torch.bfloat16)
-    if act:
-        from gpu_worker.kernels.activation import gated_act
-
-        ref = gated_act(ref[:, :n], ref[:, n:], act)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2.0**-6, atol=2.0**-6)
-    monkeypatch.setenv("TANDEM_GEMV_LATE_SUM", "0")
-    torch.testing.assert_close(G.gemv(x, w, act=act, splits=splits, **G.CONFIG).float(), got.float(),
-                               rtol=2.0**-7, atol=2.0**-7)

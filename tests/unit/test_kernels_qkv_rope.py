@@ -29,13 +29,10 @@ def _inputs(hq, hkv, d, k, seed):
     return x, w, kc, vc
 
 
-@pytest.mark.parametrize("late", ["0", "1"])
 @pytest.mark.parametrize("hq,hkv,d,k,pos", [(4, 2, 16, 300, 5), (2, 1, 32, 1100, 777), (3, 3, 8, 64, 0)])
-def test_equals_gemv_then_rope_store(monkeypatch, hq, hkv, d, k, pos, late):
-    """Bitwise the plain GEMV (same tile width, same K tiles, same reduction: per tile, or late
-    with ``TANDEM_GEMV_LATE_SUM=1``) then ``rope_store``; the other slots of the caches are
-    untouched."""
-    monkeypatch.setenv("TANDEM_GEMV_LATE_SUM", late)
+def test_equals_gemv_then_rope_store(hq, hkv, d, k, pos):
+    """Bitwise the plain GEMV (same tile width, same K tiles) then ``rope_store``; the other
+    slots of the caches are untouched."""
     x, w, kc, vc = _inputs(hq, hkv, d, k, seed=hq * 100 + d + k)
     inv = rope_inv_freq(d, RopeSpec(rope_type="default", theta=10000.0)).to(DEV)
     positions = torch.tensor([pos], device=DEV)
