@@ -45,8 +45,13 @@ def env_runs(out: str) -> list[tuple[str, str, bool]]:
 def main(out: str, dm: str) -> None:
     bw = json.load(open(os.path.join(out, "hbm.json")))["hbm_copy_bandwidth_bytes_s"]
     rows = [f"copy bandwidth (ceiling): {bw / 1e12:.2f} TB/s"]
-    llama = model_shapes(os.path.join(dm, "llama-3.1-8b"))
-    for name, label, expected in LLAMA_RUNS + env_runs(out):
+    shapes = {"8B": model_shapes(os.path.join(dm, "llama-3.1-8b"))}
+    env_model = os.environ.get("ENVAB_MODEL") or "llama-3.1-8b"  # gpu_suite.sh's envab shape
+    if env_model != "llama-3.1-8b":
+        shapes[env_model] = model_shapes(os.path.join(dm, env_model))
+    runs = [(*run, "8B") for run in LLAMA_RUNS] + [(*run, "8B" if env_model == "llama-3.1-8b" else env_model)
+                                                   for run in env_runs(out)]
+    for name, label, expected, model in runs:
         r = load(out, name)
         if r is None:
             if expected:
@@ -54,12 +59,12 @@ def main(out: str, dm: str) -> None:
             continue
         for w in r["workloads"]:
             n = w["num_prompts"]
-            ceil = decode_ceiling_tok_s(llama, n, 512, 256, bw)
-            ceil_all = decode_ceiling_tok_s(llama, n, 512, 256, bw, strict=False)
-            rows.append(f"8B {n:>3} req {label:11}: {w['output_tok_s']:9.1f} tok/s = {w['output_tok_s'] / ceil:6.1%} "
+            ceil = decode_ceiling_tok_s(shapes[model], n, 512, 256, bw)
+            ceil_all = decode_ceiling_tok_s(shapes[model], n, 512, 256, bw, strict=False)
+            rows.append(f"{model} {n:>3} req {label:11}: {w['output_tok_s']:9.1f} tok/s = {w['output_tok_s'] / ceil:6.1%} "
                         f"of {ceil:8.1f} (all-weights ceiling {ceil_all:8.1f}: {w['output_tok_s'] / ceil_all:6.1%}); "
                         f"step {w.get('busy_ms_per_step', 0):.2f} ms busy, idle {w.get('gpu_idle_frac', 0):.2%}")
-            rows.append(decode_phase(llama, w, bw))
+            rows.append(decode_phase(shapes[model], w, bw))
     for name in QWEN_RUNS:
         q = load(out, name)
         if not q:
