@@ -20,8 +20,8 @@ def load(out: str, name: str):
     return json.load(open(path)) if os.path.exists(path) else None
 
 
-def decode_phase(shapes: dict, w: dict, bw: float) -> str:
-    ceil = decode_phase_ceiling_tok_s(shapes, w, bw)
+def decode_phase(shapes: dict, w: dict, bw: float, rows: int | None = None) -> str:
+    ceil = decode_phase_ceiling_tok_s(shapes, w, bw, rows)
     if ceil is None:
         return "    decode phase: not measured"
     return (f"    decode phase ({w['decode_steps']} steps, {w['decode_tokens_per_step']:.0f} rows, "
@@ -80,6 +80,11 @@ def main(out: str, dm: str) -> None:
         ratio = m["busy_ms_per_step"] / p["busy_ms_per_step"] if p.get("busy_ms_per_step") else float("nan")
         rows.append(f"Gemma-4 9B: plain step {p['busy_ms_per_step']:.2f} ms, MTP S=3 step {m['busy_ms_per_step']:.2f} ms "
                     f"(draft {m['draft_ms_per_step']:.2f}) = {ratio:.2f}x (goal <= 1.25)")
+    for name in ["gemma_plain"] + sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(out, "gemma_plain_*.json"))):
+        g = load(out, name)  # one request: the decode phase is one row a step
+        if g:
+            rows.append(f"Gemma-4 9B plain, one request ({name}):")
+            rows.append(decode_phase(model_shapes(os.path.join(dm, "gemma4-dense-9b")), g["workloads"][0], bw, rows=1))
     for mode in ("plain", "mtp"):
         r = load(out, f"pair_{mode}")
         if r:

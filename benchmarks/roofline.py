@@ -65,13 +65,17 @@ def decode_ceiling_tok_s(shapes: dict, batch: int, input_len: int, output_len: i
     return batch * output_len / total
 
 
-def decode_phase_ceiling_tok_s(shapes: dict, w: dict, bandwidth: float) -> float | None:
+def decode_phase_ceiling_tok_s(shapes: dict, w: dict, bandwidth: float, rows: int | None = None) -> float | None:
     """The step roofline of a measured decode phase (offline.py's ``decode_*`` figures): each
-    decode step reads the weights once plus its rows' KV (context summed over rows; models
-    without sliding windows) and emits ``decode_tokens_per_step`` tokens."""
-    if not w.get("decode_steps") or any(win for _, win in shapes["kv_layers"]):
+    decode step reads the weights once plus its rows' KV (context summed over rows) and emits
+    ``decode_tokens_per_step`` tokens. A sliding-window layer reads at most its window a row,
+    which needs the row count (``rows``, e.g. 1 for a one-request run; rows at the mean
+    context, exact when they are equal): without it such a model gets None."""
+    windowed = any(win for _, win in shapes["kv_layers"])
+    if not w.get("decode_steps") or (windowed and not rows):
         return None
-    kv = w["decode_ctx_tokens_per_step"] * sum(bpt for bpt, _ in shapes["kv_layers"])
+    ctx = w["decode_ctx_tokens_per_step"]
+    kv = sum(bpt * (min(ctx, win * rows) if win else ctx) for bpt, win in shapes["kv_layers"])
     return w["decode_tokens_per_step"] * bandwidth / (shapes["weight_bytes_read"] + kv)
 
 

@@ -1,0 +1,36 @@
+"""benchmarks/roofline.py's step roofline of a measured decode phase: weight bytes once a step
+plus each layer's KV over the rows' context, a sliding layer capped at its window a row (which
+needs the row count); and model_shapes on a public config (8B: 16 GB of weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.roofline import decode_phase_ceiling_tok_s, model_shapes
+
+SHAPES = {"weight_bytes_read": 1000.0, "kv_layers": [(2.0, None), (1.0, 8)]}  # one full, one sliding (window 8)
+W = {"decode_steps": 10, "decode_tokens_per_step": 2.0, "decode_ctx_tokens_per_step": 20.0}
+
+
+def test_windowed_layers_need_rows_and_read_at_most_the_window():
+    assert decode_phase_ceiling_tok_s(SHAPES, W, 1e3) is None
+    # two rows of 10: the full layer reads 20 tokens, the sliding one 8 a row
+    assert decode_phase_ceiling_tok_s(SHAPES, W, 1e3, rows=2) == pytest.approx(2.0 * 1e3 / (1000 + 2 * 20 + 1 * 16))
+    # a context within the window: every key read
+    short = dict(W, decode_ctx_tokens_per_step=6.0)
+    assert decode_phase_ceiling_tok_s(SHAPES, short, 1e3, rows=1) == pytest.approx(2.0 * 1e3 / (1000 + 12 + 6))
+
+
+def test_unwindowed_and_unmeasured():
+    full = {"weight_bytes_read": 1000.0, "kv_layers": [(2.0, None)]}
+    assert decode_phase_ceiling_tok_s(full, W, 1e3) == pytest.approx(2.0 * 1e3 / (1000 + 40))
+    assert decode_phase_ceiling_tok_s(full, dict(W, decode_steps=0), 1e3) is None
+
+
+def test_model_shapes_of_the_8b_config(tmp_path):
+    import shutil
+
+    shutil.copy("benchmarks/configs/llama-3.1-8b.json", tmp_path / "config.json")
+    s = model_shapes(str(tmp_path))
+    assert 7.9e9 < s["params"] < 8.1e9 and s["weight_bytes_read"] < s["all_weight_bytes"]
+    assert len(s["kv_layers"]) == 32 and all(win is None for _, win in s["kv_layers"])
