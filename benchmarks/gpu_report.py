@@ -65,6 +65,11 @@ def main(out: str, dm: str) -> None:
                         f"of {ceil:8.1f} (all-weights ceiling {ceil_all:8.1f}: {w['output_tok_s'] / ceil_all:6.1%}); "
                         f"step {w.get('busy_ms_per_step', 0):.2f} ms busy, idle {w.get('gpu_idle_frac', 0):.2%}")
             rows.append(decode_phase(shapes[model], w, bw))
+    q = load(out, "qwen_small")  # the 8B's fixed workloads on the Qwen3-0.6B shape
+    for w in q["workloads"] if q else []:
+        rows.append(f"Qwen3-0.6B {w['num_prompts']:>3} req, 512 in / 256 out: {w['output_tok_s']:9.1f} tok/s; "
+                    f"idle {w.get('gpu_idle_frac', 0):.2%}")
+        rows.append(decode_phase(model_shapes(os.path.join(dm, "qwen3-0.6b")), w, bw))
     for name in QWEN_RUNS:
         q = load(out, name)
         if not q:

@@ -329,6 +329,8 @@ fi
 if has qwen; then
   echo "== (c) Qwen3-0.6B shape, nano-vllm recipe (256 requests, lengths U[100, 1024]) + HF generate"
   off qwen_nano 200 "${RECIPE[@]}" --hf --hf-output-len 64
+  # and the 8B's fixed workloads on the same shape (1 and 64 requests, 512 in / 256 out)
+  off qwen_small 150 "${LLAMA8B[@]}" --model-path $DM/qwen3-0.6b --warmup-rounds 1
 fi
 if has pair; then
   # A round takes ~0.1 s here: one warm-up round, then the median of 5 (same prompts, no prefix cache).
