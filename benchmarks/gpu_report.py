@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -45,12 +46,9 @@ def env_runs(out: str) -> list[tuple[str, str, bool]]:
 def main(out: str, dm: str) -> None:
     bw = json.load(open(os.path.join(out, "hbm.json")))["hbm_copy_bandwidth_bytes_s"]
     rows = [f"copy bandwidth (ceiling): {bw / 1e12:.2f} TB/s"]
-    shapes = {"8B": model_shapes(os.path.join(dm, "llama-3.1-8b"))}
+    shapes = functools.cache(lambda name: model_shapes(os.path.join(dm, name)))  # a dummy model's, once
     env_model = os.environ.get("ENVAB_MODEL") or "llama-3.1-8b"  # gpu_suite.sh's envab shape
-    if env_model != "llama-3.1-8b":
-        shapes[env_model] = model_shapes(os.path.join(dm, env_model))
-    runs = [(*run, "8B") for run in LLAMA_RUNS] + [(*run, "8B" if env_model == "llama-3.1-8b" else env_model)
-                                                   for run in env_runs(out)]
+    runs = [(*run, "llama-3.1-8b") for run in LLAMA_RUNS] + [(*run, env_model) for run in env_runs(out)]
     for name, label, expected, model in runs:
         r = load(out, name)
         if r is None:
@@ -59,17 +57,18 @@ def main(out: str, dm: str) -> None:
             continue
         for w in r["workloads"]:
             n = w["num_prompts"]
-            ceil = decode_ceiling_tok_s(shapes[model], n, 512, 256, bw)
-            ceil_all = decode_ceiling_tok_s(shapes[model], n, 512, 256, bw, strict=False)
-            rows.append(f"{model} {n:>3} req {label:11}: {w['output_tok_s']:9.1f} tok/s = {w['output_tok_s'] / ceil:6.1%} "
+            ceil = decode_ceiling_tok_s(shapes(model), n, 512, 256, bw)
+            ceil_all = decode_ceiling_tok_s(shapes(model), n, 512, 256, bw, strict=False)
+            short = "8B" if model == "llama-3.1-8b" else model
+            rows.append(f"{short} {n:>3} req {label:11}: {w['output_tok_s']:9.1f} tok/s = {w['output_tok_s'] / ceil:6.1%} "
                         f"of {ceil:8.1f} (all-weights ceiling {ceil_all:8.1f}: {w['output_tok_s'] / ceil_all:6.1%}); "
                         f"step {w.get('busy_ms_per_step', 0):.2f} ms busy, idle {w.get('gpu_idle_frac', 0):.2%}")
-            rows.append(decode_phase(shapes[model], w, bw))
+            rows.append(decode_phase(shapes(model), w, bw))
     q = load(out, "qwen_small")  # the 8B's fixed workloads on the Qwen3-0.6B shape
     for w in q["workloads"] if q else []:
         rows.append(f"Qwen3-0.6B {w['num_prompts']:>3} req, 512 in / 256 out: {w['output_tok_s']:9.1f} tok/s; "
                     f"idle {w.get('gpu_idle_frac', 0):.2%}")
-        rows.append(decode_phase(model_shapes(os.path.join(dm, "qwen3-0.6b")), w, bw))
+        rows.append(decode_phase(shapes("qwen3-0.6b"), w, bw))
     for name in QWEN_RUNS:
         q = load(out, name)
         if not q:
@@ -78,7 +77,7 @@ def main(out: str, dm: str) -> None:
         e = q["engine"]
         rows.append(f"Qwen3-0.6B nano-vllm recipe ({name}): {e['output_tok_s']:9.1f} tok/s (goal 25,000); "
                     f"HF generate {hf:.1f} tok/s; idle {e.get('gpu_idle_frac', 0):.2%}")
-        rows.append(decode_phase(model_shapes(os.path.join(dm, "qwen3-0.6b")), e, bw))
+        rows.append(decode_phase(shapes("qwen3-0.6b"), e, bw))
     gp, gm = load(out, "gemma_plain"), load(out, "gemma_mtp")
     if gp and gm:
         p, m = gp["engine"], gm["engine"]
@@ -89,7 +88,7 @@ def main(out: str, dm: str) -> None:
         g = load(out, name)  # one request: the decode phase is one row a step
         if g:
             rows.append(f"Gemma-4 9B plain, one request ({name}):")
-            rows.append(decode_phase(model_shapes(os.path.join(dm, "gemma4-dense-9b")), g["workloads"][0], bw, rows=1))
+            rows.append(decode_phase(shapes("gemma4-dense-9b"), g["workloads"][0], bw, rows=1))
     for mode in ("plain", "mtp"):
         r = load(out, f"pair_{mode}")
         if r:

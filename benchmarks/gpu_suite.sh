@@ -51,6 +51,10 @@ RECIPE=(--model-path $DM/qwen3-0.6b --num-prompts 256 --input-len-range 100 1024
         --max-running-requests 256)
 python3 benchmarks/hbm_bandwidth.py --model-path $T > "$OUT/hbm.json" && grep -m1 bandwidth "$OUT/hbm.json"
 
+in_env() {  # "VAR=v,VAR=v" (an ENV_VARIANTS entry's list), command...: the command with those set
+  local vars=$1; shift
+  (for kv in ${vars//,/ }; do export "$kv"; done; "$@")
+}
 off() {  # name, timeout, args...
   local name=$1 t=$2; shift 2
   timeout "$t" python3 benchmarks/offline.py --device cuda --load-format dummy --log-level warning \
@@ -300,9 +304,8 @@ if has envab; then
   echo "== 8B 1 / 64 requests, A/B over environment switches"
   for v in ${ENV_VARIANTS:-default:}; do
     name=${v%%:*}; vars=${v#*:}
-    (for kv in ${vars//,/ }; do export "$kv"; done
-     off llama_env_$name 150 "${LLAMA8B[@]}" --warmup-rounds 1 --num-prompts "${ENVAB_PROMPTS:-1,64}" \
-       --model-path $DM/${ENVAB_MODEL:-llama-3.1-8b})
+    in_env "$vars" off llama_env_$name 150 "${LLAMA8B[@]}" --warmup-rounds 1 --num-prompts "${ENVAB_PROMPTS:-1,64}" \
+      --model-path $DM/${ENVAB_MODEL:-llama-3.1-8b}
     python3 -c "import json,sys; [print(sys.argv[2], w['num_prompts'], 'req: decode ms/step %.3f' % w['decode_busy_ms_per_step'],
       'decode tok/s %.1f' % w['decode_tok_s'], 'tok/s %.1f' % w['output_tok_s']) for w in json.load(open(sys.argv[1]))['workloads']]" \
       "$OUT/llama_env_$name.json" "$name ($vars)" 2>/dev/null || echo "$name failed"
@@ -313,8 +316,8 @@ if has gemmaab; then
   echo "== (e) Gemma-4 9B plain vs MTP S=3, A/B over environment switches"
   for v in ${ENV_VARIANTS:-default:}; do
     name=${v%%:*}; vars=${v#*:}
-    (for kv in ${vars//,/ }; do export "$kv"; done
-     off gemma_plain_$name 150 "${G[@]}"; off gemma_mtp_$name 150 "${G[@]}" "${MTPG[@]}")
+    in_env "$vars" off gemma_plain_$name 150 "${G[@]}"
+    in_env "$vars" off gemma_mtp_$name 150 "${G[@]}" "${MTPG[@]}"
     python3 -c "import json,sys; p, m = (json.load(open(f))['workloads'][0] for f in sys.argv[1:3]); print(sys.argv[3],
       'plain %.3f ms, MTP %.3f ms (draft %.3f) = %.4fx' % (p['busy_ms_per_step'], m['busy_ms_per_step'],
       m['draft_ms_per_step'], m['busy_ms_per_step'] / p['busy_ms_per_step']))" \

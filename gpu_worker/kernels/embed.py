@@ -64,4 +64,3 @@ def embed_cat(ids: torch.Tensor, table: torch.Tensor, scale: float, tail: torch.
                                   float(scale), BLOCK=min(MAX_BLOCK, next_pow2(max(h, ht))), PDL=on,
                                   num_warps=4, launch_pdl=on == PDL_ON)
     return out
-

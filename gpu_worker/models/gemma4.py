@@ -137,9 +137,12 @@ class Gemma4Backbone(nn.Module):
         # HF initialises layer_scalar to 1 when a checkpoint lacks it; real ones store it.
         return {f"model.layers.{i}.layer_scalar": 1.0 for i in range(len(self.layers))}
 
+    def embed_scale(self) -> float:
+        """sqrt(hidden), rounded to the embedding's dtype (HF's ``embed_scale``)."""
+        return dtype_rounded(self.spec.hidden_size**0.5, self.embed_tokens.weight.dtype)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight
-        return self.embed_tokens(ids) * dtype_rounded(self.spec.hidden_size**0.5, w.dtype)
+        return self.embed_tokens(ids) * self.embed_scale()
 
     def per_layer_inputs(self, ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """PLE: (norm(proj(embeds) / sqrt(H)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2) -> [T, L, P]."""
@@ -224,10 +227,9 @@ class Gemma4ForCausalLM(CausalLM):
     def embed_cat(self, ids: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """``cat(embed(ids), tail)`` (the frozen-KV draft's input row) in one kernel where the
         embedding is whole (TP = 1); the gather, scale and cat otherwise."""
-        table = self.model.embed_tokens.weight
         if tp_size() > 1:
             return torch.cat([self.embed(ids), tail], dim=-1)
-        return embed_cat(ids, table, dtype_rounded(self.spec.hidden_size**0.5, table.dtype), tail)
+        return embed_cat(ids, self.model.embed_tokens.weight, self.model.embed_scale(), tail)
 
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
         x = self.model.embed(fb.input_ids)
