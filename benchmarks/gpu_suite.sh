@@ -127,9 +127,10 @@ if has pdlprof; then
   # One decode layer of the 8B at one row, PDL off and on: mean kernel times and the gap before
   # each (negative = it started before its predecessor ended; read trace_layers.py's "adds").
   # PDL is on by default at <= 4 tokens since 2026-12-04 (BENCHMARKS.md).
-  echo "== the 8B one-row decode layer, TANDEM_PDL=${PDLPROF_LEVELS:-0 1}"
+  # PDLPROF_MODEL: another dummy shape (e.g. qwen3-0.6b, whose one-request step is launch-bound)
+  echo "== the ${PDLPROF_MODEL:-llama-3.1-8b} one-row decode layer, TANDEM_PDL=${PDLPROF_LEVELS:-0 1}"
   for p in ${PDLPROF_LEVELS:-0 1}; do
-    TANDEM_PDL=$p timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
+    TANDEM_PDL=$p timeout 120 python3 benchmarks/profile_step.py --model-path $DM/${PDLPROF_MODEL:-llama-3.1-8b} --steps 48 \
       --trace "$OUT/trace_pdl$p.json.gz" > "$OUT/profile_pdl$p.txt" 2>&1 || echo "profile PDL=$p failed"
     echo "TANDEM_PDL=$p"; python3 benchmarks/trace_layers.py "$OUT/trace_pdl$p.json.gz" 2>&1 | tee "$OUT/layers_pdl$p.txt"
   done
