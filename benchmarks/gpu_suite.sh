@@ -114,11 +114,12 @@ if has profile; then
     timeout 120 python3 benchmarks/profile_step.py --model-path $DM/qwen3-0.6b --steps 1 --batch 8 --input-len 1024 \
       > "$OUT/profile_qwen_prefill.txt" 2>&1 || echo "profile qwen prefill failed"
   fi
+  PM=${PROFILE_DECODE_MODEL:-llama-3.1-8b}  # the shape of the decode-only profiles
   for b in ${PROFILE_DECODE_BATCHES:-}; do  # e.g. "64": decode-only steps at that many rows
-    timeout 150 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --decode-only --batch $b --steps 24 \
-      --trace "$FINAL/trace_8b_bs$b.json.gz" > "$OUT/profile_8b_bs$b.txt" 2>&1 || echo "profile bs$b failed"
-    python3 benchmarks/trace_layers.py "$FINAL/trace_8b_bs$b.json.gz" > "$OUT/layers_8b_bs$b.txt" 2>&1 \
-      && cat "$OUT/layers_8b_bs$b.txt"; grep -A4 '"steps"' "$OUT/profile_8b_bs$b.txt"
+    timeout 150 python3 benchmarks/profile_step.py --model-path $DM/$PM --decode-only --batch $b --steps 24 \
+      --trace "$FINAL/trace_${PM}_bs$b.json.gz" > "$OUT/profile_${PM}_bs$b.txt" 2>&1 || echo "profile bs$b failed"
+    python3 benchmarks/trace_layers.py "$FINAL/trace_${PM}_bs$b.json.gz" > "$OUT/layers_${PM}_bs$b.txt" 2>&1 \
+      && cat "$OUT/layers_${PM}_bs$b.txt"; grep -A4 '"steps"' "$OUT/profile_${PM}_bs$b.txt"
   done
   for f in profile_8b profile_8b_prefill profile_qwen_prefill; do [ -e "$OUT/$f.txt" ] || continue
     echo "$f"; grep -A4 '"steps"' "$OUT/$f.txt"; done

@@ -39,6 +39,7 @@ import torch
 
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.argmax import argmax_last
+from gpu_worker.kernels.decode_inputs import decode_inputs
 from gpu_worker.kernels.decode_tail import greedy_tail
 from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain
 
@@ -73,14 +74,15 @@ class DecodeBody:
 
     def __init__(self, target, assistant, backend, state, t: int):
         self.target, self.assistant, self.backend, self.state, self.t = target, assistant, backend, state, t
-        self.arange_t = torch.arange(t, device=state.device)
 
     def draft(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """With MTP: the bonus and the S drafts into ``tokens``. Plain decode: nothing here
+        (``forward`` writes the bonus with the step's other inputs)."""
+        if self.assistant is None:
+            return
         st = self.state
         bonus = st.last_token[slots]
         tokens[:, 0] = bonus
-        if self.assistant is None:
-            return
         seq = st.seq_len[slots]
         meta = self.backend.decode_meta(slots, seq, seq - 1, 1)  # exactly the committed keys
         fb = ForwardBatch(None, seq + DRAFT_ROPE_OFFSET, None, meta, slots.shape[0])
@@ -89,12 +91,10 @@ class DecodeBody:
 
     def forward(self, slots: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         st, t = self.state, self.t
-        ps = self.backend.pool.page_size
-        seq = st.seq_len[slots]
-        pos = (seq[:, None] + self.arange_t[None, :]).reshape(-1)
-        tok_slot = slots[:, None].expand(-1, t).reshape(-1)
-        out_loc = st.page_table[tok_slot, pos // ps].long() * ps + pos % ps
-        meta = self.backend.decode_meta(slots, seq + t, pos, t)
+        bonus_into = tokens if self.assistant is None else None
+        _, pos, out_loc, kv_len = decode_inputs(slots, st.seq_len, st.last_token, st.page_table,
+                                                self.backend.pool.page_size, t, bonus_into)
+        meta = self.backend.decode_meta(slots, kv_len, pos, t)
         fb = ForwardBatch(tokens.reshape(-1), pos, out_loc, meta, slots.shape[0] * t)
         hidden = self.target.forward(fb, self.backend)
         return hidden, self.target.compute_logits(hidden)
@@ -171,9 +171,7 @@ class DecodeGraphs:
                 body.draft(b.slots, b.tokens)
         b.target = torch.cuda.CUDAGraph()
         with torch.cuda.graph(b.target, pool=pool):
-            if body.assistant is None:
-                body.draft(b.slots, b.tokens)  # the bonus gather: two small kernels
-            b.hidden, b.logits = body.forward(b.slots, b.tokens)
+            b.hidden, b.logits = body.forward(b.slots, b.tokens)  # plain decode: the bonus gather too
         b.tail = torch.cuda.CUDAGraph()
         with torch.cuda.graph(b.tail, pool=pool):
             body.tail(b.slots, b.tokens, b.hidden, b.logits, b.result)

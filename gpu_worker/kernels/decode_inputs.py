@@ -1,0 +1,79 @@
+"""A decode step's inputs from slot state in one launch.
+
+A graph-replayed decode step starts from slot ids alone (``cuda_graphs.py``). Per row b (slot
+``slots[b]``, committed length ``seq = seq_len[slot]``) and each of its ``t`` tokens i:
+
+    pos[b*t + i]     = seq + i
+    out_loc[b*t + i] = page_table[slot, pos // page] * page + pos % page   (where its KV goes)
+    kv_len[b]        = seq + t                                            (keys it attends to)
+    seq_out[b]       = seq
+    tokens[b, 0]     = last_token[slot]            (plain decode: the bonus is the input token)
+
+In torch that is about a dozen gathers and elementwise ops, ~1.5 us each plus a gap at one row
+(the H200 trace of the 8B step, BENCHMARKS.md 2026-12-04 night): ~20 us a step before the
+first layer. Padding rows (slot 0, length 0, page 0) get positions 0..t-1 on page 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.kernels import next_pow2, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path below
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_inputs_kernel(slots_ptr, seq_ptr, last_ptr, pt_ptr, tok_ptr, pos_ptr, loc_ptr, kv_ptr, seq_out_ptr,
+                              s_pt, s_tok, T: tl.constexpr, BLOCK_T: tl.constexpr, PAGE: tl.constexpr,
+                              BONUS: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        seq = tl.load(seq_ptr + slot).to(tl.int64)
+        i = tl.arange(0, BLOCK_T)
+        m = i < T
+        pos = seq + i
+        page = tl.load(pt_ptr + slot * s_pt + pos // PAGE, mask=m, other=0).to(tl.int64)
+        tl.store(pos_ptr + b * T + i, pos, mask=m)
+        tl.store(loc_ptr + b * T + i, page * PAGE + pos % PAGE, mask=m)
+        tl.store(kv_ptr + b, seq + T)
+        tl.store(seq_out_ptr + b, seq)
+        if BONUS:
+            tl.store(tok_ptr + b * s_tok, tl.load(last_ptr + slot))
+
+
+def decode_inputs_reference(slots, seq_len, last_token, page_table, page_size: int, t: int, tokens=None):
+    """The torch twin: the same outputs (see the module docstring)."""
+    seq = seq_len[slots]
+    pos = (seq[:, None] + torch.arange(t, device=slots.device)[None, :]).reshape(-1)
+    tok_slot = slots[:, None].expand(-1, t).reshape(-1)
+    out_loc = page_table[tok_slot, pos // page_size].long() * page_size + pos % page_size
+    if tokens is not None:
+        tokens[:, 0] = last_token[slots]
+    return seq, pos, out_loc, seq + t
+
+
+def decode_inputs(slots: torch.Tensor, seq_len: torch.Tensor, last_token: torch.Tensor, page_table: torch.Tensor,
+                  page_size: int, t: int, tokens: torch.Tensor | None = None):
+    """slots [B] int64 -> (seq [B], pos [B*t], out_loc [B*t], kv_len [B]), all int64; with
+    ``tokens`` [B, >=1] also writes each row's bonus (``last_token[slot]``) into column 0.
+    Graph-capturable (fixed shapes, no host reads)."""
+    if not use_triton(slots) or page_table.stride(1) != 1:
+        return decode_inputs_reference(slots, seq_len, last_token, page_table, page_size, t, tokens)
+    b = slots.shape[0]
+    seq = torch.empty(b, dtype=torch.int64, device=slots.device)
+    kv = torch.empty_like(seq)
+    pos = torch.empty(b * t, dtype=torch.int64, device=slots.device)
+    loc = torch.empty_like(pos)
+    if b:
+        _decode_inputs_kernel[(b,)](slots, seq_len, last_token, page_table, tokens if tokens is not None else pos,
+                                    pos, loc, kv, seq, page_table.stride(0),
+                                    tokens.stride(0) if tokens is not None else 0, T=t,
+                                    BLOCK_T=max(2, next_pow2(t)), PAGE=page_size, BONUS=tokens is not None,
+                                    num_warps=1)
+    return seq, pos, loc, kv
