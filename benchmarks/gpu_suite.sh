@@ -10,6 +10,8 @@
 #  rows = the GEMV's tensor-core variant (1-4 rows) and the greedy tail: sweep, engine A/B, tests;
 #  envab = the 8B at 1 and 64 requests (ENVAB_PROMPTS) once per ENV_VARIANTS entry ("name:VAR=v,VAR=v ...";
 #          ENVAB_MODEL=qwen3-0.6b: another dummy shape); gemmaab = (e) per ENV_VARIANTS entry;
+#          an entry with OFF_ROOT=.abbase runs the engine of another commit (benchmarks/ab_base.sh REV,
+#          then carry .abbase too): a code A/B on one machine;
 #  pdlprof = one 8B decode layer's kernels and the gaps between them, PDL off and on (trace_layers.py;
 #            PDLPROF_LEVELS="1": on only);
 #  mtpprof = (e)'s MTP step on the Gemma-4 9B + assistant at one request, kernel by kernel (the draft
@@ -57,7 +59,7 @@ in_env() {  # "VAR=v,VAR=v" (an ENV_VARIANTS entry's list), command...: the comm
 }
 off() {  # name, timeout, args...
   local name=$1 t=$2; shift 2
-  timeout "$t" python3 benchmarks/offline.py --device cuda --load-format dummy --log-level warning \
+  timeout "$t" python3 ${OFF_ROOT:-.}/benchmarks/offline.py --device cuda --load-format dummy --log-level warning \
     --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -5 "$OUT/$name.log"; }
 }
 if has tests; then

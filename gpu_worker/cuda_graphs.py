@@ -35,6 +35,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_worker.forward_batch import ForwardBatch
@@ -129,6 +130,8 @@ class DecodeGraphs:
                                    torch.zeros(b, body.t + 1, dtype=torch.int32, device=self.device))
                         for b in buckets}
         self.sizes = sorted(buckets)
+        # Host mirror of each bucket's slot buffer, in launch order: only ``run`` writes either.
+        self._held = {b: np.zeros(b, dtype=np.int64) for b in buckets}
 
     def bucket(self, n: int) -> int | None:
         return fitting_bucket(self.sizes, n)
@@ -176,13 +179,27 @@ class DecodeGraphs:
         with torch.cuda.graph(b.tail, pool=pool):
             body.tail(b.slots, b.tokens, b.hidden, b.logits, b.result)
 
-    def run(self, n: int, padded_slots: torch.Tensor, mark) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Replay the bucket for ``n`` rows; ``padded_slots`` has the bucket's length (padding 0).
-        ``mark()`` is called between the draft and the target part (step timing).
+    def holds(self, bucket: int, padded: np.ndarray) -> bool:
+        """Whether the bucket's slot buffer holds ``padded`` once every launched replay has run
+        (then a step need not upload its slots: decode batches repeat step after step)."""
+        return np.array_equal(self._held[bucket], padded)
+
+    def slots(self, n: int) -> torch.Tensor:
+        """The device slot ids of the last ``run(n, ...)`` (valid until the bucket's next run)."""
+        return self.buckets[self.bucket(n)].slots[:n]
+
+    def run(self, n: int, padded: np.ndarray, padded_dev: torch.Tensor | None, mark):
+        """Replay the bucket for ``n`` rows, slots ``padded`` (the bucket's length, padding 0),
+        copied in from ``padded_dev`` unless the buffer already holds them (``holds``; then
+        None). ``mark()`` is called between the draft and the target part (step timing).
         -> (tokens [n, T], hidden [n*T, H], logits [n*T, V])."""
-        b = self.buckets[self.bucket(n)]
+        size = self.bucket(n)
+        b = self.buckets[size]
         t = self.body.t
-        b.slots.copy_(padded_slots)
+        if padded_dev is not None:
+            b.slots.copy_(padded_dev)
+            self._held[size] = padded
+        assert np.array_equal(self._held[size], padded), "a bucket's slots were neither held nor staged"
         if b.draft is not None:
             b.draft.replay()
         elif b.target is None:

@@ -108,6 +108,8 @@ class ModelRunner:
         self.device = device
         self.windows = tuple(sorted(set(target.sliding_windows) | set(getattr(assistant, "sliding_windows", ()))))
         self.staging = Staging(device)
+        self.copies = torch.cuda.Stream(device) if device.type == "cuda" else None  # see _copy_home
+        self._copied = None  # the event of the last copy home
         self.graphs: DecodeGraphs | None = None
         self.prefill: PrefillGraphs | None = None
         self._last_timer: StepTimer | None = None
@@ -159,13 +161,16 @@ class ModelRunner:
         self.proc.observe_extend(rows)
         if bucket is not None and self._greedy_tail(rows, b):
             n = len(rows.dec_slots)
-            self.graphs.run(n, b["dec_pad"], timer.mark)
+            self.graphs.run(n, b.extras["dec_pad"], b.get("dec_pad"), timer.mark)
+            if self._copied is not None:  # the tail rewrites the buffer the last copy reads
+                torch.cuda.current_stream(self.device).wait_event(self._copied)
             result = self.graphs.run_tail(n)
             self.tick("l.forward")
             timer.mark()
             return self._copy_out_result(plan.step_id, rows, result, timer)
         if bucket is not None:
-            dec_tokens, hidden, logits = self.graphs.run(len(rows.dec_slots), b["dec_pad"], timer.mark)
+            dec_tokens, hidden, logits = self.graphs.run(len(rows.dec_slots), b.extras["dec_pad"], b.get("dec_pad"),
+                                                         timer.mark)
             sel_hidden = hidden
         else:
             dec_tokens = self._decode_tokens(rows, b)
@@ -180,7 +185,7 @@ class ModelRunner:
         prompt_lps = prompt_logprob_rows(self.target, rows, st, hidden)
         timer.mark()
         self._update_state(rows, b, out, accept, sel_hidden[seed_rows])
-        self.proc.observe_outputs(rows.result_slots(), b["res_slots"], out, accept)
+        self.proc.observe_outputs(rows.result_slots(), self._res_slots(rows, b), out, accept)
         lps = self._logprobs(rows, b, logits, out)
         return self._copy_out(plan.step_id, rows, out, accept, lps, prompt_lps, timer)
 
@@ -202,15 +207,17 @@ class ModelRunner:
         b.put("samp_ext_slots", rows.ext_slots[e_rows])
         b.put("samp_ext_pos", (rows.ext_start + rows.ext_len)[e_rows])
         res = rows.result_slots()
-        b.put("res_slots", res)
         # decode rows' KV lengths after this step's tokens, where the host knows them (no MTP)
         dec_kv = self.state.seq_host[rows.dec_slots] + self.t if self.assistant is None else None
-        if bucket is not None:
+        if bucket is not None:  # the result rows are the decode rows, in the bucket's buffer
             pad = np.zeros(bucket, dtype=np.int64)  # padding rows point at slot 0
             pad[: len(rows.dec_slots)] = rows.dec_slots
-            b.put("dec_pad", pad)
+            b.extras["dec_pad"] = pad
+            if not self.graphs.holds(bucket, pad):  # usually it does: the same rows as last step
+                b.put("dec_pad", pad)
             self.backend.stage_graph(bucket, rows.dec_slots, dec_kv, b)
         else:
+            b.put("res_slots", res)
             stage_target_batch(rows, self.t, self.backend, b, dec_kv)
         if len(res) and self.state.logprobs[res].max(initial=-1) >= 0:
             e, t = len(e_rows), self.t
@@ -218,8 +225,14 @@ class ModelRunner:
             b.put("lp_idx", np.concatenate([np.arange(e) * t, e * t + np.arange(len(rows.dec_slots) * t)]))
 
     def _dec_slots(self, rows: PlanRows, b: StageBatch) -> torch.Tensor:
-        n = len(rows.dec_slots)
-        return b["dec_pad"][:n] if "dec_pad" in b else b["slots"][len(rows.ext_slots):]
+        """The decode rows' slots on the device (a graph step's: its bucket's slot buffer,
+        which ``DecodeGraphs.run`` filled earlier on the stream)."""
+        if "dec_pad" in b.extras:
+            return self.graphs.slots(len(rows.dec_slots))
+        return b["slots"][len(rows.ext_slots):]
+
+    def _res_slots(self, rows: PlanRows, b: StageBatch) -> torch.Tensor:
+        return self._dec_slots(rows, b) if "dec_pad" in b.extras else b["res_slots"]
 
     def _decode_tokens(self, rows: PlanRows, b: StageBatch) -> torch.Tensor | None:
         if len(rows.dec_slots) == 0:
@@ -280,7 +293,7 @@ class ModelRunner:
         n_ext = len(rows.ext_slots)
         if n_ext:
             st.seq_len[b["slots"][:n_ext]] = b["ext_kv"]
-        res_slots = b["res_slots"]
+        res_slots = self._res_slots(rows, b)
         if len(res_slots) == 0:
             return
         e = len(rows.sampled_ext_rows())
@@ -297,32 +310,40 @@ class ModelRunner:
         full[b["lp_idx"]] = logits
         return token_logprobs(full, out.reshape(-1), int(self.state.logprobs[slots].max()))
 
-    def _d2h(self, x: torch.Tensor | None) -> torch.Tensor | None:
-        """A host copy of ``x`` that later steps never rewrite (on the CPU a clone: ``x`` may be
-        a graph bucket's buffer, which the next step overwrites before this one is read)."""
-        if x is None:
-            return None
-        if self.device.type != "cuda":
-            return x.clone()
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        host.copy_(x, non_blocking=True)
-        return host
+    def _copy_home(self, xs: list, timer) -> tuple[list, object]:
+        """Host copies of the step's outputs ``xs`` (None stays None) that later steps never rewrite, and the event
+        after which they have landed (None on the CPU); marks the timer's end first.
 
-    def _pending(self, step_id, rows, tokens, acc, lp, prompt_lps, timer) -> Pending:
+        On CUDA the copies run on a side stream (``copies``), so the next step's kernels need
+        not queue behind a device-to-host copy (~5-10 us of copy and gaps a step on the H200).
+        Invariants: a source is read there only after every kernel queued before it on the
+        compute stream; a temporary is not reused before its copy (``record_stream``); a graph
+        bucket's ``result`` buffer is rewritten only after the last copy (``launch`` waits for
+        ``_copied`` before a tail replay). On the CPU a clone: ``x`` may be a graph bucket's
+        buffer, which the next step overwrites before this one is read."""
         timer.mark()
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return Pending(step_id, rows.result_slots(), tokens, acc, lp, prompt_lps, event, timer)
+        if self.device.type != "cuda":
+            return [None if x is None else x.clone() for x in xs], None
+        self.copies.wait_stream(torch.cuda.current_stream(self.device))
+        hosts = []
+        with torch.cuda.stream(self.copies):
+            for x in xs:
+                host = None  # (a logprobs part that was not asked for)
+                if x is not None:
+                    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                    host.copy_(x, non_blocking=True)
+                    x.record_stream(self.copies)
+                hosts.append(host)
+            self._copied = torch.cuda.Event()
+            self._copied.record(self.copies)
+        return hosts, self._copied
 
     def _copy_out(self, step_id, rows, out, accept, lps, prompt_lps, timer) -> Pending:
-        tokens = self._d2h(out.to(torch.int32))
-        acc = self._d2h(accept.to(torch.int32))
-        lp = tuple(self._d2h(x) for x in lps) if lps is not None else None
-        return self._pending(step_id, rows, tokens, acc, lp, prompt_lps, timer)
+        hosts, event = self._copy_home([out.to(torch.int32), accept.to(torch.int32), *(lps or ())], timer)
+        lp = tuple(hosts[2:]) if lps is not None else None
+        return Pending(step_id, rows.result_slots(), hosts[0], hosts[1], lp, prompt_lps, event, timer)
 
     def _copy_out_result(self, step_id, rows, result: torch.Tensor, timer) -> Pending:
         """The greedy tail's [n, T + 1] int32 (tokens, accept) home in one copy."""
-        host = self._d2h(result)
-        return self._pending(step_id, rows, host[:, : self.t], host[:, self.t], None, [], timer)
+        (host,), event = self._copy_home([result], timer)
+        return Pending(step_id, rows.result_slots(), host[:, : self.t], host[:, self.t], None, [], event, timer)

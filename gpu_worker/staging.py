@@ -73,6 +73,8 @@ class Staging:
         if not self.cuda:
             return {k: _typed(torch.from_numpy(a), a.dtype) for k, a in arrays.items()}
         total = sum(_padded(a.size) for a in arrays.values())
+        if total == 0:  # a decode step whose slots the graph buffer holds: nothing to copy
+            return {k: _typed(self._dev[:0], a.dtype) for k, a in arrays.items()}
         if total > self._dev.numel():
             torch.cuda.current_stream().synchronize()  # rare: let queued copies finish first
             self._grow(max(total, 2 * self._dev.numel()))
