@@ -306,14 +306,17 @@ if has envab; then
   # empty list after the colon = the defaults), each in a fresh process: an engine A/B of any
   # TANDEM_* switch on the same machine.
   echo "== 8B 1 / 64 requests, A/B over environment switches"
-  for v in ${ENV_VARIANTS:-default:}; do
-    name=${v%%:*}; vars=${v#*:}
+  # ENVAB_MODELS="llama-3.1-8b qwen3-0.6b": each shape in turn (files llama_env_<variant>_<shape>)
+  models=${ENVAB_MODELS:-${ENVAB_MODEL:-llama-3.1-8b}}
+  for m in $models; do for v in ${ENV_VARIANTS:-default:}; do
+    name=${v%%:*}; vars=${v#*:}; [ "$models" = "$m" ] || name=${name}_$m
     in_env "$vars" off llama_env_$name 150 "${LLAMA8B[@]}" --warmup-rounds 1 --num-prompts "${ENVAB_PROMPTS:-1,64}" \
-      --model-path $DM/${ENVAB_MODEL:-llama-3.1-8b}
+      --model-path $DM/$m
     python3 -c "import json,sys; [print(sys.argv[2], w['num_prompts'], 'req: decode ms/step %.3f' % w['decode_busy_ms_per_step'],
-      'decode tok/s %.1f' % w['decode_tok_s'], 'tok/s %.1f' % w['output_tok_s']) for w in json.load(open(sys.argv[1]))['workloads']]" \
+      'decode tok/s %.1f' % w['decode_tok_s'], 'tok/s %.1f' % w['output_tok_s'], 'idle %.2f%%' % (100 * w['gpu_idle_frac']))
+      for w in json.load(open(sys.argv[1]))['workloads']]" \
       "$OUT/llama_env_$name.json" "$name ($vars)" 2>/dev/null || echo "$name failed"
-  done
+  done; done
 fi
 if has gemmaab; then
   # (e) once per ENV_VARIANTS entry (as envab), plain and MTP on the same machine: the ratio per variant
