@@ -9,6 +9,9 @@ consecutive anchors; only windows whose kernel names repeat that layout are aver
 prefill steps and the LM head stay out. With PDL a kernel's span includes its wait for the one
 before, so the column to read is "adds": how much later it ends than its predecessor.
 
+After the table: the device work *between steps* (from one step's last layer to the next
+step's first: final norm, LM head, token selection, copies, the next step's input glue).
+
     python benchmarks/trace_layers.py trace_8b_bs1.json.gz [--anchor rope_store --before 2] [--json]
 """
 
@@ -60,8 +63,34 @@ def layer_table(events: list[dict], anchor: str, before: int = 2) -> dict:
         rows.append(dict(pos=pos, name=name, dur_us=statistics.fmean(durs), gap_us=statistics.fmean(gaps),
                          min_gap_us=min(gaps), adds_us=statistics.fmean(durs) + statistics.fmean(gaps)))
     total = sum(r["dur_us"] + r["gap_us"] for r in rows)
-    return dict(anchor=anchor, kernels_per_layer=period, layers_averaged=count, rows=rows,
+    starts = [lo for lo, names in windows if names == layout]
+    return dict(anchor=anchor, kernels_per_layer=period, layers_averaged=count, rows=rows, starts=starts,
                 layer_us=total, kernel_us=sum(r["dur_us"] for r in rows), gap_us=sum(r["gap_us"] for r in rows))
+
+
+def between_steps(events: list[dict], table: dict) -> dict | None:
+    """The device work between one step's last layer and the next step's first (the LM head,
+    token selection, copies, the next step's input glue): the most common such sequence, with
+    each kernel's mean duration and the gap before it, and its whole span. None if the trace
+    has fewer than two runs of layers."""
+    period, starts = table["kernels_per_layer"], table["starts"]
+    runs = [[starts[0]]]
+    for lo in starts[1:]:
+        (runs[-1].append if lo - runs[-1][-1] == period else lambda x: runs.append([x]))(lo)
+    segments = [(a[-1] + period, b[0]) for a, b in zip(runs, runs[1:])]
+    if not segments:
+        return None
+    layouts = collections.Counter(tuple(e["name"] for e in events[lo:hi]) for lo, hi in segments)
+    layout, count = layouts.most_common(1)[0]
+    same = [(lo, hi) for lo, hi in segments if tuple(e["name"] for e in events[lo:hi]) == layout]
+    rows = []
+    for pos, name in enumerate(layout):
+        durs = [events[lo + pos]["dur"] for lo, _ in same]
+        gaps = [events[lo + pos]["ts"] - (events[lo + pos - 1]["ts"] + events[lo + pos - 1]["dur"]) for lo, _ in same]
+        rows.append(dict(name=name, dur_us=statistics.fmean(durs), gap_us=statistics.fmean(gaps)))
+    spans = [events[hi]["ts"] - (events[lo - 1]["ts"] + events[lo - 1]["dur"]) for lo, hi in same]
+    return dict(steps_averaged=count, rows=rows, span_us=statistics.fmean(spans),
+                kernel_us=sum(r["dur_us"] for r in rows))
 
 
 def default_anchor(events: list[dict]) -> tuple[str, int]:
@@ -84,14 +113,20 @@ def main() -> None:
     events = load_kernels(args.trace)
     anchor, before = default_anchor(events)
     table = layer_table(events, args.anchor or anchor, before if args.before is None else args.before)
+    steps = between_steps(events, table)
     if args.json:
-        print(json.dumps(table, indent=1))
+        print(json.dumps(dict(table, between_steps=steps), indent=1))
         return
     print(f"{table['layers_averaged']} layers of {table['kernels_per_layer']} kernels: "
           f"{table['layer_us']:.2f} us a layer = {table['kernel_us']:.2f} in kernels + {table['gap_us']:.2f} between")
     print(f"{'kernel':44s} {'us':>8s} {'gap before':>11s} {'min gap':>8s} {'adds':>7s}")
     for r in table["rows"]:
         print(f"{r['name'][:44]:44s} {r['dur_us']:8.2f} {r['gap_us']:11.2f} {r['min_gap_us']:8.2f} {r['adds_us']:7.2f}")
+    if steps is not None:
+        print(f"between steps ({steps['steps_averaged']} averaged): {steps['span_us']:.2f} us from the last layer's "
+              f"end to the next step's first layer, {steps['kernel_us']:.2f} in {len(steps['rows'])} device ops")
+        for r in steps["rows"]:
+            print(f"{r['name'][:44]:44s} {r['dur_us']:8.2f} {r['gap_us']:11.2f}")
 
 
 if __name__ == "__main__":

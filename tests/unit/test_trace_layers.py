@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.trace_layers import default_anchor, layer_table, load_kernels
+from benchmarks.trace_layers import between_steps, default_anchor, layer_table, load_kernels
 
 LAYER = [("norm", 2.0), ("qkv", 14.0), ("rope_store", 2.0), ("attn", 6.0), ("o", 12.0)]
 
@@ -59,3 +59,31 @@ def test_pdl_overlap_adds_and_the_default_anchor(tmp_path):
     assert sum(adds.values()) == pytest.approx(table["layer_us"])
     fused = [dict(e, name="_qkv_rope_kernel") if e["name"] == "qkv" else e for e in events]
     assert default_anchor(fused) == ("qkv_rope", 1) and default_anchor(events) == ("rope_store", 2)
+
+
+def test_between_steps_is_the_work_outside_the_layers(tmp_path):
+    """Three decode steps of 3 layers each, separated by an LM head, a copy and a glue kernel:
+    ``between_steps`` reports that sequence (mean durations, gaps) and its span."""
+    events, t = [], 0.0
+    tail = [("lm_head", 40.0, "kernel"), ("Memcpy DtoH", 1.5, "gpu_memcpy"), ("glue", 2.0, "kernel")]
+    for step in range(3):
+        for _ in range(3):
+            for name, dur in LAYER:
+                events.append(dict(ph="X", cat="kernel", name=name, ts=t, dur=dur))
+                t += dur + 0.5
+        if step < 2:
+            for name, dur, cat in tail:
+                t += 3.0  # a wider gap outside the layers
+                events.append(dict(ph="X", cat=cat, name=name, ts=t, dur=dur))
+                t += dur
+            t += 1.0
+    path = tmp_path / "s.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    events = load_kernels(str(path))
+    steps = between_steps(events, layer_table(events, "rope_store"))
+    assert steps["steps_averaged"] == 2
+    assert [r["name"] for r in steps["rows"]] == [n for n, _, _ in tail]
+    assert [r["dur_us"] for r in steps["rows"]] == pytest.approx([d for _, d, _ in tail])
+    assert [r["gap_us"] for r in steps["rows"]] == pytest.approx([3.5, 3.0, 3.0])
+    assert steps["span_us"] == pytest.approx(0.5 + 3 * 3.0 + 43.5 + 1.0)
