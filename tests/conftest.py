@@ -6,8 +6,82 @@ before any kernel module is imported: ``triton.jit`` reads it when it decorates.
 """
 
 import os
+import threading
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fast_nested_jit_calls() -> None:
+    """Skip the interpreter's redundant re-patching of ``triton.language`` on nested calls.
+
+    Triton's interpreter patches ``triton.language`` (every builtin of ``tl``, ``tl.tensor``,
+    ``tl.math``, ... through ``inspect.getmembers``) when a kernel launch starts and restores it
+    when the launch ends; but it also re-runs that whole patch at *every* call of a
+    ``@triton.jit`` helper from inside a kernel (``InterpretedFunction.__call__``), about 0.4 ms
+    each here. Our kernels call small helpers per program (``rope.py``'s ``_rnd`` / ``_rotate``
+    / ``_head_norm``, ``gdc_enter``, ...): in the engine tests that re-patching was over half of
+    the interpreter's time. Inside a launch, the launch's own patch is still in force, so a
+    helper whose ``triton.language`` modules (``tl`` / ``tl.core`` seen from its globals) the
+    launch already patched (or an earlier helper call of this launch did: Triton never restores
+    those) would only set the same attributes again: that call is skipped. Any other call (the
+    first helper of a launch that sees a module the kernel does not, e.g. ``tl.sum`` from
+    ``triton.language.standard``, which sees ``tl.core``; no launch active; a Triton whose
+    ``_patch_lang`` returns no restorable scope) runs Triton's own code unchanged, so the
+    interpreted semantics are Triton's. ``TANDEM_TEST_SLOW_INTERPRETER=1`` turns this off.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("TANDEM_TEST_SLOW_INTERPRETER") == "1":
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or getattr(original, "_tandem_fast", False):
+        return
+    local = threading.local()  # per thread: the lang modules patched by the launch running there
+
+    class _Kept:
+        def restore(self) -> None:  # nothing was patched by this call
+            pass
+
+    kept = _Kept()
+
+    def langs_of(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+    def patch_lang(fn):
+        active = getattr(local, "active", None)
+        if active is not None:
+            langs = langs_of(fn)
+            if langs and langs <= active:  # nested helper: the launch's patch already covers it
+                patch_lang.skipped += 1
+                return kept
+            # Triton's own path. Nobody restores a nested call's patches (Triton drops its
+            # scope), so its modules stay patched to the end of this launch too.
+            scope = original(fn)
+            local.active = active | langs
+            return scope
+        scope = original(fn)  # a launch: GridExecutor restores this scope when the grid is done
+        restore = getattr(scope, "restore", None)
+        if restore is None:
+            return scope
+        local.active = langs_of(fn)
+
+        def restore_and_end() -> None:
+            local.active = None
+            restore()
+
+        scope.restore = restore_and_end
+        return scope
+
+    patch_lang._tandem_fast = True
+    patch_lang.skipped = 0  # nested calls that skipped the re-patch (tests/unit/test_interpreter_fast_path.py)
+    patch_lang.__wrapped__ = original
+    interpreter._patch_lang = patch_lang
+
+
+_fast_nested_jit_calls()
