@@ -183,7 +183,9 @@ class FreshVenv:
                         continue
                     out.append(self._map(argv[i]))
                     i += 1
-                self._check(out + ["-q"])
+                # --no-compile: pip would byte-compile every installed file (most of the torch
+                # wheel's time here); the processes compile what they import on first import.
+                self._check(out + ["-q", "--no-compile"])
             else:
                 raise AssertionError(f"Dockerfile RUN step the test cannot replay: {argv!r} (teach "
                                      "tests/helpers/deploy_stack.py about it, or list it as a system step)")
