@@ -1,4 +1,5 @@
-"""One pinned staging buffer and one host-to-device copy per step.
+"""One pinned staging buffer and at most one host-to-device copy per step (none when nothing is
+staged: a decode batch whose rows the graph bucket already holds).
 
 A step's host-side metadata (slots, page-table appends, admitted requests' sampling params,
 prefill tokens and positions, index arrays) is collected into a ``StageBatch`` by name, packed
