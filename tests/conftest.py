@@ -14,6 +14,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _interpreter_as_read(interpreter) -> bool:
+    """The interpreter is built as the fast path below assumes (read in Triton 3.9): a launch
+    patches through ``_patch_lang`` and restores the scope it returns; a nested helper call
+    patches through ``_patch_lang`` and drops the scope. Another Triton keeps its own path."""
+    import inspect
+
+    try:
+        patch = inspect.getsource(interpreter._patch_lang)
+        launch = inspect.getsource(interpreter.GridExecutor.__call__)
+        nested = inspect.getsource(interpreter.InterpretedFunction.__call__)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return (hasattr(interpreter, "_LangPatchScope") and "_LangPatchScope()" in patch and "return scope" in patch
+            and "patch_scope = _patch_lang(self.fn)" in launch and "patch_scope.restore()" in launch
+            and "_patch_lang(self.fn)" in nested and "patch_scope" not in nested)
+
+
 def _fast_nested_jit_calls() -> None:
     """Skip the interpreter's redundant re-patching of ``triton.language`` on nested calls.
 
@@ -40,7 +57,7 @@ def _fast_nested_jit_calls() -> None:
     except ImportError:
         return
     original = getattr(interpreter, "_patch_lang", None)
-    if original is None or getattr(original, "_tandem_fast", False):
+    if original is None or getattr(original, "_tandem_fast", False) or not _interpreter_as_read(interpreter):
         return
     local = threading.local()  # per thread: the lang modules patched by the launch running there
 
