@@ -74,9 +74,12 @@ def between_steps(events: list[dict], table: dict) -> dict | None:
     each kernel's mean duration and the gap before it, and its whole span. None if the trace
     has fewer than two runs of layers."""
     period, starts = table["kernels_per_layer"], table["starts"]
-    runs = [[starts[0]]]
+    runs = [[starts[0]]]  # consecutive layers: one step's
     for lo in starts[1:]:
-        (runs[-1].append if lo - runs[-1][-1] == period else lambda x: runs.append([x]))(lo)
+        if lo - runs[-1][-1] == period:
+            runs[-1].append(lo)
+        else:
+            runs.append([lo])
     segments = [(a[-1] + period, b[0]) for a, b in zip(runs, runs[1:])]
     if not segments:
         return None

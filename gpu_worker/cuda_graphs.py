@@ -199,7 +199,8 @@ class DecodeGraphs:
         if padded_dev is not None:
             b.slots.copy_(padded_dev)
             self._held[size] = padded
-        assert np.array_equal(self._held[size], padded), "a bucket's slots were neither held nor staged"
+        else:
+            assert self.holds(size, padded), "a bucket's slots were neither held nor staged"
         if b.draft is not None:
             b.draft.replay()
         elif b.target is None:

@@ -311,8 +311,9 @@ class ModelRunner:
         return token_logprobs(full, out.reshape(-1), int(self.state.logprobs[slots].max()))
 
     def _copy_home(self, xs: list, timer) -> tuple[list, object]:
-        """Host copies of the step's outputs ``xs`` (None stays None) that later steps never rewrite, and the event
-        after which they have landed (None on the CPU); marks the timer's end first.
+        """Host copies of the step's outputs ``xs`` (None stays None) that later steps never
+        rewrite, and the event after which they have landed (None on the CPU); marks the
+        timer's end first.
 
         On CUDA the copies run on a side stream (``copies``), so the next step's kernels need
         not queue behind a device-to-host copy (~5-10 us of copy and gaps a step on the H200).
