@@ -40,7 +40,7 @@ import torch
 
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.argmax import argmax_last
-from gpu_worker.kernels.decode_inputs import decode_inputs
+from gpu_worker.kernels.decode_inputs import decode_inputs, draft_inputs
 from gpu_worker.kernels.decode_tail import greedy_tail
 from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain
 
@@ -82,13 +82,11 @@ class DecodeBody:
         if self.assistant is None:
             return
         st = self.state
-        bonus = st.last_token[slots]
-        tokens[:, 0] = bonus
-        seq = st.seq_len[slots]
-        meta = self.backend.decode_meta(slots, seq, seq - 1, 1)  # exactly the committed keys
-        fb = ForwardBatch(None, seq + DRAFT_ROPE_OFFSET, None, meta, slots.shape[0])
-        tokens[:, 1:] = draft_chain(self.assistant, self.backend, fb, bonus, st.hidden[slots],
-                                    self.t - 1)
+        seq, q_pos, rope_pos, hidden = draft_inputs(slots, st.seq_len, st.last_token, st.hidden, tokens,
+                                                    DRAFT_ROPE_OFFSET)  # the bonus into tokens[:, 0]
+        meta = self.backend.decode_meta(slots, seq, q_pos, 1)  # exactly the committed keys
+        fb = ForwardBatch(None, rope_pos, None, meta, slots.shape[0])
+        draft_chain(self.assistant, self.backend, fb, tokens, hidden, self.t - 1)
 
     def forward(self, slots: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         st, t = self.state, self.t

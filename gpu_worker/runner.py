@@ -242,9 +242,10 @@ class ModelRunner:
         if self.assistant is None:
             return bonus[:, None]
         fb = build_draft_batch(dec_slots_t, rows.dec_slots, self.state, self.backend, self.windows, DRAFT_ROPE_OFFSET)
-        drafts = draft_chain(self.assistant, self.backend, fb, bonus, self.state.hidden[dec_slots_t],
-                             self.t - 1)
-        return torch.cat([bonus[:, None], drafts], dim=1)
+        tokens = torch.empty((bonus.shape[0], self.t), dtype=bonus.dtype, device=bonus.device)
+        tokens[:, 0] = bonus
+        draft_chain(self.assistant, self.backend, fb, tokens, self.state.hidden[dec_slots_t], self.t - 1)
+        return tokens
 
     def _row_sampling(self, slots: np.ndarray, slots_t: torch.Tensor) -> RowSampling:
         st = self.state

@@ -25,14 +25,12 @@ from gpu_worker.sampling import SALT_ACCEPT, SALT_RESIDUAL, SALT_SAMPLE, RowSamp
 DRAFT_ROPE_OFFSET = 0
 
 
-def draft_chain(assistant, backend, fb, bonus: torch.Tensor, hidden: torch.Tensor, steps: int):
-    """S greedy draft tokens per row: [D, S]. The draft is a deterministic proposer."""
-    tokens = []
-    tok = bonus
-    for _ in range(steps):
-        tok, hidden = assistant.draft_step(tok, hidden, fb, backend)
-        tokens.append(tok)
-    return torch.stack(tokens, dim=1)
+def draft_chain(assistant, backend, fb, tokens: torch.Tensor, hidden: torch.Tensor, steps: int) -> None:
+    """S greedy drafts per row into ``tokens[:, 1:steps + 1]``, from the bonus in ``tokens[:, 0]``
+    (each step reads its input column and writes the next: no stack, no copy). The draft is a
+    deterministic proposer."""
+    for i in range(steps):
+        _, hidden = assistant.draft_step(tokens[:, i], hidden, fb, backend, out=tokens[:, i + 1])
 
 
 def verify(

@@ -12,6 +12,11 @@ A graph-replayed decode step starts from slot ids alone (``cuda_graphs.py``). Pe
 In torch that is about a dozen gathers and elementwise ops, ~1.5 us each plus a gap at one row
 (the H200 trace of the 8B step, BENCHMARKS.md 2026-12-04 night): ~20 us a step before the
 first layer. Padding rows (slot 0, length 0, page 0) get positions 0..t-1 on page 0.
+
+``draft_inputs`` is the same for the head of the MTP draft loop (``cuda_graphs.DecodeBody.draft``):
+the bonus into ``tokens[:, 0]``, the committed length, the Q-only position ``seq - 1``, the draft's
+RoPE position ``seq + offset`` and each row's hidden seed ``hidden[slot]``: six torch kernels
+(~12 us at one row on the Gemma-4 9B trace, BENCHMARKS.md 2026-12-04 late) in one.
 """
 
 from __future__ import annotations
@@ -45,6 +50,46 @@ if triton is not None:
         tl.store(seq_out_ptr + b, seq)
         if BONUS:
             tl.store(tok_ptr + b * s_tok, tl.load(last_ptr + slot))
+
+
+    @triton.jit
+    def _draft_inputs_kernel(slots_ptr, seq_ptr, last_ptr, hid_ptr, tok_ptr, seq_out_ptr, qpos_ptr, rope_ptr,
+                             hid_out_ptr, H, s_hid, s_hid_out, s_tok, OFFSET, BLOCK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        seq = tl.load(seq_ptr + slot).to(tl.int64)
+        tl.store(tok_ptr + b * s_tok, tl.load(last_ptr + slot))
+        tl.store(seq_out_ptr + b, seq)
+        tl.store(qpos_ptr + b, seq - 1)
+        tl.store(rope_ptr + b, seq + OFFSET)
+        cols = tl.arange(0, BLOCK)
+        for c0 in range(0, H, BLOCK):
+            c = c0 + cols
+            tl.store(hid_out_ptr + b * s_hid_out + c, tl.load(hid_ptr + slot * s_hid + c, mask=c < H), mask=c < H)
+
+
+def draft_inputs_reference(slots, seq_len, last_token, hidden, tokens, offset: int):
+    """The torch twin of ``draft_inputs``."""
+    seq = seq_len[slots]
+    tokens[:, 0] = last_token[slots]
+    return seq, seq - 1, seq + offset, hidden[slots]
+
+
+def draft_inputs(slots: torch.Tensor, seq_len: torch.Tensor, last_token: torch.Tensor, hidden: torch.Tensor,
+                 tokens: torch.Tensor, offset: int):
+    """slots [B] -> (seq [B], q_pos = seq - 1 [B], rope_pos = seq + offset [B], hidden[slots] [B, H]),
+    and ``tokens[:, 0] = last_token[slots]``. Graph-capturable (fixed shapes, no host reads)."""
+    if not use_triton(slots) or hidden.stride(1) != 1:
+        return draft_inputs_reference(slots, seq_len, last_token, hidden, tokens, offset)
+    b, h = slots.shape[0], hidden.shape[1]
+    seq = torch.empty(b, dtype=torch.int64, device=slots.device)
+    q_pos, rope = torch.empty_like(seq), torch.empty_like(seq)
+    hid = torch.empty((b, h), dtype=hidden.dtype, device=hidden.device)
+    if b:
+        _draft_inputs_kernel[(b,)](slots, seq_len, last_token, hidden, tokens, seq, q_pos, rope, hid, h,
+                                   hidden.stride(0), hid.stride(0), tokens.stride(0), offset,
+                                   BLOCK=min(1024, next_pow2(h)), num_warps=4)
+    return seq, q_pos, rope, hid
 
 
 def decode_inputs_reference(slots, seq_len, last_token, page_table, page_size: int, t: int, tokens=None):

@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
-from gpu_worker.kernels.embed import embed_cat
+from gpu_worker.kernels.embed import embed_cat, embed_scaled
+from gpu_worker.kernels.softcap import softcap_float
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4Spec, LayerSpec
-from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, Rotary, gated, rope_attention, softcap
+from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, Rotary, gated, rope_attention
 from gpu_worker.parallel import factory, shard
 from gpu_worker.parallel.state import tp_size
 
@@ -142,7 +143,9 @@ class Gemma4Backbone(nn.Module):
         return dtype_rounded(self.spec.hidden_size**0.5, self.embed_tokens.weight.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(ids) * self.embed_scale()
+        if tp_size() > 1:  # a vocabulary-parallel table: its gather reduces across ranks
+            return self.embed_tokens(ids) * self.embed_scale()
+        return embed_scaled(ids, self.embed_tokens.weight, self.embed_scale())
 
     def per_layer_inputs(self, ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """PLE: (norm(proj(embeds) / sqrt(H)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2) -> [T, L, P]."""
@@ -242,7 +245,7 @@ class Gemma4ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Softcap in float32 (HF does it in the model dtype; identical in float32, finer in bf16).
         logits = factory.logits(hidden, self.lm_head_weight(), self.vocab_size)  # gathered: full vocab
-        return softcap(logits.float(), self.spec.final_logit_softcapping)
+        return softcap_float(logits, self.spec.final_logit_softcapping)
 
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):

@@ -143,14 +143,15 @@ class Gemma4AssistantForCausalLM(CausalLM):
         h, next_hidden = self._run(torch.cat([token_embeds, prev_hidden], dim=-1), fb, backend)
         return self.compute_logits(h), next_hidden
 
-    def draft_step(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, fb: ForwardBatch, backend
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_step(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, fb: ForwardBatch, backend,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One greedy draft step: ``forward`` on the target's embedding of ``tokens`` [R], then
-        the argmax -> (next tokens [R], next_hidden [R, Ht]). The input row is one kernel
-        (``embed_cat``) and the argmax reads the logits in the model dtype: the same index as
-        over their float32 copy, without the copy (three launches fewer per step)."""
+        the argmax -> (next tokens [R], written into ``out`` when given; next_hidden [R, Ht]).
+        The input row is one kernel (``embed_cat``) and the argmax reads the logits in the model
+        dtype: the same index as over their float32 copy, without the copy (three launches fewer
+        per step)."""
         h, next_hidden = self._run(self.target.embed_cat(tokens, prev_hidden), fb, backend)
-        return argmax_last(self._logits(h)), next_hidden
+        return argmax_last(self._logits(h), out), next_hidden
 
     def _run(self, x: torch.Tensor, fb: ForwardBatch, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-projected input [R, 2 Ht] -> (post-norm draft hidden [R, Ha], next_hidden [R, Ht])."""

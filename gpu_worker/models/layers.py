@@ -306,8 +306,3 @@ def qkv_rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBat
     )
     return paged_attention(backend, layer, q, None, None, fb)
 
-
-def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    if cap is None:
-        return logits
-    return torch.tanh(logits / cap) * cap

@@ -1,13 +1,18 @@
-"""The per-step work outside the layers on the GPU: the decode inputs kernel compiled (equal to
-its torch twin, in a CUDA-graph replay too, where the graph reads slot state written after
-capture), and a staging batch with nothing to copy consuming no pinned buffer."""
+"""The per-step work outside the layers on the GPU: the decode and draft inputs kernels compiled
+(equal to their torch twins, in a CUDA-graph replay too, where the graph reads slot state written
+after capture); Gemma's scaled embedding and final-logit softcap kernels bitwise torch's ops; a
+staging batch with nothing to copy consuming no pinned buffer."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from gpu_worker.kernels.decode_inputs import decode_inputs, decode_inputs_reference
+from gpu_worker.kernels.decode_inputs import (decode_inputs, decode_inputs_reference, draft_inputs,
+                                              draft_inputs_reference)
+from gpu_worker.kernels.embed import embed_scaled
+from gpu_worker.kernels.softcap import softcap_float, softcap_reference
 from gpu_worker.staging import Staging
 
 
@@ -42,6 +47,37 @@ def test_decode_inputs_compiled_and_replayed():
         want = decode_inputs_reference(slots, seq_len, last, pt, 16, t, ref_tok)
         assert all(torch.equal(a, b) for a, b in zip(outs, want))
         slots[1] = 3
+
+
+def test_draft_inputs_compiled_and_replayed():
+    seq_len, last, _ = _state()
+    hidden = torch.randn(seq_len.shape[0], 3840, device="cuda").to(torch.bfloat16)
+    slots = torch.tensor([7, 3, 39, 1] + [0] * 4, device="cuda")
+    tok, ref_tok = (torch.zeros(8, 4, dtype=torch.int64, device="cuda") for _ in range(2))
+    got = draft_inputs(slots, seq_len, last, hidden, tok, 0)
+    want = draft_inputs_reference(slots, seq_len, last, hidden, ref_tok, 0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(tok, ref_tok)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = draft_inputs(slots, seq_len, last, hidden, tok, 0)
+    seq_len[7] += 17  # state changes after capture: the replay reads it
+    hidden[5] = 1.5
+    slots[1] = 5
+    graph.replay()
+    torch.cuda.synchronize()
+    want = draft_inputs_reference(slots, seq_len, last, hidden, ref_tok, 0)
+    assert all(torch.equal(a, b) for a, b in zip(outs, want)) and torch.equal(tok, ref_tok)
+
+
+def test_softcap_and_scaled_embedding_bitwise_torch():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    full = (torch.randn(6, 262144, device="cuda", generator=g) * 40).to(torch.bfloat16)
+    x = full[2:]  # the decode rows after two prefill rows
+    assert torch.equal(softcap_float(x, 30.0), softcap_reference(x, 30.0))
+    table = torch.randn(1000, 3840, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[5, 0], [999, 0], [5, 0]], device="cuda")[:, 0]  # strided, a repeat
+    scale = float(torch.tensor(3840**0.5).to(torch.bfloat16))
+    assert torch.equal(embed_scaled(ids, table, scale), F.embedding(ids, table) * scale)
 
 
 def test_empty_staging_batch_takes_no_buffer():

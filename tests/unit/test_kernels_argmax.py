@@ -48,3 +48,16 @@ def test_torch_path_where_triton_does_not_run(monkeypatch):
     monkeypatch.setattr(A, "_chunk_max_kernel", None)  # a launch would fail
     x = torch.randn(4, 100).to(DEV)
     assert torch.equal(A.argmax_last(x), x.argmax(-1))
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_out_into_a_strided_column(kernels, monkeypatch):
+    """The draft chain writes each step's tokens into a column of its [B, T] token buffer: only
+    that column changes, and the call returns it."""
+    if not kernels:
+        monkeypatch.setattr(A, "use_triton", lambda x: False)
+    x = torch.randn(3, 4500).to(DEV)
+    tokens = torch.full((3, 4), -1, dtype=torch.int64, device=DEV)
+    got = A.argmax_last(x, tokens[:, 2])
+    assert got.data_ptr() == tokens[:, 2].data_ptr() and torch.equal(tokens[:, 2], x.argmax(-1))
+    assert (tokens[:, [0, 1, 3]] == -1).all()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_worker.kernels import enable_cpu_kernels
-from gpu_worker.kernels.decode_inputs import decode_inputs, decode_inputs_reference
+from gpu_worker.kernels.decode_inputs import decode_inputs, decode_inputs_reference, draft_inputs, draft_inputs_reference
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,3 +71,29 @@ def test_torch_path_without_kernels():
     got, _ = _run(decode_inputs, slots, state, 16, 2, True)
     want, _ = _run(decode_inputs_reference, slots, state, 16, 2, True)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("h", [40, 1024 + 24])  # one block, and past one
+@pytest.mark.parametrize("offset", [0, 3])
+def test_draft_inputs_kernel_equals_torch(h, offset):
+    """The MTP draft loop's head: the bonus into column 0 only, lengths and both positions, each
+    row's hidden seed (padding rows read slot 0)."""
+    seq_len, last_token, _ = _state(16)
+    g = torch.Generator().manual_seed(h)
+    hidden = torch.randn(seq_len.shape[0], h, generator=g).to(torch.bfloat16).to(DEV)
+    slots = torch.tensor([3, 1, 5, 0], dtype=torch.int64, device=DEV)
+    outs = []
+    for fn, kernels in ((draft_inputs, True), (draft_inputs_reference, False)):
+        tokens = torch.full((4, 4), -7, dtype=torch.int64, device=DEV)
+        enable_cpu_kernels(kernels)
+        try:
+            outs.append((fn(slots, seq_len, last_token, hidden, tokens, offset), tokens))
+        finally:
+            enable_cpu_kernels(False)
+    (got, got_tok), (want, want_tok) = outs
+    for g_, w, name in zip(got, want, ("seq", "q_pos", "rope_pos", "hidden")):
+        assert g_.dtype == w.dtype and torch.equal(g_, w), name
+    assert torch.equal(got_tok, want_tok) and (got_tok[:, 1:] == -7).all()
+    assert want[1].tolist() == [v - 1 for v in want[0].tolist()]
+    assert want[2].tolist() == [v + offset for v in want[0].tolist()]
+    assert torch.equal(want[3][1], hidden[1]) and got_tok[:, 0].tolist() == last_token[slots].tolist()
