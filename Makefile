@@ -6,6 +6,11 @@ STAMP  := $(VENV)/.tandem-installed
 # CPU-only machines take the CPU build of torch; an unpinned `torch` would pull the CUDA build.
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH  ?= $(if $(HAS_GPU),torch,torch==2.13.0)
+# There, Triton only runs its interpreter (CI's kernel tests): pin the release whose interpreter
+# tests/conftest.py's fast path was written against (about 2x on the kernel tests; another
+# release falls back to Triton's own path, ~19 min for the suite). GPU machines take the Triton
+# their torch pins.
+TRITON ?= $(if $(HAS_GPU),,triton==3.9.*)
 ARGS   ?=
 PYTEST_ARGS ?=
 
@@ -17,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev]' $(if $(TRITON),'$(TRITON)')
 	touch $(STAMP)
 
 # Debian's prometheus package (prometheus + promtool) for the deploy/ tests, installed only when

@@ -44,6 +44,16 @@ def use_triton(x: torch.Tensor) -> bool:
     return interpreting() and (_CPU_KERNELS[0] or os.environ.get("TANDEM_TRITON_CPU") == "1")
 
 
+def fused_glue() -> bool:
+    """``TANDEM_FUSED_GLUE=1``: the step-glue kernels of 2026-12-04 (late) -- the MTP draft loop's
+    head (``decode_inputs.draft_inputs``), Gemma's scaled embedding (``embed.embed_scaled``) and
+    final softcap (``softcap.softcap_float``) -- instead of torch's ops, which stay the default
+    until those kernels have run on the H200 (BENCHMARKS.md, 2026-12-04 late: the machine was
+    withdrawn before they could). The test suite turns it on (tests/conftest.py), so CI checks
+    them under the interpreter and tests/gpu compiled. Read at each call."""
+    return os.environ.get("TANDEM_FUSED_GLUE", "0") == "1"
+
+
 def _fix_interpreter_index() -> None:
     """Triton <= 3.6's interpreter turns a scalar into a Python int with ``int(array)``, an error
     since numpy 2.4 for its 1-element arrays (so ``range(lo, hi)`` over loaded bounds failed);

@@ -39,7 +39,8 @@ if triton is not None:
         tl.store(val_ptr + r * CHUNKS + c, mx)
         tl.store(idx_ptr + r * CHUNKS + c, first)
 
-    @triton.jit
+    # ``out`` may be a column of the draft's token buffer (8-byte aligned): no alignment variant.
+    @triton.jit(do_not_specialize_on_alignment=["out_ptr"])
     def _row_pick_kernel(val_ptr, idx_ptr, out_ptr, CHUNKS, s_out, BLOCK_C: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C)

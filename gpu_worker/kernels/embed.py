@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import PDL_ON, next_pow2, pdl, use_triton
+from gpu_worker.kernels import PDL_ON, fused_glue, next_pow2, pdl, use_triton
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
@@ -29,7 +29,9 @@ MAX_BLOCK = 2048
 
 if triton is not None:
 
-    @triton.jit
+    # ids may be a column of the draft's token buffer or a view into a staged batch: no
+    # alignment specialisation on it (one compiled variant, none built mid-serving).
+    @triton.jit(do_not_specialize_on_alignment=["ids_ptr"])
     def _embed_cat_kernel(ids_ptr, tab_ptr, tail_ptr, out_ptr, H, HT, s_ids, s_tab, s_tail, s_out, scale,
                           BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Program (r, 0) writes row r's scaled embedding, (r, 1) copies its tail after it."""
@@ -70,9 +72,10 @@ def embed_cat(ids: torch.Tensor, table: torch.Tensor, scale: float, tail: torch.
 
 def embed_scaled(ids: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
     """ids [R] -> ``table[ids] * scale`` [R, H] in the table's dtype, one launch (the Gemma target's
-    input embedding: torch's gather and multiply are two, ~6 us at one decode row on the H200)."""
+    input embedding: torch's gather and multiply are two, ~6 us at one decode row on the H200).
+    The kernel only with ``TANDEM_FUSED_GLUE=1`` (``kernels.fused_glue``)."""
     assert ids.dim() == 1, ids.shape
-    if not use_triton(table) or table.stride(1) != 1:
+    if not fused_glue() or not use_triton(table) or table.stride(1) != 1:
         return F.embedding(ids, table) * scale
     r, h = ids.shape[0], table.shape[1]
     out = torch.empty((r, h), dtype=table.dtype, device=table.device)
