@@ -23,6 +23,7 @@
 #  host = one 8192-token prefill step's wall time and host profile (cProfile), piecewise graphs on / off;
 #  (profile: PROFILE_DECODE_BATCHES="64" adds decode-only profiles at those row counts;
 #   sweep: SWEEP_ONLY="attn" etc. picks kernel_sweep.py's parts)
+#  depth = --overlap-depth 2 vs 3 (DEPTHS) on the bundled pair and Qwen3-0.6B (host-bound shapes);
 #  tune = the recipe and the 8B at 64 requests with the decode kernel's launch shape varied,
 #         TANDEM_DECODE_TUNE, fresh processes)
 set -uo pipefail
@@ -353,6 +354,28 @@ if has pair; then
       --num-prompts 1,8 --max-running-requests 8 --log-level warning --json "$OUT/pair_$mode.json" "${extra[@]}" \
       --warmup-rounds 1 --repeat 5 --disable-prefix-cache \
       > "$OUT/pair_$mode.log" 2>&1 || echo "pair_$mode failed"
+  done
+fi
+if has depth; then
+  # --overlap-depth A/B (DEPTHS, default "2 3") on the host-bound shapes: the bundled pair plain /
+  # MTP at 1 and 8 requests (as the pair part), Qwen3-0.6B at 1 and 64 requests (as qwen_small).
+  echo "== overlap depth ${DEPTHS:-2 3}: bundled pair plain / MTP (1, 8 requests), Qwen3-0.6B (1, 64)"
+  P=benchmarks/prompts_shakespeare_heldout.txt
+  MTP=(--speculative-algorithm FROZEN-KV-MTP --speculative-draft-model-path $A --speculative-num-steps 3)
+  for d in ${DEPTHS:-2 3}; do
+    for mode in plain mtp; do
+      extra=(); [ $mode = mtp ] && extra=("${MTP[@]}")
+      timeout 90 python3 benchmarks/offline.py --model-path $T --device cuda --prompts-file $P --output-len 128 \
+        --num-prompts 1,8 --max-running-requests 8 --log-level warning --json "$OUT/depth${d}_pair_$mode.json" \
+        "${extra[@]}" --warmup-rounds 1 --repeat 5 --disable-prefix-cache --overlap-depth $d \
+        > "$OUT/depth${d}_pair_$mode.log" 2>&1 || echo "depth${d}_pair_$mode failed"
+    done
+    off depth${d}_qwen 150 "${LLAMA8B[@]}" --model-path $DM/qwen3-0.6b --warmup-rounds 1 --overlap-depth $d
+  done
+  for f in "$OUT"/depth*_*.json; do
+    python3 -c "import json,sys; [print(sys.argv[1].split('/')[-1][:-5], w['num_prompts'], 'req: tok/s %.1f' % w['output_tok_s'],
+      'idle %.1f%%' % (100 * w['gpu_idle_frac']), 'busy ms/step %.3f' % w['busy_ms_per_step'])
+      for w in json.load(open(sys.argv[1]))['workloads']]" "$f" 2>/dev/null
   done
 fi
 if has attn; then

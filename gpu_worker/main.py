@@ -1,8 +1,8 @@
 """The GPU-worker process: load models, size the KV pool, report capacity, run steps.
 
-Step loop (overlap depth 2): launch plan N+1 as soon as it arrives, before waiting on step N's
-copy event; then send result N. On CPU launches are synchronous, yet the scheduler still plans
-N+1 while this process computes N.
+Step loop (overlap depth 2, or ``--overlap-depth`` 3): launch plan N+1 as soon as it arrives,
+before waiting on step N's copy event; then send result N. On CPU launches are synchronous, yet
+the scheduler still plans N+1 while this process computes N.
 """
 
 from __future__ import annotations
@@ -148,6 +148,9 @@ class HostClock:
 class Worker:
     def __init__(self, args: ServerArgs, ep: Endpoints):
         self.args = args
+        # Steps launched before the oldest is retired: the scheduler's depth (at depth 1 it sends
+        # no plan before the last result, so 2 changes nothing there).
+        self.depth = max(2, args.step_depth)
         self.ctx = zmq.Context()
         self.plans = PullChannel(self.ctx, "plans", ep.plans)
         self.results = PushChannel(self.ctx, "results", ep.results)
@@ -158,8 +161,8 @@ class Worker:
 
     def run(self) -> None:
         """Launch each plan as it arrives; send a result once its copy is done. On CUDA the
-        next plan is launched before the previous result is waited for (depth 2); on CPU a
-        step is done when launch returns, so its result goes out at once."""
+        next plan is launched before the previous result is waited for (up to ``depth`` steps
+        in flight); on CPU a step is done when launch returns, so its result goes out at once."""
         inflight: deque = deque()
         clock = HostClock.from_env()
         if clock.on:
@@ -173,7 +176,11 @@ class Worker:
             if plan is not None:
                 inflight.append(self.runner.launch(plan))
                 clock.tick("launch", step=True)
-            while inflight and (inflight[0].ready() or len(inflight) >= 2 or plan is None):
+            # No plan: the oldest step is done (``_next_plan``), send it; a later one still
+            # running is not waited for here (at depth 3 the next plan may come first).
+            force = plan is None
+            while inflight and (force or inflight[0].ready() or len(inflight) >= self.depth):
+                force = False
                 res = inflight.popleft().result()
                 clock.tick("wait")
                 self.results.send(res)
@@ -182,14 +189,15 @@ class Worker:
             self.results.send(inflight.popleft().result())
 
     def _next_plan(self, inflight: deque) -> StepPlan | Shutdown | None:
-        """A plan, or None once the oldest in-flight step is done (or two are in flight).
+        """A plan, or None once the oldest in-flight step is done (or ``depth`` are in flight).
 
-        With one step in flight the scheduler usually sends the next plan right after it reads
-        the previous result, a moment *after* we sent it: wait for either that plan or the step,
-        in 1 ms slices, so the device never drains while a plan is on its way."""
+        With fewer than ``depth`` steps in flight the scheduler usually sends the next plan right
+        after it reads the previous result, a moment *after* we sent it: wait for either that
+        plan or the step, in 1 ms slices, so the device never drains while a plan is on its way
+        (at depth 3 that plan is usually here already)."""
         if not inflight:
             return self._recv(block=True)
-        if len(inflight) >= 2:
+        if len(inflight) >= self.depth:
             return None
         while not inflight[0].ready():
             plan = self._recv(block=False, timeout_ms=WAIT_SLICE_MS)

@@ -112,9 +112,9 @@ class Follower:
             if isinstance(msg, Shutdown):
                 break
             inflight.append(self.runner.launch(msg))
-            # Same depth as the leader: at most two steps launched, retire the oldest in order
-            # (its copy buffers stay alive until its event has fired).
-            while inflight and (inflight[0].ready() or len(inflight) >= 2):
+            # Same depth as the leader: at most that many steps launched, retire the oldest in
+            # order (its copy buffers stay alive until its event has fired).
+            while inflight and (inflight[0].ready() or len(inflight) >= max(2, self.args.step_depth)):
                 _retire(inflight.popleft())
         while inflight:
             _retire(inflight.popleft())

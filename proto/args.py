@@ -50,6 +50,7 @@ class ServerArgs:
     random_seed: int = 0
     tp_size: int = 1  # tensor parallelism: one worker process per rank (GPU)
     disable_overlap_schedule: bool = False
+    overlap_depth: int = 2  # steps planned ahead of the last result (1 = no overlap)
     disable_prefix_cache: bool = False
     max_queued_requests: int = 4096
     speculative_algorithm: str | None = None
@@ -93,7 +94,12 @@ class ServerArgs:
 
     @property
     def overlap(self) -> bool:
-        return not self.disable_overlap_schedule
+        return not self.disable_overlap_schedule and self.overlap_depth > 1
+
+    @property
+    def step_depth(self) -> int:
+        """Steps the scheduler keeps launched ahead of the results it has processed."""
+        return 1 if self.disable_overlap_schedule else self.overlap_depth
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -143,6 +149,8 @@ def validate(args: ServerArgs) -> ServerArgs:
         ("--tp-size", args.tp_size),
     ):
         _positive(flag, val)
+    if args.overlap_depth not in (1, 2, 3):
+        raise ArgError(f"--overlap-depth: expected 1, 2 or 3, got {args.overlap_depth}")
     if not 0.0 < args.mem_fraction_static < 1.0:
         raise ArgError(f"--mem-fraction-static: must be in (0, 1), got {args.mem_fraction_static}")
     if args.load_format not in ("auto", "dummy"):
@@ -251,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1,
       help="tensor parallelism: shard the models over this many GPUs, one worker process each")
     a("--disable-overlap-schedule", action="store_true")
+    a("--overlap-depth", type=int, default=2,
+      help="steps launched ahead of the last processed result: 2 (default) plans step N+1 while N runs; "
+      "3 also hides the scheduler's round trip where the host, not the GPU, bounds a step (small models); "
+      "1 = --disable-overlap-schedule")
     a("--disable-prefix-cache", "--disable-radix-cache", action="store_true")
     a("--max-queued-requests", type=int, default=4096,
       help="waiting (not yet running) requests beyond which new ones get 503 + Retry-After")

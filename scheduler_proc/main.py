@@ -2,7 +2,9 @@
 
 Overlap (DESIGN §4): with depth 2 the scheduler sends plan N+1 right after plan N, from its
 lagged view, then processes result N while the worker runs N+1. ``--disable-overlap-schedule``
-sets depth 1 (plan, wait for its result, repeat). Both give identical greedy tokens.
+sets depth 1 (plan, wait for its result, repeat); ``--overlap-depth 3`` keeps three steps
+launched, so the worker has plan N+2 in hand when it sends result N (the scheduler's round trip
+leaves the step cycle of host-bound models). Every depth gives identical greedy tokens.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class SchedulerLoop:
         self.results = PullChannel(self.ctx, "results", ep.results)
         self.plans = PushChannel(self.ctx, "plans", ep.plans)
         self.outputs = PushChannel(self.ctx, "outputs", ep.outputs)
-        self.depth = 1 if args.disable_overlap_schedule else 2
+        self.depth = args.step_depth
         self.running = True
         self.last_stats = 0.0
         self.last_sent: tuple = ()

@@ -1,5 +1,6 @@
-"""`tandem serve` with frozen-KV MTP: greedy equals HF plain greedy, with and without overlap;
-spec metrics present and consistent; a draft that does not fit the target fails at start."""
+"""`tandem serve` with frozen-KV MTP: greedy equals HF plain greedy, with and without overlap
+and at --overlap-depth 3; spec metrics present and consistent; a draft that does not fit the
+target fails at start."""
 
 from __future__ import annotations
 
@@ -41,11 +42,12 @@ def _metrics_and_info(url: str) -> tuple[str, dict]:
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [[], ["--disable-overlap-schedule"], ["--overlap-depth", "3"]],
+                         ids=["overlap", "no-overlap", "depth3"])
 def test_mtp_greedy_equals_hf(ckpts, overlap):
     g, a = ckpts["gemma4"], ckpts["assistant"]
     flags = ["--speculative-algorithm", "FROZEN-KV-MTP", "--speculative-draft-model-path", a,
-             "--speculative-num-steps", "3"] + ([] if overlap else ["--disable-overlap-schedule"])
+             "--speculative-num-steps", "3"] + overlap
     tok = Tokenizer.from_file(f"{g}/tokenizer.json")
     with Server(g, *flags) as srv:
         client = OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)

@@ -1,6 +1,6 @@
 """The CPU parity tests again on CUDA, where non_blocking copies, events and stream order are
-real: greedy tokens equal HF transformers (float32 on the GPU), with and without overlap and
-frozen-KV MTP, through the in-process engine and through a real `tandem serve`."""
+real: greedy tokens equal HF transformers (float32 on the GPU), with and without overlap (depth
+1, 2, 3) and frozen-KV MTP, through the in-process engine and through a real `tandem serve`."""
 
 from __future__ import annotations
 
@@ -74,6 +74,19 @@ def test_inproc_mtp_parity_cuda(ckpts, overlap):
         eng.submit(f"r{i}", p, max_new_tokens=24, ignore_eos=True)
     eng.run()
     for i, p in enumerate(PROMPTS * 8):
+        assert eng.tokens[f"r{i}"] == hf_greedy_cuda(d, p, 24), i
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_inproc_parity_cuda_depth3(ckpts, mtp):
+    """``--overlap-depth 3``: three steps launched before the oldest result is read."""
+    d = ckpts["gemma4"]
+    eng = InProcEngine(d, draft=ckpts["assistant"] if mtp else None, steps=3, depth=3, device="cuda",
+                       dtype="float32", chunked_prefill_size=16, max_total_tokens=65536)
+    for i, p in enumerate(PROMPTS * 4):
+        eng.submit(f"r{i}", p, max_new_tokens=24, ignore_eos=True)
+    eng.run()
+    for i, p in enumerate(PROMPTS * 4):
         assert eng.tokens[f"r{i}"] == hf_greedy_cuda(d, p, 24), i
 
 

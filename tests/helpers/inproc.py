@@ -1,7 +1,7 @@
 """The scheduler and the worker's runner in one process, no sockets: fast engine tests.
 
 Plans and results go through msgspec encode/decode anyway, so the wire format is exercised.
-``depth`` 2 launches plan N+1 before result N is consumed, like the overlap loop.
+``depth`` 2 launches plan N+1 before result N is consumed, like the overlap loop (3: N+2 too).
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ _dec_result = msgspec.msgpack.Decoder(ResultMsg)
 
 
 class InProcEngine:
-    def __init__(self, model_path: str, draft: str | None = None, steps: int = 3, overlap: bool = True, **kw):
+    def __init__(self, model_path: str, draft: str | None = None, steps: int = 3, overlap: bool = True,
+                 depth: int = 2, **kw):
         spec = dict(speculative_algorithm="FROZEN-KV-MTP", speculative_draft_model_path=draft,
                     speculative_num_steps=steps) if draft else {}
         self.args = ServerArgs(model_path=model_path, device=kw.pop("device", "cpu"),
-                               disable_overlap_schedule=not overlap, **spec, **kw)
+                               disable_overlap_schedule=not overlap, overlap_depth=depth, **spec, **kw)
         self.runner, self.ready = build_runner(self.args)
         self.core = SchedulerCore(SchedConfig.from_ready(self.ready, self.args))
         self.planner = Planner(self.core)
-        self.depth = 2 if overlap else 1
+        self.depth = self.args.step_depth
         self.tokens = defaultdict(list)
         self.outputs = defaultdict(list)
         self.finish: dict[str, str] = {}

@@ -43,11 +43,11 @@ def _requests(prompts, refs):
     return out
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("depth", [2, 1, 3])  # overlap depth (--overlap-depth; 1 = no overlap)
 @pytest.mark.parametrize("draft", ["none", "random", "oracle"])
-def test_mtp_lossless(pair, overlap, draft):
+def test_mtp_lossless(pair, depth, draft):
     g, a, prompts, refs = pair
-    eng = InProcEngine(g, draft=None if draft == "none" else a, steps=3, overlap=overlap,
+    eng = InProcEngine(g, draft=None if draft == "none" else a, steps=3, depth=depth,
                        chunked_prefill_size=24, page_size=4)
     if draft == "oracle":
         eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([p + r for p, r in zip(prompts, refs)]))

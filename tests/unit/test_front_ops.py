@@ -120,6 +120,16 @@ def test_ops_flags(monkeypatch):
             parse_server_args(argv)
 
 
+def test_overlap_depth_flag():
+    assert parse_server_args([]).step_depth == 2
+    assert parse_server_args(["--overlap-depth", "3"]).step_depth == 3
+    assert parse_server_args(["--overlap-depth", "3", "--disable-overlap-schedule"]).step_depth == 1
+    assert parse_server_args(["--overlap-depth", "1"]).step_depth == 1
+    for bad in ("0", "4"):
+        with pytest.raises(ArgError, match="--overlap-depth"):
+            parse_server_args(["--overlap-depth", bad])
+
+
 def test_n_choices_may_use_free_slots():
     """An idle engine with 4 free slots and --max-queued-requests 1 takes n=4 (all start at
     once); n beyond running + queued can never fit: 400 naming n."""

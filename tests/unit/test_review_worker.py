@@ -118,13 +118,14 @@ def _mixed_requests(rng, n=40):
     return out
 
 
-@pytest.mark.parametrize("mtp,overlap", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("mtp,depth", [(False, 2), (True, 2), (True, 1), (False, 3), (True, 3)])
 @pytest.mark.parametrize("seed", [1, 3])
-def test_churn_matches_a_plain_engine(pair, mtp, overlap, seed):
+def test_churn_matches_a_plain_engine(pair, mtp, depth, seed):
     """Tight pool (preemptions), small chunks, prefix hits, cache flushes and aborts mid-flight,
     with every sampling feature: each request's tokens, finish reason, logprobs and prompt
-    logprobs equal a plain engine's (depth 1, no cache, roomy pool). Seeded sampled rows are
-    compared without MTP only (the verify draws its randomness differently)."""
+    logprobs equal a plain engine's (depth 1, no cache, roomy pool), at overlap depth 1, 2 and 3
+    (``--overlap-depth``: three steps launched ahead of the results processed). Seeded sampled
+    rows are compared without MTP only (the verify draws its randomness differently)."""
     import random
     from collections import deque
 
@@ -140,7 +141,7 @@ def test_churn_matches_a_plain_engine(pair, mtp, overlap, seed):
     for rid, p, kw in reqs:
         ref.submit(rid, p, **kw)
     ref.run()
-    eng = InProcEngine(g, draft=a if mtp else None, steps=3, overlap=overlap, page_size=4, chunked_prefill_size=16,
+    eng = InProcEngine(g, draft=a if mtp else None, steps=3, depth=depth, page_size=4, chunked_prefill_size=16,
                        max_total_tokens=120, max_running_requests=6)
     if mtp:
         eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([p + ref.tokens[r] for r, p, _ in reqs]))
@@ -267,8 +268,110 @@ def test_worker_launches_the_next_plan_before_waiting_on_a_lone_unfinished_step(
 
     w = Worker.__new__(Worker)
     plans = Plans()
-    w.plans, w.results, w.runner = plans, Results(), Runner()
+    w.plans, w.results, w.runner, w.depth = plans, Results(), Runner(), 2
     w.run()
     # Step 2 must not be waited for (its copy not done) before plan 3 is launched behind it.
     wait2 = next(i for i, e in enumerate(log) if e[:2] == ("wait", 2))
     assert log.index(("launch", 3)) < wait2, log
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_worker_keeps_depth_steps_launched(depth):
+    """With plans queued and no step finished, the worker launches ``depth`` steps before it
+    waits on the oldest (``--overlap-depth``), then one more per result sent, in order."""
+    from gpu_worker.main import Worker
+    from proto.messages import Shutdown, StepPlan, StepResult
+
+    log = []
+
+    class Pending:
+        def __init__(self, step):
+            self.step, self.done = step, False
+
+        def ready(self):
+            return self.done
+
+        def result(self):
+            log.append(("wait", self.step))
+            self.done = True
+            return StepResult(self.step, b"", b"", b"")
+
+    class Runner:
+        def launch(self, plan):
+            log.append(("launch", plan.step_id))
+            return Pending(plan.step_id)
+
+    class Plans:
+        def __init__(self):
+            self.queue = [StepPlan(i) for i in range(1, 6)] + [Shutdown("test")]
+
+        def recv(self, timeout_ms=None):
+            return self.queue.pop(0)
+
+    sent = []
+
+    class Results:
+        def send(self, msg):
+            sent.append(msg.step_id)
+
+    w = Worker.__new__(Worker)
+    w.plans, w.results, w.runner, w.depth = Plans(), Results(), Runner(), depth
+    w.run()
+    assert log[:depth + 1] == [("launch", i) for i in range(1, depth + 1)] + [("wait", 1)], log
+    assert log[depth + 1] == ("launch", depth + 1), log  # one more launched per result sent
+    assert sent == [1, 2, 3, 4, 5]
+
+
+def test_worker_without_a_plan_sends_the_done_step_but_does_not_drain():
+    """Depth 3, steps 2 (done) and 3 (running) in flight, no plan yet: the worker sends result 2
+    and goes back to waiting for a plan *or* step 3; plan 4 arrives and is launched before step
+    3 is waited for (draining every step in flight would idle the device behind the host)."""
+    from gpu_worker.main import Worker
+    from proto.messages import Shutdown, StepPlan, StepResult
+
+    log, polls = [], []
+
+    class Pending:
+        def __init__(self, step):
+            self.step, self.done = step, False
+
+        def ready(self):
+            if self.step == 1:
+                return ("launch", 3) in log
+            if self.step == 2:
+                return len(polls) >= 2  # done while the worker polls for plan 4
+            return self.done
+
+        def result(self):
+            log.append(("wait", self.step, self.ready()))
+            self.done = True
+            return StepResult(self.step, b"", b"", b"")
+
+    class Runner:
+        def launch(self, plan):
+            log.append(("launch", plan.step_id))
+            return Pending(plan.step_id)
+
+    class Plans:
+        def __init__(self):
+            self.queue = [StepPlan(1), StepPlan(2), StepPlan(3)]
+
+        def recv(self, timeout_ms=None):
+            if self.queue:
+                return self.queue.pop(0)
+            if ("wait", 2, True) not in log:  # plan 4 is on its way only once result 2 is out
+                polls.append(timeout_ms)
+                return None
+            if ("launch", 4) not in log:
+                return StepPlan(4)
+            return Shutdown("test")
+
+    class Results:
+        def send(self, msg):
+            pass
+
+    w = Worker.__new__(Worker)
+    w.plans, w.results, w.runner, w.depth = Plans(), Results(), Runner(), 3
+    w.run()
+    assert log.index(("launch", 4)) < next(i for i, e in enumerate(log) if e[:2] == ("wait", 3)), log
+    assert all(e[2] for e in log if e[0] == "wait" and e[1] in (1, 2)), log  # never blocked on them

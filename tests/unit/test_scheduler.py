@@ -57,7 +57,7 @@ def submit(core, rid, prompt, max_new=20, ignore_eos=False, min_new=0):
 
 
 @pytest.mark.parametrize("t", [1, 4])
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_outputs_match_reference(t, depth):
     core, planner, worker = make(t=t)
     drv = Driver(core, planner, worker, depth)
@@ -157,7 +157,7 @@ def test_stress_admit_abort_finish_every_step(t, depth):
     assert not core.by_slot and not core.running and not core.waiting
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_one_slot_serves_a_queue(depth):
     """Regression: a slot released when nothing else runs must be reusable at once."""
     core, planner, worker = make(t=2, slots=1)
@@ -180,7 +180,7 @@ def test_out_of_vocab_ids_are_refused():
     assert not core.waiting
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_decode_phase_counters(depth):
     """Decode-only steps are counted apart from steps with a prefill chunk: their tokens and the
     context their rows attend over (what benchmarks compare with a step roofline)."""
