@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-DEPTH = 4  # pinned buffers in the ring (two steps in flight, plus slack)
+DEPTH = 4  # pinned buffers in the ring (up to three steps in flight, --overlap-depth 3, plus one)
 
 
 class StageBatch:

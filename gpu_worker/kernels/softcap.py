@@ -2,14 +2,17 @@
 
 Gemma's LM head returns model-dtype logits; torch's float copy, divide, tanh and multiply are four
 launches over [rows, vocab] (~11 us at four rows of a 262k vocabulary on the H200, the Gemma-4
-9B MTP trace in BENCHMARKS.md 2026-12-04 late), on every decode step. The kernel does the same
-float32 operations in the same order with correctly rounded division and libdevice's ``tanh``
-(the function torch's CUDA kernel calls), so its result is torch's. Triton's interpreter has no
-libdevice: there (CI) tanh is written with ``exp``, within 1e-5 of torch's for a cap of 30.
+9B MTP trace in BENCHMARKS.md 2026-12-04 late), on every decode step. The kernel does torch's
+float32 operations in its order: the division as torch's CUDA kernel does it for a scalar
+divisor, a multiply by the float32 reciprocal (``div_true_kernel_cuda``), then libdevice's
+``tanh`` (torch calls the CUDA toolkit's ``tanhf``; the GPU test allows 2 ulp there), then the
+multiply by ``cap``. Triton's interpreter has no libdevice: there (CI) tanh is written with
+``exp``, within 1e-5 of torch's for a cap of 30.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gpu_worker.kernels import fused_glue, interpreting, use_triton
@@ -27,12 +30,12 @@ if triton is not None:
 
     # The decode rows' logits may be a view past the prefill rows': no alignment specialisation.
     @triton.jit(do_not_specialize_on_alignment=["x_ptr"])
-    def _softcap_kernel(x_ptr, out_ptr, V, sx, so, cap, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
+    def _softcap_kernel(x_ptr, out_ptr, V, sx, so, inv_cap, cap, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < V
         x = tl.load(x_ptr + r * sx + offs, mask=m, other=0.0).to(tl.float32)
-        z = tl.math.div_rn(x, cap)  # ``/`` would compile to the approximate div.full.f32
+        z = x * inv_cap  # torch's x / cap for a scalar cap on CUDA
         if LIBDEVICE:
             t = libdevice.tanh(z)
         else:
@@ -56,6 +59,7 @@ def softcap_float(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     r, v = logits.shape
     out = torch.empty((r, v), dtype=torch.float32, device=logits.device)
     if r and v:
-        _softcap_kernel[(r, triton.cdiv(v, BLOCK))](logits, out, v, logits.stride(0), out.stride(0), float(cap),
+        inv = float(np.float32(1.0) / np.float32(cap))  # as torch: 1 / float(cap), in float32
+        _softcap_kernel[(r, triton.cdiv(v, BLOCK))](logits, out, v, logits.stride(0), out.stride(0), inv, float(cap),
                                                    LIBDEVICE=not interpreting(), BLOCK=BLOCK, num_warps=8)
     return out

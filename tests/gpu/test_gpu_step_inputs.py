@@ -1,7 +1,7 @@
 """The per-step work outside the layers on the GPU: the decode and draft inputs kernels compiled
 (equal to their torch twins, in a CUDA-graph replay too, where the graph reads slot state written
-after capture); Gemma's scaled embedding and final-logit softcap kernels bitwise torch's ops; a
-staging batch with nothing to copy consuming no pinned buffer."""
+after capture); Gemma's scaled embedding kernel bitwise torch's ops, its final-logit softcap
+within 2 ulp; a staging batch with nothing to copy consuming no pinned buffer."""
 
 from __future__ import annotations
 
@@ -69,11 +69,15 @@ def test_draft_inputs_compiled_and_replayed():
     assert all(torch.equal(a, b) for a, b in zip(outs, want)) and torch.equal(tok, ref_tok)
 
 
-def test_softcap_and_scaled_embedding_bitwise_torch():
+def test_softcap_and_scaled_embedding_equal_torch():
     g = torch.Generator(device="cuda").manual_seed(0)
     full = (torch.randn(6, 262144, device="cuda", generator=g) * 40).to(torch.bfloat16)
     x = full[2:]  # the decode rows after two prefill rows
-    assert torch.equal(softcap_float(x, 30.0), softcap_reference(x, 30.0))
+    got, want = softcap_float(x, 30.0), softcap_reference(x, 30.0)
+    # The same float32 operations as torch's CUDA kernels; libdevice's tanh against the toolkit's
+    # tanhf may differ in the last bits (|values| < 30: an ulp is at most 2**-19).
+    torch.testing.assert_close(got, want, rtol=0, atol=2.0**-18)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
     table = torch.randn(1000, 3840, device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.tensor([[5, 0], [999, 0], [5, 0]], device="cuda")[:, 0]  # strided, a repeat
     scale = float(torch.tensor(3840**0.5).to(torch.bfloat16))
