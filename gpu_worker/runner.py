@@ -140,16 +140,7 @@ class ModelRunner:
         # Process-wide switch, set per step: several runners share one test process.
         enable_cpu_kernels(self.cpu_kernels)
         st = self.state
-        st.free(plan.free)
-        rows = PlanRows.from_plan(plan)
-        b = self.staging.batch()
-        st.stage_admit(plan.admit, b)
-        self.proc.stage_admit(plan.admit, b)
-        st.stage_pages(plan.pages, b)
-        bucket = self.graphs.bucket(len(rows.dec_slots)) if self.graphs is not None and rows.decode_only else None
-        self._stage_rows(rows, b, bucket)
-        st.advance_host(rows.ext_slots, rows.ext_start + rows.ext_len, rows.dec_slots)
-        b.upload()  # the step's one host-to-device copy
+        rows, b, bucket = self.stage(plan)
         self.tick("l.stage")
         timer = self._last_timer = StepTimer(self.device, self._last_timer)
         timer.mark()
@@ -190,6 +181,23 @@ class ModelRunner:
         return self._copy_out(plan.step_id, rows, out, accept, lps, prompt_lps, timer)
 
     # ------------------------------------------------------------ pieces
+    def stage(self, plan: StepPlan) -> tuple[PlanRows, StageBatch, int | None]:
+        """The step's host half: slots freed, host mirrors updated, every array its device work
+        reads in one upload -> (rows, the uploaded batch, the decode graph bucket or None).
+        On a host-bound step this is a third of the worker's time (benchmarks/host_step_bench.py)."""
+        st = self.state
+        st.free(plan.free)
+        rows = PlanRows.from_plan(plan)
+        b = self.staging.batch()
+        st.stage_admit(plan.admit, b)
+        self.proc.stage_admit(plan.admit, b)
+        st.stage_pages(plan.pages, b)
+        bucket = self.graphs.bucket(len(rows.dec_slots)) if self.graphs is not None and rows.decode_only else None
+        self._stage_rows(rows, b, bucket)
+        st.advance_host(rows.ext_slots, rows.ext_start + rows.ext_len, rows.dec_slots)
+        b.upload()  # the step's one host-to-device copy
+        return rows, b, bucket
+
     def _greedy_tail(self, rows: PlanRows, b: StageBatch) -> bool:
         """A graph step whose rows are all greedy, with no logit processors and no logprobs,
         selects its tokens and updates slot state inside the graphs (``DecodeGraphs.run_tail``)."""

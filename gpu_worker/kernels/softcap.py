@@ -39,7 +39,9 @@ if triton is not None:
         if LIBDEVICE:
             t = libdevice.tanh(z)
         else:
-            t = 2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0
+            e = tl.exp(-2.0 * tl.abs(z))  # <= 1: no overflow
+            t = (1.0 - e) / (1.0 + e)
+            t = tl.where(z < 0, -t, t)
         y = t * cap
         tl.store(out_ptr + r * so + offs, y, mask=m)
 
