@@ -7,7 +7,7 @@ positions from per-slot device state, so the scheduler never sends them (DESIGN 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +20,13 @@ from proto.arrays import view_i32
 from proto.messages import StepPlan
 
 
+# Shared by every decode-only step's PlanRows: read-only, so no step can write into another's.
+_NO_I64 = np.zeros(0, dtype=np.int64)
+_NO_BOOL = np.zeros(0, dtype=bool)
+_NO_I64.flags.writeable = False
+_NO_BOOL.flags.writeable = False
+
+
 @dataclass
 class PlanRows:
     """Host-side description of a plan's rows."""
@@ -30,10 +37,13 @@ class PlanRows:
     ext_sample: np.ndarray  # [E] bool
     ext_tokens: np.ndarray  # concatenated chunks
     dec_slots: np.ndarray  # [D]
+    _result: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def from_plan(plan: StepPlan) -> "PlanRows":
         ext = plan.extend
+        if not ext:  # a decode-only step (most): no extend arrays to build
+            return PlanRows(_NO_I64, _NO_I64, _NO_I64, _NO_BOOL, _NO_I64, view_i32(plan.decode_slots).astype(np.int64))
         toks = [view_i32(r.token_ids) for r in ext]
         return PlanRows(
             ext_slots=np.array([r.slot for r in ext], dtype=np.int64),
@@ -59,8 +69,11 @@ class PlanRows:
         return np.nonzero(self.ext_sample)[0]
 
     def result_slots(self) -> np.ndarray:
-        """Row order of the StepResult: sampled extend rows, then decode rows."""
-        return np.concatenate([self.ext_slots[self.ext_sample], self.dec_slots])
+        """Row order of the StepResult: sampled extend rows, then decode rows (made once)."""
+        if self._result is None:
+            self._result = self.dec_slots if not len(self.ext_slots) else np.concatenate(
+                [self.ext_slots[self.ext_sample], self.dec_slots])
+        return self._result
 
 
 def stage_target_batch(rows: PlanRows, t: int, backend, b: StageBatch, dec_kv: np.ndarray | None = None) -> None:

@@ -194,7 +194,7 @@ class ModelRunner:
         st.stage_pages(plan.pages, b)
         bucket = self.graphs.bucket(len(rows.dec_slots)) if self.graphs is not None and rows.decode_only else None
         self._stage_rows(rows, b, bucket)
-        st.advance_host(rows.ext_slots, rows.ext_start + rows.ext_len, rows.dec_slots)
+        st.advance_host(rows)
         b.upload()  # the step's one host-to-device copy
         return rows, b, bucket
 
@@ -212,8 +212,9 @@ class ModelRunner:
     def _stage_rows(self, rows: PlanRows, b: StageBatch, bucket: int | None) -> None:
         """Every host array the step's device work reads, into the staging batch."""
         e_rows = rows.sampled_ext_rows()
-        b.put("samp_ext_slots", rows.ext_slots[e_rows])
-        b.put("samp_ext_pos", (rows.ext_start + rows.ext_len)[e_rows])
+        if len(e_rows):  # (read by ``_sample`` only for these rows)
+            b.put("samp_ext_slots", rows.ext_slots[e_rows])
+            b.put("samp_ext_pos", (rows.ext_start + rows.ext_len)[e_rows])
         res = rows.result_slots()
         # decode rows' KV lengths after this step's tokens, where the host knows them (no MTP)
         dec_kv = self.state.seq_host[rows.dec_slots] + self.t if self.assistant is None else None

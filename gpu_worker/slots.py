@@ -49,6 +49,8 @@ class SlotState:
         self.params: dict[int, SamplingParams] = {}
 
     def free(self, slots: list[int]) -> None:
+        if not slots:  # most steps
+            return
         for s in slots:
             self.params.pop(s, None)
         self.num_pages[slots] = 0
@@ -86,10 +88,12 @@ class SlotState:
         self.min_p[idx] = b["adm_min_p"].float()
         self.seq_len.index_fill_(0, idx, 0)  # a scalar assignment would sync the host
 
-    def advance_host(self, ext_slots: np.ndarray, ext_end: np.ndarray, dec_slots: np.ndarray) -> None:
-        """After a step is launched: prefilled rows hold their chunk's end, decode rows one more."""
-        self.seq_host[ext_slots] = ext_end
-        self.seq_host[dec_slots] += 1
+    def advance_host(self, rows) -> None:
+        """After a step is staged (``batch.PlanRows``): prefilled rows hold their chunk's end,
+        decode rows one more."""
+        if len(rows.ext_slots):
+            self.seq_host[rows.ext_slots] = rows.ext_start + rows.ext_len
+        self.seq_host[rows.dec_slots] += 1
 
     def stage_pages(self, appends: list[PageAppend], b: StageBatch) -> None:
         if not appends:
