@@ -71,8 +71,9 @@ class Staging:
         self._dev = torch.empty(n, dtype=torch.int64, device=self.device)
 
     def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        if not self.cuda:
-            return {k: _typed(torch.from_numpy(a), a.dtype) for k, a in arrays.items()}
+        if not self.cuda:  # (a read-only array, e.g. PlanRows' shared empties, is copied first)
+            return {k: _typed(torch.from_numpy(a if a.flags.writeable else a.copy()), a.dtype)
+                    for k, a in arrays.items()}
         total = sum(_padded(a.size) for a in arrays.values())
         if total == 0:  # a decode step whose slots the graph buffer holds: nothing to copy
             return {k: _typed(self._dev[:0], a.dtype) for k, a in arrays.items()}
