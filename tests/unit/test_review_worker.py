@@ -222,125 +222,21 @@ def test_prompt_logprobs_of_a_long_prompt_are_computed_in_blocks(pair, monkeypat
     assert np.allclose(whole[0], blocked[0], atol=1e-5) and (whole[1] == blocked[1]).all()
 
 
-def test_worker_launches_the_next_plan_before_waiting_on_a_lone_unfinished_step():
-    """The scheduler sends plan N+2 only after it has processed result N, i.e. a moment after
-    the worker sent it. The worker checks for a plan with timeout 0, finds none and then waits
-    on step N+1's event (``plan is None`` forces the send): the device drains N+1 and idles
-    while N+2 is received and launched. It should wait for a plan *or* the event instead."""
+def _worker_loop(depth: int, recv, ready=lambda step, done, log: done) -> tuple[list, list]:
+    """``Worker.run`` against fakes: ``recv(timeout_ms, log, sent)`` answers the plan socket,
+    ``ready(step, waited, log)`` says whether a step's copy has landed. -> (log of ("launch", step)
+    and ("wait", step, finished when waited for), step ids of the results sent)."""
     from gpu_worker.main import Worker
-    from proto.messages import Shutdown, StepPlan, StepResult
+    from proto.messages import StepResult
 
-    log = []
+    log, sent = [], []
 
     class Pending:
         def __init__(self, step):
             self.step, self.done = step, False
 
         def ready(self):
-            return self.done
-
-        def result(self):
-            log.append(("wait", self.step, self.done))
-            self.done = True
-            return StepResult(self.step, b"", b"", b"")
-
-    class Runner:
-        def launch(self, plan):
-            log.append(("launch", plan.step_id))
-            return Pending(plan.step_id)
-
-    class Plans:  # plans 1 and 2 are queued; plan 3 arrives just after result 1 was sent
-        def __init__(self):
-            self.queue, self.sent = [StepPlan(1), StepPlan(2)], 0
-
-        def recv(self, timeout_ms=None):
-            if self.queue:
-                return self.queue.pop(0)
-            if self.sent >= 1 and timeout_ms != 0 and not any(e == ("launch", 3) for e in log):
-                return StepPlan(3)
-            if timeout_ms == 0:
-                return None
-            return Shutdown("test")
-
-    class Results:
-        def send(self, msg):
-            plans.sent += 1
-
-    w = Worker.__new__(Worker)
-    plans = Plans()
-    w.plans, w.results, w.runner, w.depth = plans, Results(), Runner(), 2
-    w.run()
-    # Step 2 must not be waited for (its copy not done) before plan 3 is launched behind it.
-    wait2 = next(i for i, e in enumerate(log) if e[:2] == ("wait", 2))
-    assert log.index(("launch", 3)) < wait2, log
-
-
-@pytest.mark.parametrize("depth", [2, 3])
-def test_worker_keeps_depth_steps_launched(depth):
-    """With plans queued and no step finished, the worker launches ``depth`` steps before it
-    waits on the oldest (``--overlap-depth``), then one more per result sent, in order."""
-    from gpu_worker.main import Worker
-    from proto.messages import Shutdown, StepPlan, StepResult
-
-    log = []
-
-    class Pending:
-        def __init__(self, step):
-            self.step, self.done = step, False
-
-        def ready(self):
-            return self.done
-
-        def result(self):
-            log.append(("wait", self.step))
-            self.done = True
-            return StepResult(self.step, b"", b"", b"")
-
-    class Runner:
-        def launch(self, plan):
-            log.append(("launch", plan.step_id))
-            return Pending(plan.step_id)
-
-    class Plans:
-        def __init__(self):
-            self.queue = [StepPlan(i) for i in range(1, 6)] + [Shutdown("test")]
-
-        def recv(self, timeout_ms=None):
-            return self.queue.pop(0)
-
-    sent = []
-
-    class Results:
-        def send(self, msg):
-            sent.append(msg.step_id)
-
-    w = Worker.__new__(Worker)
-    w.plans, w.results, w.runner, w.depth = Plans(), Results(), Runner(), depth
-    w.run()
-    assert log[:depth + 1] == [("launch", i) for i in range(1, depth + 1)] + [("wait", 1)], log
-    assert log[depth + 1] == ("launch", depth + 1), log  # one more launched per result sent
-    assert sent == [1, 2, 3, 4, 5]
-
-
-def test_worker_without_a_plan_sends_the_done_step_but_does_not_drain():
-    """Depth 3, steps 2 (done) and 3 (running) in flight, no plan yet: the worker sends result 2
-    and goes back to waiting for a plan *or* step 3; plan 4 arrives and is launched before step
-    3 is waited for (draining every step in flight would idle the device behind the host)."""
-    from gpu_worker.main import Worker
-    from proto.messages import Shutdown, StepPlan, StepResult
-
-    log, polls = [], []
-
-    class Pending:
-        def __init__(self, step):
-            self.step, self.done = step, False
-
-        def ready(self):
-            if self.step == 1:
-                return ("launch", 3) in log
-            if self.step == 2:
-                return len(polls) >= 2  # done while the worker polls for plan 4
-            return self.done
+            return ready(self.step, self.done, log)
 
         def result(self):
             log.append(("wait", self.step, self.ready()))
@@ -353,25 +249,80 @@ def test_worker_without_a_plan_sends_the_done_step_but_does_not_drain():
             return Pending(plan.step_id)
 
     class Plans:
-        def __init__(self):
-            self.queue = [StepPlan(1), StepPlan(2), StepPlan(3)]
-
         def recv(self, timeout_ms=None):
-            if self.queue:
-                return self.queue.pop(0)
-            if ("wait", 2, True) not in log:  # plan 4 is on its way only once result 2 is out
-                polls.append(timeout_ms)
-                return None
-            if ("launch", 4) not in log:
-                return StepPlan(4)
-            return Shutdown("test")
+            return recv(timeout_ms, log, sent)
 
     class Results:
         def send(self, msg):
-            pass
+            sent.append(msg.step_id)
 
     w = Worker.__new__(Worker)
-    w.plans, w.results, w.runner, w.depth = Plans(), Results(), Runner(), 3
+    w.plans, w.results, w.runner, w.depth = Plans(), Results(), Runner(), depth
     w.run()
-    assert log.index(("launch", 4)) < next(i for i, e in enumerate(log) if e[:2] == ("wait", 3)), log
+    return log, sent
+
+
+def _first(log, entry) -> int:
+    return next(i for i, e in enumerate(log) if e[:len(entry)] == entry)
+
+
+def test_worker_launches_the_next_plan_before_waiting_on_a_lone_unfinished_step():
+    """The scheduler sends plan N+2 only after it has processed result N, i.e. a moment after
+    the worker sent it. The worker checks for a plan with timeout 0, finds none and then waits
+    on step N+1's event (``plan is None`` forces the send): the device drains N+1 and idles
+    while N+2 is received and launched. It should wait for a plan *or* the event instead."""
+    from proto.messages import Shutdown, StepPlan
+
+    queue = [StepPlan(1), StepPlan(2)]
+
+    def recv(timeout_ms, log, sent):  # plans 1 and 2 are queued; plan 3 arrives just after result 1
+        if queue:
+            return queue.pop(0)
+        if sent and timeout_ms != 0 and ("launch", 3) not in log:
+            return StepPlan(3)
+        return None if timeout_ms == 0 else Shutdown("test")
+
+    log, _ = _worker_loop(2, recv)
+    # Step 2 must not be waited for (its copy not done) before plan 3 is launched behind it.
+    assert _first(log, ("launch", 3)) < _first(log, ("wait", 2)), log
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_worker_keeps_depth_steps_launched(depth):
+    """With plans queued and no step finished, the worker launches ``depth`` steps before it
+    waits on the oldest (``--overlap-depth``), then one more per result sent, in order."""
+    from proto.messages import Shutdown, StepPlan
+
+    queue = [StepPlan(i) for i in range(1, 6)] + [Shutdown("test")]
+    log, sent = _worker_loop(depth, lambda timeout_ms, log, sent: queue.pop(0))
+    assert [e[:2] for e in log[:depth + 1]] == [("launch", i) for i in range(1, depth + 1)] + [("wait", 1)], log
+    assert log[depth + 1] == ("launch", depth + 1), log  # one more launched per result sent
+    assert sent == [1, 2, 3, 4, 5]
+
+
+def test_worker_without_a_plan_sends_the_done_step_but_does_not_drain():
+    """Depth 3, steps 2 (done) and 3 (running) in flight, no plan yet: the worker sends result 2
+    and goes back to waiting for a plan *or* step 3; plan 4 arrives and is launched before step
+    3 is waited for (draining every step in flight would idle the device behind the host)."""
+    from proto.messages import Shutdown, StepPlan
+
+    queue, polls = [StepPlan(1), StepPlan(2), StepPlan(3)], []
+
+    def recv(timeout_ms, log, sent):
+        if queue:
+            return queue.pop(0)
+        if 2 not in sent:  # plan 4 is on its way only once result 2 is out
+            polls.append(timeout_ms)
+            return None
+        return StepPlan(4) if ("launch", 4) not in log else Shutdown("test")
+
+    def ready(step, done, log):
+        if step == 1:
+            return ("launch", 3) in log
+        if step == 2:
+            return len(polls) >= 2  # done while the worker polls for plan 4
+        return done
+
+    log, _ = _worker_loop(3, recv, ready)
+    assert _first(log, ("launch", 4)) < _first(log, ("wait", 3)), log
     assert all(e[2] for e in log if e[0] == "wait" and e[1] in (1, 2)), log  # never blocked on them
