@@ -145,12 +145,16 @@ class HostClock:
             self.acc = {}
 
 
+def inflight_limit(args: ServerArgs) -> int:
+    """Steps a worker (every TP rank alike) keeps launched before it retires the oldest: the
+    scheduler's depth (at depth 1 it sends no plan before the last result, so 2 changes nothing)."""
+    return max(2, args.step_depth)
+
+
 class Worker:
     def __init__(self, args: ServerArgs, ep: Endpoints):
         self.args = args
-        # Steps launched before the oldest is retired: the scheduler's depth (at depth 1 it sends
-        # no plan before the last result, so 2 changes nothing there).
-        self.depth = max(2, args.step_depth)
+        self.depth = inflight_limit(args)
         self.ctx = zmq.Context()
         self.plans = PullChannel(self.ctx, "plans", ep.plans)
         self.results = PushChannel(self.ctx, "results", ep.results)

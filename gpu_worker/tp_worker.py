@@ -29,7 +29,7 @@ import msgspec
 import torch
 import zmq
 
-from gpu_worker.main import Worker, build_runner
+from gpu_worker.main import Worker, build_runner, inflight_limit
 from gpu_worker.main import run as run_worker
 from gpu_worker.parallel import comm
 from gpu_worker.parallel.state import all_gather_object, destroy_tp, init_tp
@@ -91,6 +91,7 @@ class Follower:
 
     def __init__(self, args: ServerArgs, rank: int, init_method: str):
         self.args, self.rank, self.init_method = args, rank, init_method
+        self.depth = inflight_limit(args)  # the leader's
         self.ctx = zmq.Context()
         self.dir = make_run_dir()
         self.sock = self.ctx.socket(zmq.PULL)
@@ -114,7 +115,7 @@ class Follower:
             inflight.append(self.runner.launch(msg))
             # Same depth as the leader: at most that many steps launched, retire the oldest in
             # order (its copy buffers stay alive until its event has fired).
-            while inflight and (inflight[0].ready() or len(inflight) >= max(2, self.args.step_depth)):
+            while inflight and (inflight[0].ready() or len(inflight) >= self.depth):
                 _retire(inflight.popleft())
         while inflight:
             _retire(inflight.popleft())
