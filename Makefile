@@ -14,7 +14,7 @@ TRITON ?= $(if $(HAS_GPU),,triton==3.9.*)
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tools serve test test-unit test-e2e test-gpu clean
+.PHONY: install tools serve test test-unit test-e2e test-gpu hopper-check clean
 
 install: $(STAMP)
 
@@ -46,5 +46,20 @@ test-unit: $(STAMP) tools
 test-e2e: $(STAMP) tools
 	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
 
+# Every kernel variant the engine launches, compiled for the H200 (sm_90) on a machine without a
+# GPU, with this venv's Triton and with the GPU machine's (GPU_TRITON, put under .cache on first
+# use): tests/helpers/hopper_compile.py. CI runs the first half (tests/unit/test_kernels_compile_hopper.py).
+# SHAPES=1 records at the benchmark models' widths instead of the tiny test models' (~12 min).
+GPU_TRITON ?= 3.6.0
+HOPPER := .cache/hopper
+SHAPES ?=
+hopper-check: $(STAMP)
+	test -d .cache/triton-$(GPU_TRITON) || $(PIP) install -q --no-deps --target .cache/triton-$(GPU_TRITON) triton==$(GPU_TRITON)
+	rm -rf $(HOPPER) && mkdir -p $(HOPPER)
+	TRITON_INTERPRET=1 TANDEM_GEMV_MIN_WEIGHT=1 TANDEM_FUSED_GLUE=1 $(PY) -m tests.helpers.hopper_compile \
+	  $(if $(SHAPES),record-shapes,record) $(HOPPER)/launches.json $(HOPPER)/models
+	TRITON_CACHE_DIR=$(HOPPER)/cache $(PY) -m tests.helpers.hopper_compile compile $(HOPPER)/launches.json $(HOPPER)/venv.json >/dev/null
+	PYTHONPATH=.cache/triton-$(GPU_TRITON) TRITON_CACHE_DIR=$(HOPPER)/cache-gpu $(PY) -m tests.helpers.hopper_compile compile $(HOPPER)/launches.json $(HOPPER)/gpu.json >/dev/null
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .cache

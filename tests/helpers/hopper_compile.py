@@ -1,0 +1,298 @@
+"""Compile the engine's Triton kernels for the H200 (sm_90) on a machine without a GPU.
+
+CI has no GPU, and Triton's interpreter accepts code its compiler rejects (a type the backend
+cannot lower, a constexpr misused, a block that overflows shared memory), and it never reaches
+the compiled-only branches (PDL's ``griddepcontrol``, RoPE's ``mul.rn``, libdevice ``tanh``).
+So the kernels a change touches could first fail on the GPU machine, whose time is scarce.
+This closes that gap in two halves:
+
+``recording()``: while the engine runs under the interpreter, note every kernel launch as its
+module, name, argument kinds (a tensor's dtype and 16-byte alignment; a scalar by what the JIT
+specialises it on) and keyword constexprs and launch options: one record per variant.
+
+``compile_launches()``: in a process *without* the interpreter (so the modules define their
+compiled-mode kernels), point Triton at a stand-in CUDA driver that names an sm_90 target and
+``warmup`` each recorded launch: Triton's own binder specialises it as on the GPU (alignment,
+``do_not_specialize``) and its compiler goes all the way to a cubin through ``ptxas``, with
+nothing launched. The constexprs the host sets by device take their CUDA values, and a kernel
+with a ``PDL`` constexpr (off on the CPU) is built off and on. Shared memory is checked against
+sm_90's per-block limit.
+
+Run as ``python -m tests.helpers.hopper_compile record|compile ...`` with any Triton on the path
+(``make hopper-check`` does both, with CI's Triton and the GPU machine's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import json
+import sys
+from typing import Any, Iterator
+
+import torch
+
+TARGET = ("cuda", 90, 32)  # H100/H200: backend, compute capability 9.0, warp size
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB, opt-in maximum)
+PDL_LEVELS = (0, 2)  # kernels/__init__.py: PDL_OFF, PDL_ON (TRIGGER only adds what ON has)
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return {"tensor": str(v.dtype).removeprefix("torch."), "aligned16": v.data_ptr() % 16 == 0}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    value = getattr(v, "value", None)  # a tl.constexpr wrapper
+    if value is not None and value is not v:
+        return _encode(value)
+    raise TypeError(f"cannot record a kernel argument of type {type(v).__name__}")
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, dict):
+        dtype = getattr(torch, v["tensor"])
+        base = torch.empty(64, dtype=dtype)  # torch's CPU allocations are 64-byte aligned
+        return base[:32] if v["aligned16"] else base[1:33]
+    return v
+
+
+def _runtime_value(v: Any) -> Any:
+    """A non-constexpr scalar as Triton's JIT tells it apart: an int by width and by being 1 or a
+    multiple of 16 (``tt.divisibility``), any float alike. So launches differing only in a
+    length or a scale record once."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return v
+    if isinstance(v, float):
+        return 0.5
+    wide = not -2**31 <= v < 2**31
+    return (2**40 if wide else 1) * (1 if v == 1 else 16 if v % 16 == 0 else 17)
+
+
+def launch_record(fn, args: tuple, kwargs: dict) -> str:
+    """One launch as a canonical JSON string (the set of these is the variants to compile)."""
+    params = list(inspect.signature(fn).parameters.values())
+    args = [a if "constexpr" in str(p.annotation) else _runtime_value(a) for p, a in zip(params, args)]
+    return json.dumps({"module": fn.__module__, "name": fn.__name__,
+                       "args": [_encode(a) for a in args],
+                       "kwargs": {k: _encode(v) for k, v in sorted(kwargs.items())}}, sort_keys=True)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set[str]]:
+    """Record every interpreted kernel launch (they still run) into the yielded set."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: set[str] = set()
+    real = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        seen.add(launch_record(self.fn, args, kwargs))
+        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        yield seen
+    finally:
+        InterpretedFunction.run = real
+
+
+class _Sm90Driver:
+    """What ``JITFunction.run(warmup=True)`` asks of the active driver, for an H200 that is not
+    there: the device, the stream and the compile target. Nothing is loaded or launched."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget(*TARGET)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+def _variants(kwargs: dict, first_dtype: str | None) -> list[dict]:
+    """The launch as the GPU would make it: the constexprs the host sets by device at their CUDA
+    values (gemv.py ``F32``: the interpreter's exact-fp32 dot; softcap.py ``LIBDEVICE``: tanh;
+    attention ``IEEE``: exact dots for fp32 queries only), and a kernel with a ``PDL`` constexpr
+    (off on the CPU) both off and on, launched with PDL when on."""
+    cuda = {"F32": False, "LIBDEVICE": True, "IEEE": first_dtype == "float32"}
+    kw = {**kwargs, **{k: v for k, v in cuda.items() if k in kwargs}}
+    if "PDL" not in kw:
+        return [kw]
+    return [{**kw, "PDL": level, "launch_pdl": level == 2} for level in PDL_LEVELS]
+
+
+def _compile_one(rec: str) -> list[dict]:
+    r = json.loads(rec)
+    fn = getattr(importlib.import_module(r["module"]), r["name"])
+    args = [_decode(a) for a in r["args"]]
+    first = next((a["tensor"] for a in r["args"] if isinstance(a, dict)), None)
+    rows = []
+    for kw in _variants({k: _decode(v) for k, v in r["kwargs"].items()}, first):
+        row = {"kernel": f"{r['module']}.{r['name']}", "pdl": kw.get("PDL"), "shared": None, "error": None}
+        try:
+            k = fn.warmup(*args, grid=(1,), **kw)
+            row["shared"] = int(k.metadata.shared)
+            if row["shared"] > SMEM_LIMIT:
+                row["error"] = f"needs {row['shared']} B of shared memory; sm_90 allows {SMEM_LIMIT}"
+        except Exception as e:  # noqa: BLE001 -- reported per variant, the caller asserts
+            row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+        rows.append(row)
+    return rows
+
+
+def _use_sm90_driver() -> None:
+    from triton.runtime import driver
+
+    driver.set_active(_Sm90Driver())
+
+
+def compile_launches(records: list[str], workers: int | None = None) -> list[dict]:
+    """Compile each recorded launch (at each PDL level) for sm_90 in ``workers`` processes; one
+    row per variant with ``error`` (None when it built) and the shared memory it needs, and a
+    last row naming the Triton."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    import triton
+
+    workers = workers or os.cpu_count() or 1
+    ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no driver or JIT state
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_use_sm90_driver) as pool:
+        rows = [row for rows in pool.map(_compile_one, sorted(set(records))) for row in rows]
+    return rows + [{"triton": triton.__version__}]
+
+
+def launchable_kernels() -> set[str]:
+    """Every ``@triton.jit`` function of ``gpu_worker/kernels`` that host code launches
+    (``name[grid](...)``), as ``module.name``: what the recorded runs must cover."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "gpu_worker" / "kernels"
+    names = set()
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text()
+        jitted = re.findall(r"@triton\.jit[^\n]*\n\s*def (\w+)", text)
+        launched = set(re.findall(r"\b(\w+)\[[^\]\n]*\]\(", text))
+        names |= {f"gpu_worker.kernels.{path.stem}.{n}" for n in jitted if n in launched}
+    return names
+
+
+# (model, draft, dtype, CUDA-graph emulation, extra environment): the engine paths whose kernels
+# the GPU runs -- fp32 and bf16 (the GEMV and the fused QKV+RoPE take only half dtypes), eager and
+# graph decode, chunked prefill, Gemma 4's windows and softcaps, frozen-KV MTP with sampling and
+# penalties, split-KV decode with its merge fused and separate.
+ENGINE_RUNS = (
+    ("llama", None, "float32", False, {}),
+    ("llama", None, "bfloat16", True, {"TANDEM_DECODE_FUSED_MERGE": "0"}),
+    ("qwen3", None, "bfloat16", True, {}),
+    ("gemma4", "assistant", "bfloat16", True, {}),
+    ("gemma4", "assistant", "float32", False, {}),
+)
+# Prompts longer than the Gemma 4 test window (8) and the page, of unequal lengths (3 rows take
+# bucket 4, with a padding row); a lone request first, so the one-row kernels run too.
+PROMPTS = [[(7 * j + 3 * i) % 370 + 6 for j in range(10 + 5 * i)] for i in range(3)]
+
+
+def record_engine(root) -> set[str]:
+    """Run ``ENGINE_RUNS`` on tiny checkpoints under ``root`` with the triton backend (the caller
+    set ``TRITON_INTERPRET=1``, and ``TANDEM_GEMV_MIN_WEIGHT=1`` so tiny weights take the GEMV)
+    and return every launch recorded."""
+    import os
+    import pathlib
+
+    from tests.helpers.checkpoints import build_engine_set
+    from tests.helpers.inproc import InProcEngine
+
+    ck = build_engine_set(pathlib.Path(root))
+    with recording() as seen:
+        for model, draft, dtype, graphs, env in ENGINE_RUNS:
+            saved = {k: os.environ.get(k) for k in (*env, "TANDEM_EMULATE_CUDA_GRAPHS")}
+            os.environ.update(env, TANDEM_EMULATE_CUDA_GRAPHS="1" if graphs else "0")
+            try:
+                eng = InProcEngine(ck[model], draft=ck[draft] if draft else None, attention_backend="triton",
+                                   dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4))
+                eng.submit("solo", PROMPTS[0], max_new_tokens=3, ignore_eos=True)
+                eng.run()
+                for i, p in enumerate(PROMPTS):
+                    sampled = {"temperature": 0.8, "seed": 1, "repetition_penalty": 1.1} if i == 1 else {}
+                    eng.submit(f"r{i}", p, max_new_tokens=4, ignore_eos=True, **sampled)
+                eng.run()
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return seen
+
+
+def record_shapes(root) -> set[str]:
+    """Like ``record_engine``, at the benchmark models' widths (``benchmarks/configs``: the
+    Llama-3.1-8B shape; the Gemma-4-shaped 9B with its assistant; each cut to two layers and an
+    8k vocabulary, dummy weights, bf16) and the H200's 132 SMs for the split-KV choice: the
+    block sizes the GPU compiles. About 12 minutes of interpreter on two cores."""
+    import os
+    import pathlib
+
+    from gpu_worker.attention import triton_backend
+    from tests.helpers.inproc import InProcEngine
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    import dummy_models
+
+    dirs = dummy_models.make(str(root))
+    for d in dirs.values():
+        path = os.path.join(d, "config.json")
+        cfg = json.load(open(path))
+        text = cfg.get("text_config", cfg)
+        text.update(vocab_size=8192, num_hidden_layers=2)
+        if "layer_types" in text:
+            text["layer_types"] = ["sliding_attention", "full_attention"]
+        json.dump(cfg, open(path, "w"))
+    triton_backend.CPU_SMS = 132
+    os.environ["TANDEM_EMULATE_CUDA_GRAPHS"] = "1"
+    with recording() as seen:
+        for model, draft in (("llama-3.1-8b", None), ("gemma4-dense-9b", "gemma4-dense-9b-assistant")):
+            eng = InProcEngine(dirs[model], draft=dirs[draft] if draft else None, attention_backend="triton",
+                               dtype="bfloat16", load_format="dummy", max_total_tokens=4096, cuda_graph_bs=(1, 2))
+            eng.submit("a", list(range(5, 305)), max_new_tokens=3, ignore_eos=True)
+            eng.run()
+    return seen
+
+
+def main(argv: list[str]) -> int:
+    """``record[-shapes] OUT.json CKPT_DIR`` (under the interpreter) or ``compile IN.json OUT.json``
+    (without it; exit status 1 when a variant failed)."""
+    if len(argv) == 3 and argv[0] in ("record", "record-shapes"):
+        import tests.conftest  # noqa: F401 -- the test session's interpreter set-up and fast path
+
+        record = record_engine if argv[0] == "record" else record_shapes
+        json.dump(sorted(record(argv[2])), open(argv[1], "w"))
+    elif len(argv) == 3 and argv[0] == "compile":  # a file: ptxas prints a failing PTX to stdout
+        rows = compile_launches(json.load(open(argv[1])))
+        json.dump(rows, open(argv[2], "w"))
+        failed = [r for r in rows[:-1] if r["error"]]
+        for r in failed:
+            print(f"FAILED {r['kernel']} (PDL {r['pdl']}): {r['error'][:600]}", file=sys.stderr)
+        print(f"Triton {rows[-1]['triton']}, sm_90: {len(rows) - 1 - len(failed)} kernel variants built, "
+              f"{len(failed)} failed; the most shared memory one needs: "
+              f"{max((r['shared'] or 0) for r in rows[:-1]) if len(rows) > 1 else 0} B", file=sys.stderr)
+        return 1 if failed else 0
+    else:
+        print("usage: python -m tests.helpers.hopper_compile record[-shapes] OUT.json DIR | compile IN.json OUT.json",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

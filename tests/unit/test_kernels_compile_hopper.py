@@ -1,0 +1,72 @@
+"""Every Triton kernel variant the engine launches builds for the H200 (sm_90) -- checked in CI,
+which has no GPU (``tests/helpers/hopper_compile.py``): the engine runs its triton-backend paths
+under the interpreter while each launch is recorded, then a process without the interpreter
+compiles each recorded variant, with the constexprs the host sets by device at their CUDA values
+and PDL both off and on, down to a cubin. ``make hopper-check`` repeats the compile with the
+GPU machine's Triton (3.6) as well."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.hopper_compile import SMEM_LIMIT, launchable_kernels
+
+pytest.importorskip("triton")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(mode: str, *paths, cache: pathlib.Path, interpret: bool, ok: bool = True) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(cache), TRITON_DEFAULT_FP_FUSION="1", TANDEM_FUSED_GLUE="1",
+               PYTHONPATH=str(ROOT))
+    if interpret:  # the tiny test weights take the GEMV too
+        env.update(TRITON_INTERPRET="1", TANDEM_GEMV_MIN_WEIGHT="1")
+    p = subprocess.run([sys.executable, "-m", "tests.helpers.hopper_compile", mode, *map(str, paths)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == (0 if ok else 1), p.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> list[dict]:
+    d = tmp_path_factory.mktemp("hopper")
+    _run("record", d / "launches.json", d / "ckpts", cache=d / "cache", interpret=True)
+    assert len(json.loads((d / "launches.json").read_text())) > 50
+    _run("compile", d / "launches.json", d / "rows.json", cache=d / "cache", interpret=False)
+    return json.loads((d / "rows.json").read_text())
+
+
+def test_every_recorded_variant_builds_within_sm90_shared_memory(compiled):
+    rows, version = compiled[:-1], compiled[-1]["triton"]
+    failed = [f"{r['kernel']} (PDL {r['pdl']}): {r['error'][:800]}" for r in rows if r["error"]]
+    assert not failed, f"Triton {version}, sm_90:\n" + "\n".join(failed)
+    assert len(rows) > 100 and all(0 <= r["shared"] <= SMEM_LIMIT for r in rows)
+
+
+def test_every_launched_kernel_is_covered_with_pdl_off_and_on(compiled):
+    rows = compiled[:-1]
+    kernels = {r["kernel"] for r in rows}
+    assert launchable_kernels() <= kernels, sorted(launchable_kernels() - kernels)
+    with_pdl = {r["kernel"] for r in rows if r["pdl"] is not None}
+    assert {r["kernel"] for r in rows if r["pdl"] == 2} == with_pdl == {r["kernel"] for r in rows if r["pdl"] == 0}
+    assert "gpu_worker.kernels.gemv_kernels._gemv_kernel" in with_pdl
+
+
+def test_the_check_fails_on_what_an_h200_rejects(tmp_path):
+    """The interpreter would run both; the compile check must not pass them."""
+    t = {"tensor": "bfloat16", "aligned16": True}
+    mod = "tests.helpers.hopper_bad_kernels"
+    records = [json.dumps({"module": mod, "name": "_smem_hog_kernel", "args": [t, t, {**t, "tensor": "float32"}],
+                           "kwargs": {"N": 256, "num_warps": 4}}),
+               json.dumps({"module": mod, "name": "_bad_ptx_kernel", "args": [{**t, "tensor": "int32"}],
+                           "kwargs": {"BLOCK": 128}})]
+    (tmp_path / "bad.json").write_text(json.dumps(records))
+    _run("compile", tmp_path / "bad.json", tmp_path / "rows.json", cache=tmp_path / "cache", interpret=False, ok=False)
+    errors = {r["kernel"].rsplit(".", 1)[1]: r["error"] for r in json.loads((tmp_path / "rows.json").read_text())[:-1]}
+    assert "shared memory" in errors["_smem_hog_kernel"]
+    assert "PTXAS" in errors["_bad_ptx_kernel"] or "ptxas" in errors["_bad_ptx_kernel"]
