@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+from array import array
 from typing import Iterable
 
 import numpy as np
 
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
+# A list (the scheduler's per-row token and page lists, often one or two ids) packs through the
+# stdlib's array ~5x faster than through numpy; its "i" is int32 little-endian where this holds.
+_ARRAY_I32 = sys.byteorder == "little" and array("i").itemsize == 4
 
 
 def pack_i32(values: Iterable[int] | np.ndarray) -> bytes:
+    if _ARRAY_I32 and type(values) is list:
+        return array("i", values).tobytes()
     return np.asarray(values, dtype=I32).tobytes()
 
 

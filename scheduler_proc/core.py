@@ -75,6 +75,7 @@ class StepRecord:
 
     step_id: int
     reqs: list[Req]  # every request the step touches
+    ids: set[int] = field(default_factory=set)  # their ids (membership without a list scan)
     decode: set[int] = field(default_factory=set)  # ids of reqs with a decode row
     prefill_upto: dict[int, int] = field(default_factory=dict)  # id(req) -> prefilled after plan
 
@@ -142,14 +143,16 @@ class SchedulerCore:
         room = self.cfg.max_context - len(prompt)
         req = Req(msg.rid, prompt, msg.params, msg.arrival, max(1, min(msg.params.max_new_tokens, room)))
         req.seed = msg.params.seed if msg.params.seed is not None else int(self._rng.integers(1 << 62))
+        p = msg.params
+        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.cfg.eos_ids)
         self.by_rid[msg.rid] = req
         self.waiting.append(req)
 
-    def _count_decode_step(self, rec: StepRecord, busy_s: float, accept: np.ndarray) -> None:
+    def _count_decode_step(self, rec: StepRecord, busy_s: float, accept: list[int]) -> None:
         c = self.counters
         c.decode_steps += 1
         c.decode_busy_s += busy_s
-        c.decode_tokens += int(accept.sum())
+        c.decode_tokens += sum(accept)
         # When step N's result arrives, step N-1's tokens are emitted: a row attends over the
         # prompt, the outputs (the last is the bonus token this step feeds) and its S drafts.
         drafts = self.cfg.tokens_per_step - 1
@@ -178,14 +181,13 @@ class SchedulerCore:
         self.counters.worker_busy_s += res.busy_s
         # A gap counts as idle only when this step continues work the previous one carried: the
         # time an empty engine waits for requests is not overhead.
-        ids = {id(r) for r in rec.reqs}
-        if ids & self._prev_step_reqs:
+        if not rec.ids.isdisjoint(self._prev_step_reqs):
             self.counters.worker_gap_s += res.gap_s
-        self._prev_step_reqs = ids
-        slots = view_i32(res.slots)
+        self._prev_step_reqs = rec.ids
+        slots = view_i32(res.slots).tolist()
         t = self.cfg.tokens_per_step
-        tokens = view_i32(res.tokens).reshape(len(slots), t)
-        accept = view_i32(res.accept_lens)
+        tokens = view_i32(res.tokens).tolist()  # [rows * t]; row r's are [r * t, r * t + accept)
+        accept = view_i32(res.accept_lens).tolist()
         if rec.reqs and len(rec.decode) == len(rec.reqs):
             self._count_decode_step(rec, res.busy_s, accept)
         now = time.monotonic()
@@ -194,13 +196,13 @@ class SchedulerCore:
             if not req.finished and req.fill_tokens is None:  # a re-prefill does not resend them
                 self.outbox.append(ReqOutput(req.rid, b"", prompt_logprobs=plr.logprobs))
         for row, slot in enumerate(slots):
-            req = self.by_slot[int(slot)]
-            is_decode = id(req) in rec.decode
-            if is_decode:
-                req.worst_len -= t - int(accept[row])
-                self._spec_stats(req, int(accept[row]))
+            req = self.by_slot[slot]
+            n = accept[row]
+            if id(req) in rec.decode:
+                req.worst_len -= t - n
+                self._spec_stats(req, n)
             if not req.finished:
-                self._emit(req, tokens[row, : accept[row]].tolist(), res, row, now)
+                self._emit(req, tokens[row * t: row * t + n], res, row, now)
         for req in rec.reqs:
             req.inflight -= 1
             if id(req) in rec.decode:
@@ -224,8 +226,7 @@ class SchedulerCore:
 
     def _emit(self, req: Req, new: list[int], res: StepResult, row: int, now: float) -> None:
         p = req.params
-        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.cfg.eos_ids)
-        cut = apply_finish_rules(new, len(req.output_ids), stop_ids, p.min_new_tokens, req.max_new_tokens)
+        cut = apply_finish_rules(new, len(req.output_ids), req.stop_ids, p.min_new_tokens, req.max_new_tokens)
         kept = new[: cut.keep]
         req.output_ids.extend(kept)
         req.first_token = req.first_token or now

@@ -18,6 +18,9 @@ class Cut:
     matched: int | None = None  # the stop token id, when reason == "stop"
 
 
+_GO_ON = tuple(Cut(n, None) for n in range(17))  # the usual verdict, for chunks of up to 16 tokens
+
+
 def apply_finish_rules(
     new_tokens: list[int],
     num_emitted: int,
@@ -27,6 +30,8 @@ def apply_finish_rules(
 ) -> Cut:
     """``num_emitted``: tokens already emitted before this chunk. ``max_new_tokens`` already
     includes the context-length cap."""
+    if num_emitted + len(new_tokens) < max_new_tokens and stop_ids.isdisjoint(new_tokens):
+        return _GO_ON[len(new_tokens)] if len(new_tokens) < len(_GO_ON) else Cut(len(new_tokens), None)
     for i, tok in enumerate(new_tokens):
         produced = num_emitted + i + 1
         if tok in stop_ids and produced > min_new_tokens:

@@ -189,7 +189,7 @@ class Planner:
         if self.core.alloc.available + draining >= need:
             return False  # pages are coming back with the in-flight results; wait for them
         for victim in reversed(self.core.running):
-            if victim.phase is Phase.DRAINING or victim in self._rec.reqs:
+            if victim.phase is Phase.DRAINING or id(victim) in self._rec.ids:
                 continue
             # FCFS: the newest request yields, even when it is the one asking for pages.
             self.core.preempt(victim)
@@ -197,7 +197,8 @@ class Planner:
         return False
 
     def _touch(self, req: Req) -> None:
-        if req not in self._rec.reqs:
+        if id(req) not in self._rec.ids:
+            self._rec.ids.add(id(req))
             self._rec.reqs.append(req)
             req.inflight += 1
 

@@ -61,6 +61,7 @@ class Req:
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
+    stop_ids: frozenset[int] = frozenset()  # token ids that finish it (EOS unless ignore_eos), set at add
 
     @property
     def fill(self) -> np.ndarray:
@@ -78,5 +79,8 @@ class Req:
         """Every in-flight decode step yields at least one token: planning more is waste.
         The sampled last prefill chunk, while in flight, yields one too (without counting it,
         max_new_tokens=1 under overlap always got a decode row whose tokens were dropped)."""
+        planned = len(self.output_ids) + self.decode_inflight
+        if planned + 1 < self.max_new_tokens:  # (most calls) not done, whatever ``sampling`` is
+            return False
         sampling = self.prefill_done and self.prefill_returned < len(self.fill)
-        return len(self.output_ids) + self.decode_inflight + sampling >= self.max_new_tokens
+        return planned + sampling >= self.max_new_tokens

@@ -174,19 +174,15 @@ def compile_launches(records: list[str], workers: int | None = None) -> list[dic
 
 
 def launchable_kernels() -> set[str]:
-    """Every ``@triton.jit`` function of ``gpu_worker/kernels`` that host code launches
-    (``name[grid](...)``), as ``module.name``: what the recorded runs must cover."""
+    """Every ``@triton.jit`` function of ``gpu_worker/kernels`` that host code launches, as
+    ``module.name``: what the recorded runs must cover. By the kernels' naming rule, a launched
+    kernel's name ends in ``_kernel``; the others are helpers called from inside kernels."""
     import pathlib
     import re
 
     root = pathlib.Path(__file__).resolve().parents[2] / "gpu_worker" / "kernels"
-    names = set()
-    for path in sorted(root.glob("*.py")):
-        text = path.read_text()
-        jitted = re.findall(r"@triton\.jit[^\n]*\n\s*def (\w+)", text)
-        launched = set(re.findall(r"\b(\w+)\[[^\]\n]*\]\(", text))
-        names |= {f"gpu_worker.kernels.{path.stem}.{n}" for n in jitted if n in launched}
-    return names
+    return {f"gpu_worker.kernels.{path.stem}.{name}" for path in sorted(root.glob("*.py"))
+            for name in re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\n\s*def (\w+_kernel)\b", path.read_text())}
 
 
 # (model, draft, dtype, CUDA-graph emulation, extra environment): the engine paths whose kernels
