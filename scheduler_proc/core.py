@@ -76,6 +76,9 @@ class StepRecord:
     step_id: int
     reqs: list[Req]  # every request the step touches
     ids: set[int] = field(default_factory=set)  # their ids (membership without a list scan)
+
+    def __post_init__(self) -> None:
+        self.ids |= {id(r) for r in self.reqs}
     decode: set[int] = field(default_factory=set)  # ids of reqs with a decode row
     prefill_upto: dict[int, int] = field(default_factory=dict)  # id(req) -> prefilled after plan
 
@@ -188,6 +191,7 @@ class SchedulerCore:
         t = self.cfg.tokens_per_step
         tokens = view_i32(res.tokens).tolist()  # [rows * t]; row r's are [r * t, r * t + accept)
         accept = view_i32(res.accept_lens).tolist()
+        assert len(tokens) == len(slots) * t and len(accept) == len(slots), "malformed step result"
         if rec.reqs and len(rec.decode) == len(rec.reqs):
             self._count_decode_step(rec, res.busy_s, accept)
         now = time.monotonic()

@@ -6,17 +6,20 @@ the compiled-only branches (PDL's ``griddepcontrol``, RoPE's ``mul.rn``, libdevi
 So the kernels a change touches could first fail on the GPU machine, whose time is scarce.
 This closes that gap in two halves:
 
-``recording()``: while the engine runs under the interpreter, note every kernel launch as its
-module, name, argument kinds (a tensor's dtype and 16-byte alignment; a scalar by what the JIT
-specialises it on) and keyword constexprs and launch options: one record per variant.
+``recording()``: while the engine runs under the interpreter, making its launch choices as on
+the H200 (``cuda_launch_choices``: PDL levels, prefetch depths, split-KV for 132 SMs), note
+every kernel launch as its module, name, argument kinds (a tensor's dtype and 16-byte
+alignment; a scalar by what the JIT specialises it on) and keyword constexprs and launch
+options: one record per variant.
 
 ``compile_launches()``: in a process *without* the interpreter (so the modules define their
 compiled-mode kernels), point Triton at a stand-in CUDA driver that names an sm_90 target and
 ``warmup`` each recorded launch: Triton's own binder specialises it as on the GPU (alignment,
 ``do_not_specialize``) and its compiler goes all the way to a cubin through ``ptxas``, with
-nothing launched. The constexprs the host sets by device take their CUDA values, and a kernel
-with a ``PDL`` constexpr (off on the CPU) is built off and on. Shared memory is checked against
-sm_90's per-block limit.
+nothing launched. The constexprs the host sets by device take their CUDA values, a kernel with
+a ``PDL`` constexpr is built at every level, and a record with a pointer the CPU had unaligned
+is built aligned too (CUDA staging aligns). Shared memory is checked against sm_90's per-block
+limit -- meaningful at real widths (``record-shapes``), less so at the tiny test models'.
 
 Run as ``python -m tests.helpers.hopper_compile record|compile ...`` with any Triton on the path
 (``make hopper-check`` does both, with CI's Triton and the GPU machine's).
@@ -35,7 +38,7 @@ import torch
 
 TARGET = ("cuda", 90, 32)  # H100/H200: backend, compute capability 9.0, warp size
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB, opt-in maximum)
-PDL_LEVELS = (0, 2)  # kernels/__init__.py: PDL_OFF, PDL_ON (TRIGGER only adds what ON has)
+PDL_LEVELS = (0, 1, 2)  # kernels/__init__.py: PDL_OFF, PDL_TRIGGER, PDL_ON
 
 
 def _encode(v: Any) -> Any:
@@ -65,8 +68,10 @@ def _runtime_value(v: Any) -> Any:
         return v
     if isinstance(v, float):
         return 0.5
+    if v == 1:
+        return 1
     wide = not -2**31 <= v < 2**31
-    return (2**40 if wide else 1) * (1 if v == 1 else 16 if v % 16 == 0 else 17)
+    return (2**40 if wide else 0) + (16 if v % 16 == 0 else 17)
 
 
 def launch_record(fn, args: tuple, kwargs: dict) -> str:
@@ -97,6 +102,42 @@ def recording() -> Iterator[set[str]]:
         InterpretedFunction.run = real
 
 
+H200_SMS = 132
+
+
+@contextlib.contextmanager
+def cuda_launch_choices() -> Iterator[None]:
+    """While recording, let the host make its launch choices as on the H200: each kernel
+    module's ``pdl`` applies the CUDA rule (so PDL levels and the GEMV's L2 prefetch depth come
+    out as on the GPU; the interpreter's ``gdc`` helpers stay no-ops) and the attention backend
+    splits the KV for 132 SMs."""
+    import os
+
+    import gpu_worker.kernels as kernels
+    from gpu_worker.attention import triton_backend
+
+    def cuda_pdl(x, kind: str) -> int:
+        kinds = kernels.pdl_kinds(os.environ.get("TANDEM_PDL", "1"))
+        if not kinds or x.shape[0] > kernels._max_tokens(os.environ.get("TANDEM_PDL_MAX_TOKENS", "")):
+            return kernels.PDL_OFF
+        return kernels.PDL_ON if kind in kinds else kernels.PDL_TRIGGER
+
+    import pkgutil
+
+    names = [f"gpu_worker.kernels.{m.name}" for m in pkgutil.iter_modules(kernels.__path__)]
+    mods = [m for m in map(importlib.import_module, names) if getattr(m, "pdl", None) is kernels.pdl]
+    sms = triton_backend.CPU_SMS
+    for m in mods:
+        m.pdl = cuda_pdl
+    triton_backend.CPU_SMS = H200_SMS
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.pdl = kernels.pdl
+        triton_backend.CPU_SMS = sms
+
+
 class _Sm90Driver:
     """What ``JITFunction.run(warmup=True)`` asks of the active driver, for an H200 that is not
     there: the device, the stream and the compile target. Nothing is loaded or launched."""
@@ -122,31 +163,45 @@ class _Sm90Driver:
 def _variants(kwargs: dict, first_dtype: str | None) -> list[dict]:
     """The launch as the GPU would make it: the constexprs the host sets by device at their CUDA
     values (gemv.py ``F32``: the interpreter's exact-fp32 dot; softcap.py ``LIBDEVICE``: tanh;
-    attention ``IEEE``: exact dots for fp32 queries only), and a kernel with a ``PDL`` constexpr
-    (off on the CPU) both off and on, launched with PDL when on."""
+    attention ``IEEE``: exact dots for fp32 queries only); a kernel with a ``PDL`` constexpr also
+    at the level its recorded one is not (``TANDEM_PDL``'s kind lists make TRIGGER, and every
+    kernel runs both off and on, by token count)."""
     cuda = {"F32": False, "LIBDEVICE": True, "IEEE": first_dtype == "float32"}
     kw = {**kwargs, **{k: v for k, v in cuda.items() if k in kwargs}}
     if "PDL" not in kw:
         return [kw]
-    return [{**kw, "PDL": level, "launch_pdl": level == 2} for level in PDL_LEVELS]
+    out = [kw]
+    for level in PDL_LEVELS:
+        if level != kw["PDL"]:
+            out.append({**kw, "PDL": level, "launch_pdl": level == 2, **({"PREFETCH_K": 0} if level != 2 and
+                                                                          "PREFETCH_K" in kw else {})})
+    return out
+
+
+def _aligned(args: list) -> list:
+    """The record with every tensor 16-byte aligned: CUDA staging pads each array to 16 bytes,
+    the CPU's does not, so a pointer the CPU recorded unaligned is aligned on the GPU."""
+    return [{**a, "aligned16": True} if isinstance(a, dict) else a for a in args]
 
 
 def _compile_one(rec: str) -> list[dict]:
     r = json.loads(rec)
     fn = getattr(importlib.import_module(r["module"]), r["name"])
-    args = [_decode(a) for a in r["args"]]
     first = next((a["tensor"] for a in r["args"] if isinstance(a, dict)), None)
+    arg_sets = [r["args"]] + ([_aligned(r["args"])] if _aligned(r["args"]) != r["args"] else [])
     rows = []
-    for kw in _variants({k: _decode(v) for k, v in r["kwargs"].items()}, first):
-        row = {"kernel": f"{r['module']}.{r['name']}", "pdl": kw.get("PDL"), "shared": None, "error": None}
-        try:
-            k = fn.warmup(*args, grid=(1,), **kw)
-            row["shared"] = int(k.metadata.shared)
-            if row["shared"] > SMEM_LIMIT:
-                row["error"] = f"needs {row['shared']} B of shared memory; sm_90 allows {SMEM_LIMIT}"
-        except Exception as e:  # noqa: BLE001 -- reported per variant, the caller asserts
-            row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
-        rows.append(row)
+    for raw_args in arg_sets:
+        args = [_decode(a) for a in raw_args]
+        for kw in _variants({k: _decode(v) for k, v in r["kwargs"].items()}, first):
+            row = {"kernel": f"{r['module']}.{r['name']}", "pdl": kw.get("PDL"), "shared": None, "error": None}
+            try:
+                k = fn.warmup(*args, grid=(1,), **kw)
+                row["shared"] = int(k.metadata.shared)
+                if row["shared"] > SMEM_LIMIT:
+                    row["error"] = f"needs {row['shared']} B of shared memory; sm_90 allows {SMEM_LIMIT}"
+            except Exception as e:  # noqa: BLE001 -- reported per variant, the caller asserts
+                row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            rows.append(row)
     return rows
 
 
@@ -166,7 +221,7 @@ def compile_launches(records: list[str], workers: int | None = None) -> list[dic
 
     import triton
 
-    workers = workers or os.cpu_count() or 1
+    workers = workers or min(4, os.cpu_count() or 1)  # each imports torch and Triton
     ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no driver or JIT state
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_use_sm90_driver) as pool:
         rows = [row for rows in pool.map(_compile_one, sorted(set(records))) for row in rows]
@@ -212,7 +267,7 @@ def record_engine(root) -> set[str]:
     from tests.helpers.inproc import InProcEngine
 
     ck = build_engine_set(pathlib.Path(root))
-    with recording() as seen:
+    with cuda_launch_choices(), recording() as seen:
         for model, draft, dtype, graphs, env in ENGINE_RUNS:
             saved = {k: os.environ.get(k) for k in (*env, "TANDEM_EMULATE_CUDA_GRAPHS")}
             os.environ.update(env, TANDEM_EMULATE_CUDA_GRAPHS="1" if graphs else "0")
@@ -234,12 +289,11 @@ def record_engine(root) -> set[str]:
 def record_shapes(root) -> set[str]:
     """Like ``record_engine``, at the benchmark models' widths (``benchmarks/configs``: the
     Llama-3.1-8B shape; the Gemma-4-shaped 9B with its assistant; each cut to two layers and an
-    8k vocabulary, dummy weights, bf16) and the H200's 132 SMs for the split-KV choice: the
-    block sizes the GPU compiles. About 12 minutes of interpreter on two cores."""
+    8k vocabulary, dummy weights, bf16): the block sizes the GPU compiles. About 12 minutes of
+    interpreter on two cores."""
     import os
     import pathlib
 
-    from gpu_worker.attention import triton_backend
     from tests.helpers.inproc import InProcEngine
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -254,9 +308,8 @@ def record_shapes(root) -> set[str]:
         if "layer_types" in text:
             text["layer_types"] = ["sliding_attention", "full_attention"]
         json.dump(cfg, open(path, "w"))
-    triton_backend.CPU_SMS = 132
     os.environ["TANDEM_EMULATE_CUDA_GRAPHS"] = "1"
-    with recording() as seen:
+    with cuda_launch_choices(), recording() as seen:
         for model, draft in (("llama-3.1-8b", None), ("gemma4-dense-9b", "gemma4-dense-9b-assistant")):
             eng = InProcEngine(dirs[model], draft=dirs[draft] if draft else None, attention_backend="triton",
                                dtype="bfloat16", load_format="dummy", max_total_tokens=4096, cuda_graph_bs=(1, 2))

@@ -33,12 +33,26 @@ def _run(mode: str, *paths, cache: pathlib.Path, interpret: bool, ok: bool = Tru
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> list[dict]:
+def recorded(tmp_path_factory) -> pathlib.Path:
     d = tmp_path_factory.mktemp("hopper")
     _run("record", d / "launches.json", d / "ckpts", cache=d / "cache", interpret=True)
-    assert len(json.loads((d / "launches.json").read_text())) > 50
+    return d
+
+
+@pytest.fixture(scope="module")
+def compiled(recorded) -> list[dict]:
+    d = recorded
     _run("compile", d / "launches.json", d / "rows.json", cache=d / "cache", interpret=False)
     return json.loads((d / "rows.json").read_text())
+
+
+def test_launches_are_recorded_as_the_h200_would_make_them(recorded):
+    """PDL levels and the GEMV's L2 prefetch depth come from the CUDA rule, not the CPU's "off"."""
+    records = [json.loads(r) for r in json.loads((recorded / "launches.json").read_text())]
+    assert len(records) > 50
+    pdl = [r["kwargs"]["PDL"] for r in records if "PDL" in r["kwargs"]]
+    assert 0 in pdl and 2 in pdl  # off above the token limit, on below it
+    assert any(r["kwargs"].get("PREFETCH_K", 0) > 0 for r in records if r["name"] == "_gemv_kernel")
 
 
 def test_every_recorded_variant_builds_within_sm90_shared_memory(compiled):
@@ -58,15 +72,21 @@ def test_every_launched_kernel_is_covered_with_pdl_off_and_on(compiled):
 
 
 def test_the_check_fails_on_what_an_h200_rejects(tmp_path):
-    """The interpreter would run both; the compile check must not pass them."""
+    """The interpreter would run all three; the compile check must not pass them, including the
+    one broken only in the PDL-on build a CPU launch never makes."""
     t = {"tensor": "bfloat16", "aligned16": True}
     mod = "tests.helpers.hopper_bad_kernels"
     records = [json.dumps({"module": mod, "name": "_smem_hog_kernel", "args": [t, t, {**t, "tensor": "float32"}],
                            "kwargs": {"N": 256, "num_warps": 4}}),
                json.dumps({"module": mod, "name": "_bad_ptx_kernel", "args": [{**t, "tensor": "int32"}],
-                           "kwargs": {"BLOCK": 128}})]
+                           "kwargs": {"BLOCK": 128}}),
+               json.dumps({"module": mod, "name": "_bad_when_pdl_kernel", "args": [{**t, "tensor": "int32"}],
+                           "kwargs": {"BLOCK": 128, "PDL": 0}})]  # as the CPU records it
     (tmp_path / "bad.json").write_text(json.dumps(records))
     _run("compile", tmp_path / "bad.json", tmp_path / "rows.json", cache=tmp_path / "cache", interpret=False, ok=False)
-    errors = {r["kernel"].rsplit(".", 1)[1]: r["error"] for r in json.loads((tmp_path / "rows.json").read_text())[:-1]}
-    assert "shared memory" in errors["_smem_hog_kernel"]
-    assert "PTXAS" in errors["_bad_ptx_kernel"] or "ptxas" in errors["_bad_ptx_kernel"]
+    rows = json.loads((tmp_path / "rows.json").read_text())[:-1]
+    errors = {(r["kernel"].rsplit(".", 1)[1], r["pdl"]): r["error"] for r in rows}
+    assert "shared memory" in errors["_smem_hog_kernel", None]
+    assert "PTXAS" in errors["_bad_ptx_kernel", None].upper()
+    assert errors["_bad_when_pdl_kernel", 0] is None and errors["_bad_when_pdl_kernel", 1] is None
+    assert "PTXAS" in errors["_bad_when_pdl_kernel", 2].upper()
