@@ -76,11 +76,11 @@ class StepRecord:
     step_id: int
     reqs: list[Req]  # every request the step touches
     ids: set[int] = field(default_factory=set)  # their ids (membership without a list scan)
-
-    def __post_init__(self) -> None:
-        self.ids |= {id(r) for r in self.reqs}
     decode: set[int] = field(default_factory=set)  # ids of reqs with a decode row
     prefill_upto: dict[int, int] = field(default_factory=dict)  # id(req) -> prefilled after plan
+
+    def __post_init__(self) -> None:
+        self.ids = self.ids | {id(r) for r in self.reqs}
 
 
 @dataclass

@@ -147,12 +147,19 @@ def pdl(x: torch.Tensor, kind: str) -> int:
     another level, which keeps the invariant: a kernel launched without PDL starts after its
     predecessor completed and lets nothing start early unless it triggers.
     Read at each launch, so a process can capture graphs both ways (benchmarks, tests)."""
-    kinds = pdl_kinds(os.environ.get("TANDEM_PDL", "1"))
-    limit = _max_tokens(os.environ.get("TANDEM_PDL_MAX_TOKENS", ""))
-    if not kinds or not x.is_cuda or x.shape[0] > limit:
+    level = pdl_level(x.shape[0], kind)  # first: a bad setting is an error on any device
+    if level == PDL_OFF or not x.is_cuda:
         return PDL_OFF
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if not _pdl_device(index):
+    return level if _pdl_device(index) else PDL_OFF
+
+
+def pdl_level(tokens: int, kind: str) -> int:
+    """``pdl``'s rule on a device that supports PDL: by the environment, the kind and the token
+    count (the sm_90 compile check, tests/helpers/hopper_compile.py, records launches with it)."""
+    kinds = pdl_kinds(os.environ.get("TANDEM_PDL", "1"))
+    limit = _max_tokens(os.environ.get("TANDEM_PDL_MAX_TOKENS", ""))
+    if not kinds or tokens > limit:
         return PDL_OFF
     return PDL_ON if kind in kinds else PDL_TRIGGER
 

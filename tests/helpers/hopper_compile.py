@@ -7,7 +7,7 @@ So the kernels a change touches could first fail on the GPU machine, whose time 
 This closes that gap in two halves:
 
 ``recording()``: while the engine runs under the interpreter, making its launch choices as on
-the H200 (``cuda_launch_choices``: PDL levels, prefetch depths, split-KV for 132 SMs), note
+the H200 (``cuda_launch_choices``: PDL levels, prefetch depths, split-KV by SM count), note
 every kernel launch as its module, name, argument kinds (a tensor's dtype and 16-byte
 alignment; a scalar by what the JIT specialises it on) and keyword constexprs and launch
 options: one record per variant.
@@ -106,36 +106,33 @@ H200_SMS = 132
 
 
 @contextlib.contextmanager
-def cuda_launch_choices() -> Iterator[None]:
-    """While recording, let the host make its launch choices as on the H200: each kernel
-    module's ``pdl`` applies the CUDA rule (so PDL levels and the GEMV's L2 prefetch depth come
-    out as on the GPU; the interpreter's ``gdc`` helpers stay no-ops) and the attention backend
-    splits the KV for 132 SMs."""
-    import os
+def cuda_launch_choices(sms: int) -> Iterator[None]:
+    """While recording, let the host make its launch choices as on a GPU with ``sms`` SMs: each
+    kernel module's ``pdl`` applies the device-free rule (``kernels.pdl_level``: PDL levels and
+    the GEMV's L2 prefetch depth come out as on the H200; the interpreter's ``gdc`` helpers stay
+    no-ops) and the attention backend splits the KV for ``sms``."""
+    import pkgutil
 
     import gpu_worker.kernels as kernels
     from gpu_worker.attention import triton_backend
 
     def cuda_pdl(x, kind: str) -> int:
-        kinds = kernels.pdl_kinds(os.environ.get("TANDEM_PDL", "1"))
-        if not kinds or x.shape[0] > kernels._max_tokens(os.environ.get("TANDEM_PDL_MAX_TOKENS", "")):
-            return kernels.PDL_OFF
-        return kernels.PDL_ON if kind in kinds else kernels.PDL_TRIGGER
-
-    import pkgutil
+        return kernels.pdl_level(x.shape[0], kind)
 
     names = [f"gpu_worker.kernels.{m.name}" for m in pkgutil.iter_modules(kernels.__path__)]
-    mods = [m for m in map(importlib.import_module, names) if getattr(m, "pdl", None) is kernels.pdl]
-    sms = triton_backend.CPU_SMS
-    for m in mods:
-        m.pdl = cuda_pdl
-    triton_backend.CPU_SMS = H200_SMS
+    patched = [(m, attr) for m in map(importlib.import_module, names)
+               for attr, v in vars(m).items() if v is kernels.pdl]
+    assert patched, "no kernel module imports kernels.pdl: the recorder's patch point moved"
+    sms_before = triton_backend.CPU_SMS
+    for m, attr in patched:
+        setattr(m, attr, cuda_pdl)
+    triton_backend.CPU_SMS = sms
     try:
         yield
     finally:
-        for m in mods:
-            m.pdl = kernels.pdl
-        triton_backend.CPU_SMS = sms
+        for m, attr in patched:
+            setattr(m, attr, kernels.pdl)
+        triton_backend.CPU_SMS = sms_before
 
 
 class _Sm90Driver:
@@ -192,8 +189,10 @@ def _compile_one(rec: str) -> list[dict]:
     rows = []
     for raw_args in arg_sets:
         args = [_decode(a) for a in raw_args]
+        aligned = all(a["aligned16"] for a in raw_args if isinstance(a, dict))
         for kw in _variants({k: _decode(v) for k, v in r["kwargs"].items()}, first):
-            row = {"kernel": f"{r['module']}.{r['name']}", "pdl": kw.get("PDL"), "shared": None, "error": None}
+            row = {"kernel": f"{r['module']}.{r['name']}", "pdl": kw.get("PDL"), "aligned": aligned, "shared": None,
+                   "error": None}
             try:
                 k = fn.warmup(*args, grid=(1,), **kw)
                 row["shared"] = int(k.metadata.shared)
@@ -240,20 +239,31 @@ def launchable_kernels() -> set[str]:
             for name in re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\n\s*def (\w+_kernel)\b", path.read_text())}
 
 
-# (model, draft, dtype, CUDA-graph emulation, extra environment): the engine paths whose kernels
-# the GPU runs -- fp32 and bf16 (the GEMV and the fused QKV+RoPE take only half dtypes), eager and
-# graph decode, chunked prefill, Gemma 4's windows and softcaps, frozen-KV MTP with sampling and
-# penalties, split-KV decode with its merge fused and separate.
+# (model, draft, dtype, CUDA-graph emulation, SMs, extra environment): the engine paths whose
+# kernels the GPU runs -- fp32 and bf16 (the GEMV and the fused QKV+RoPE take only half dtypes),
+# eager and graph decode, chunked prefill, Gemma 4's windows and softcaps, frozen-KV MTP with
+# sampling and penalties; split-KV decode with its merge fused and separate (132 SMs: the tiny
+# models' few rows x heads split 16 ways) and unsplit, longest row first (2 SMs: what the H200
+# launches for large batches).
 ENGINE_RUNS = (
-    ("llama", None, "float32", False, {}),
-    ("llama", None, "bfloat16", True, {"TANDEM_DECODE_FUSED_MERGE": "0"}),
-    ("qwen3", None, "bfloat16", True, {}),
-    ("gemma4", "assistant", "bfloat16", True, {}),
-    ("gemma4", "assistant", "float32", False, {}),
+    ("llama", None, "float32", False, 2, {}),
+    ("llama", None, "bfloat16", True, H200_SMS, {"TANDEM_DECODE_FUSED_MERGE": "0"}),
+    ("qwen3", None, "bfloat16", True, 2, {}),
+    ("gemma4", "assistant", "bfloat16", True, H200_SMS, {}),
+    ("gemma4", "assistant", "float32", False, 2, {}),
 )
 # Prompts longer than the Gemma 4 test window (8) and the page, of unequal lengths (3 rows take
 # bucket 4, with a padding row); a lone request first, so the one-row kernels run too.
 PROMPTS = [[(7 * j + 3 * i) % 370 + 6 for j in range(10 + 5 * i)] for i in range(3)]
+
+
+def _run_engine(eng) -> None:
+    eng.submit("solo", PROMPTS[0], max_new_tokens=3, ignore_eos=True)
+    eng.run()
+    for i, p in enumerate(PROMPTS):
+        sampled = {"temperature": 0.8, "seed": 1, "repetition_penalty": 1.1} if i == 1 else {}
+        eng.submit(f"r{i}", p, max_new_tokens=4, ignore_eos=True, **sampled)
+    eng.run()
 
 
 def record_engine(root) -> set[str]:
@@ -267,19 +277,14 @@ def record_engine(root) -> set[str]:
     from tests.helpers.inproc import InProcEngine
 
     ck = build_engine_set(pathlib.Path(root))
-    with cuda_launch_choices(), recording() as seen:
-        for model, draft, dtype, graphs, env in ENGINE_RUNS:
+    with recording() as seen:
+        for model, draft, dtype, graphs, sms, env in ENGINE_RUNS:
             saved = {k: os.environ.get(k) for k in (*env, "TANDEM_EMULATE_CUDA_GRAPHS")}
             os.environ.update(env, TANDEM_EMULATE_CUDA_GRAPHS="1" if graphs else "0")
             try:
-                eng = InProcEngine(ck[model], draft=ck[draft] if draft else None, attention_backend="triton",
-                                   dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4))
-                eng.submit("solo", PROMPTS[0], max_new_tokens=3, ignore_eos=True)
-                eng.run()
-                for i, p in enumerate(PROMPTS):
-                    sampled = {"temperature": 0.8, "seed": 1, "repetition_penalty": 1.1} if i == 1 else {}
-                    eng.submit(f"r{i}", p, max_new_tokens=4, ignore_eos=True, **sampled)
-                eng.run()
+                with cuda_launch_choices(sms):
+                    _run_engine(InProcEngine(ck[model], draft=ck[draft] if draft else None, attention_backend="triton",
+                                             dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4)))
             finally:
                 for k, v in saved.items():
                     os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -309,7 +314,7 @@ def record_shapes(root) -> set[str]:
             text["layer_types"] = ["sliding_attention", "full_attention"]
         json.dump(cfg, open(path, "w"))
     os.environ["TANDEM_EMULATE_CUDA_GRAPHS"] = "1"
-    with cuda_launch_choices(), recording() as seen:
+    with cuda_launch_choices(H200_SMS), recording() as seen:
         for model, draft in (("llama-3.1-8b", None), ("gemma4-dense-9b", "gemma4-dense-9b-assistant")):
             eng = InProcEngine(dirs[model], draft=dirs[draft] if draft else None, attention_backend="triton",
                                dtype="bfloat16", load_format="dummy", max_total_tokens=4096, cuda_graph_bs=(1, 2))
@@ -331,7 +336,8 @@ def main(argv: list[str]) -> int:
         json.dump(rows, open(argv[2], "w"))
         failed = [r for r in rows[:-1] if r["error"]]
         for r in failed:
-            print(f"FAILED {r['kernel']} (PDL {r['pdl']}): {r['error'][:600]}", file=sys.stderr)
+            print(f"FAILED {r['kernel']} (PDL {r['pdl']}, aligned {r['aligned']}): {r['error'][:600]}",
+                  file=sys.stderr)
         print(f"Triton {rows[-1]['triton']}, sm_90: {len(rows) - 1 - len(failed)} kernel variants built, "
               f"{len(failed)} failed; the most shared memory one needs: "
               f"{max((r['shared'] or 0) for r in rows[:-1]) if len(rows) > 1 else 0} B", file=sys.stderr)
