@@ -272,6 +272,7 @@ def record_engine(root) -> set[str]:
     and return every launch recorded."""
     import os
     import pathlib
+    from unittest import mock
 
     from tests.helpers.checkpoints import build_engine_set
     from tests.helpers.inproc import InProcEngine
@@ -279,15 +280,10 @@ def record_engine(root) -> set[str]:
     ck = build_engine_set(pathlib.Path(root))
     with recording() as seen:
         for model, draft, dtype, graphs, sms, env in ENGINE_RUNS:
-            saved = {k: os.environ.get(k) for k in (*env, "TANDEM_EMULATE_CUDA_GRAPHS")}
-            os.environ.update(env, TANDEM_EMULATE_CUDA_GRAPHS="1" if graphs else "0")
-            try:
-                with cuda_launch_choices(sms):
-                    _run_engine(InProcEngine(ck[model], draft=ck[draft] if draft else None, attention_backend="triton",
-                                             dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4)))
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            with mock.patch.dict(os.environ, env, TANDEM_EMULATE_CUDA_GRAPHS="1" if graphs else "0"), \
+                    cuda_launch_choices(sms):
+                _run_engine(InProcEngine(ck[model], draft=ck[draft] if draft else None, attention_backend="triton",
+                                         dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4)))
     return seen
 
 
