@@ -1,6 +1,6 @@
 """The GPU-worker process: load models, size the KV pool, report capacity, run steps.
 
-Step loop (overlap depth 2, or ``--overlap-depth`` 3): launch plan N+1 as soon as it arrives,
+Step loop (``--overlap-depth`` 3 by default, or 2): launch plan N+1 as soon as it arrives,
 before waiting on step N's copy event; then send result N. On CPU launches are synchronous, yet
 the scheduler still plans N+1 while this process computes N.
 """

@@ -50,7 +50,7 @@ class ServerArgs:
     random_seed: int = 0
     tp_size: int = 1  # tensor parallelism: one worker process per rank (GPU)
     disable_overlap_schedule: bool = False
-    overlap_depth: int = 2  # steps planned ahead of the last result (1 = no overlap)
+    overlap_depth: int = 3  # steps launched ahead of the last processed result (1 = no overlap)
     disable_prefix_cache: bool = False
     max_queued_requests: int = 4096
     speculative_algorithm: str | None = None
@@ -259,10 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1,
       help="tensor parallelism: shard the models over this many GPUs, one worker process each")
     a("--disable-overlap-schedule", action="store_true")
-    a("--overlap-depth", type=int, default=2,
-      help="steps launched ahead of the last processed result: 2 (default) plans step N+1 while N runs; "
-      "3 also hides the scheduler's round trip where the host, not the GPU, bounds a step (small models); "
-      "1 = --disable-overlap-schedule")
+    a("--overlap-depth", type=int, default=3,
+      help="steps launched ahead of the last processed result: 3 (default) keeps the scheduler's round "
+      "trip out of the step cycle where the host, not the GPU, bounds a step (small models, MTP); "
+      "2 plans step N+1 while N runs; 1 = --disable-overlap-schedule")
     a("--disable-prefix-cache", "--disable-radix-cache", action="store_true")
     a("--max-queued-requests", type=int, default=4096,
       help="waiting (not yet running) requests beyond which new ones get 503 + Retry-After")

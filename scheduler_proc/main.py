@@ -1,10 +1,10 @@
 """The scheduler process: receive requests, plan steps, process results, stream outputs.
 
 Overlap (DESIGN §4): with depth 2 the scheduler sends plan N+1 right after plan N, from its
-lagged view, then processes result N while the worker runs N+1. ``--disable-overlap-schedule``
-sets depth 1 (plan, wait for its result, repeat); ``--overlap-depth 3`` keeps three steps
-launched, so the worker has plan N+2 in hand when it sends result N (the scheduler's round trip
-leaves the step cycle of host-bound models). Every depth gives identical greedy tokens.
+lagged view, then processes result N while the worker runs N+1. The default, depth 3, keeps
+three steps launched, so the worker has plan N+2 in hand when it sends result N (the
+scheduler's round trip leaves the step cycle of host-bound models). ``--disable-overlap-schedule``
+sets depth 1 (plan, wait for its result, repeat). Every depth gives identical greedy tokens.
 """
 
 from __future__ import annotations

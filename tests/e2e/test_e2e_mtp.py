@@ -1,5 +1,5 @@
-"""`tandem serve` with frozen-KV MTP: greedy equals HF plain greedy, with and without overlap
-and at --overlap-depth 3; spec metrics present and consistent; a draft that does not fit the
+"""`tandem serve` with frozen-KV MTP: greedy equals HF plain greedy, at the default overlap depth (3),
+at depth 2 and without overlap; spec metrics present and consistent; a draft that does not fit the
 target fails at start."""
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def _metrics_and_info(url: str) -> tuple[str, dict]:
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("overlap", [[], ["--disable-overlap-schedule"], ["--overlap-depth", "3"]],
-                         ids=["overlap", "no-overlap", "depth3"])
+@pytest.mark.parametrize("overlap", [[], ["--disable-overlap-schedule"], ["--overlap-depth", "2"]],
+                         ids=["overlap-default-depth3", "no-overlap", "depth2"])
 def test_mtp_greedy_equals_hf(ckpts, overlap):
     g, a = ckpts["gemma4"], ckpts["assistant"]
     flags = ["--speculative-algorithm", "FROZEN-KV-MTP", "--speculative-draft-model-path", a,
