@@ -12,9 +12,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# The step-glue kernels not yet on by default (gpu_worker/kernels/__init__.py, fused_glue): the
-# tests check them, in this process and the engine processes the e2e tests start.
-os.environ.setdefault("TANDEM_FUSED_GLUE", "1")
 
 
 def _interpreter_as_read(interpreter) -> bool:

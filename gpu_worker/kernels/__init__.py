@@ -45,13 +45,13 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def fused_glue() -> bool:
-    """``TANDEM_FUSED_GLUE=1``: the step-glue kernels of 2026-12-04 (late) -- the MTP draft loop's
-    head (``decode_inputs.draft_inputs``), Gemma's scaled embedding (``embed.embed_scaled``) and
-    final softcap (``softcap.softcap_float``) -- instead of torch's ops, which stay the default
-    until those kernels have run on the H200 (BENCHMARKS.md, 2026-12-04 late: the machine was
-    withdrawn before they could). The test suite turns it on (tests/conftest.py), so CI checks
-    them under the interpreter and tests/gpu compiled. Read at each call."""
-    return os.environ.get("TANDEM_FUSED_GLUE", "0") == "1"
+    """The step-glue kernels (on unless ``TANDEM_FUSED_GLUE=0``): the MTP draft loop's head
+    (``decode_inputs.draft_inputs``), Gemma's scaled embedding (``embed.embed_scaled``) and
+    final softcap (``softcap.softcap_float``) as one kernel each instead of torch's ops. On by
+    default since they passed tests/gpu on the H200 (2026-12-05; BENCHMARKS.md): 9 µs less a
+    Gemma-4 9B MTP step, nothing measurable on its plain step. ``0`` gives torch's ops (the
+    same values; tests/unit/test_fused_glue_switch.py). Read at each call."""
+    return os.environ.get("TANDEM_FUSED_GLUE", "1") != "0"
 
 
 def _fix_interpreter_index() -> None:

@@ -1,6 +1,6 @@
-"""``TANDEM_FUSED_GLUE`` (gpu_worker/kernels/__init__.py): off by default, the draft loop's head,
-Gemma's scaled embedding and final softcap run torch's ops even where Triton runs the tensors
-(the kernels are replaced by None here: a launch would fail), with the same results."""
+"""``TANDEM_FUSED_GLUE`` (gpu_worker/kernels/__init__.py): on by default; with ``0`` the draft
+loop's head, Gemma's scaled embedding and final softcap run torch's ops even where Triton runs
+the tensors (the kernels are replaced by None here: a launch would fail), with the same results."""
 
 from __future__ import annotations
 
@@ -16,12 +16,8 @@ from gpu_worker.kernels import softcap as S
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("value", [None, "0"])
-def test_off_runs_torch_ops(monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv("TANDEM_FUSED_GLUE", raising=False)
-    else:
-        monkeypatch.setenv("TANDEM_FUSED_GLUE", value)
+def test_off_runs_torch_ops(monkeypatch):
+    monkeypatch.setenv("TANDEM_FUSED_GLUE", "0")
     assert not fused_glue()
     for mod, name in ((DI, "_draft_inputs_kernel"), (E, "_embed_cat_kernel"), (S, "_softcap_kernel")):
         monkeypatch.setattr(mod, name, None)
@@ -41,6 +37,10 @@ def test_off_runs_torch_ops(monkeypatch, value):
         enable_cpu_kernels(False)
 
 
-def test_the_suite_runs_them():
-    """tests/conftest.py turns the switch on for every test (and the processes they start)."""
+@pytest.mark.parametrize("value", [None, "1"])
+def test_on_by_default(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("TANDEM_FUSED_GLUE", raising=False)
+    else:
+        monkeypatch.setenv("TANDEM_FUSED_GLUE", value)
     assert fused_glue()
