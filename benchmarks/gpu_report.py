@@ -43,12 +43,19 @@ def env_runs(out: str) -> list[tuple[str, str, bool]]:
     return [(n, "env " + n[len("llama_env_"):], False) for n in names]
 
 
+def scale_runs(out: str) -> list[tuple[str, str, bool, str]]:
+    """Part scale's runs (``scale_<model>.json``): every shape at 1 / 64 / 256 requests."""
+    names = sorted(os.path.basename(p)[: -len(".json")] for p in glob.glob(os.path.join(out, "scale_*.json")))
+    return [(n, "defaults", False, n[len("scale_"):]) for n in names]
+
+
 def main(out: str, dm: str) -> None:
     bw = json.load(open(os.path.join(out, "hbm.json")))["hbm_copy_bandwidth_bytes_s"]
     rows = [f"copy bandwidth (ceiling): {bw / 1e12:.2f} TB/s"]
     shapes = functools.cache(lambda name: model_shapes(os.path.join(dm, name)))  # a dummy model's, once
     env_model = os.environ.get("ENVAB_MODEL") or "llama-3.1-8b"  # gpu_suite.sh's envab shape
-    runs = [(*run, "llama-3.1-8b") for run in LLAMA_RUNS] + [(*run, env_model) for run in env_runs(out)]
+    runs = [(*run, "llama-3.1-8b") for run in LLAMA_RUNS] + [(*run, env_model) for run in env_runs(out)] + \
+        scale_runs(out)
     for name, label, expected, model in runs:
         r = load(out, name)
         if r is None:
@@ -63,7 +70,7 @@ def main(out: str, dm: str) -> None:
             rows.append(f"{short} {n:>3} req {label:11}: {w['output_tok_s']:9.1f} tok/s = {w['output_tok_s'] / ceil:6.1%} "
                         f"of {ceil:8.1f} (all-weights ceiling {ceil_all:8.1f}: {w['output_tok_s'] / ceil_all:6.1%}); "
                         f"step {w.get('busy_ms_per_step', 0):.2f} ms busy, idle {w.get('gpu_idle_frac', 0):.2%}")
-            rows.append(decode_phase(shapes(model), w, bw))
+            rows.append(decode_phase(shapes(model), w, bw, rows=n))  # fixed lengths: every row alike
     q = load(out, "qwen_small")  # the 8B's fixed workloads on the Qwen3-0.6B shape
     for w in q["workloads"] if q else []:
         rows.append(f"Qwen3-0.6B {w['num_prompts']:>3} req, 512 in / 256 out: {w['output_tok_s']:9.1f} tok/s; "

@@ -24,6 +24,7 @@
 #  (profile: PROFILE_DECODE_BATCHES="64" adds decode-only profiles at those row counts;
 #   sweep: SWEEP_ONLY="attn" etc. picks kernel_sweep.py's parts)
 #  depth = --overlap-depth 2 vs 3 (DEPTHS) on the bundled pair and Qwen3-0.6B (host-bound shapes);
+#  scale = every dummy shape (SCALE_MODELS) at 1, 64 and 256 requests with no speed flags;
 #  tune = the recipe and the 8B at 64 requests with the decode kernel's launch shape varied,
 #         TANDEM_DECODE_TUNE, fresh processes)
 set -uo pipefail
@@ -376,6 +377,14 @@ if has depth; then
     python3 -c "import json,sys; [print(sys.argv[1].split('/')[-1][:-5], w['num_prompts'], 'req: tok/s %.1f' % w['output_tok_s'],
       'idle %.1f%%' % (100 * w['gpu_idle_frac']), 'busy ms/step %.3f' % w['busy_ms_per_step'])
       for w in json.load(open(sys.argv[1]))['workloads']]" "$f" 2>/dev/null
+  done
+fi
+if has scale; then
+  # The grid a checker runs: each dummy shape at 1, 64 and 256 requests (512 in / 256 out), no
+  # speed flags at all (the engine sizes its own batch limit), one engine start per shape.
+  echo "== default flags: 8B, Qwen3-0.6B, Gemma-4 9B at 1 / 64 / 256 requests"
+  for m in ${SCALE_MODELS:-llama-3.1-8b gemma4-dense-9b qwen3-0.6b}; do
+    off scale_$m 200 --model-path $DM/$m --num-prompts 1,64,256 --input-len 512 --output-len 256 --warmup-rounds 1
   done
 fi
 if has attn; then
