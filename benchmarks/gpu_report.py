@@ -37,6 +37,9 @@ QWEN_RUNS = ["qwen_nano", "qwen_nano_pdl0", "qwen_nano_pdl1", "qwen_nano_lpt0", 
              "qwen_nano_sg1", "qwen_first_lazy1", "qwen_first_eager", "qwen_first_lazy2"]
 
 
+SHORT = {"llama-3.1-8b": "8B", "gemma4-dense-9b": "Gemma-4 9B", "qwen3-0.6b": "Qwen3-0.6B"}
+
+
 def env_runs(out: str) -> list[tuple[str, str, bool]]:
     """Part envab's runs (``llama_env_<variant>.json``), in file order."""
     names = sorted(os.path.basename(p)[: -len(".json")] for p in glob.glob(os.path.join(out, "llama_env_*.json")))
@@ -66,11 +69,12 @@ def main(out: str, dm: str) -> None:
             n = w["num_prompts"]
             ceil = decode_ceiling_tok_s(shapes(model), n, 512, 256, bw)
             ceil_all = decode_ceiling_tok_s(shapes(model), n, 512, 256, bw, strict=False)
-            short = "8B" if model == "llama-3.1-8b" else model
-            rows.append(f"{short} {n:>3} req {label:11}: {w['output_tok_s']:9.1f} tok/s = {w['output_tok_s'] / ceil:6.1%} "
+            short = SHORT.get(model, model)
+            rows.append(f"{short:>10} {n:>3} req {label:11}: {w['output_tok_s']:9.1f} tok/s = {w['output_tok_s'] / ceil:6.1%} "
                         f"of {ceil:8.1f} (all-weights ceiling {ceil_all:8.1f}: {w['output_tok_s'] / ceil_all:6.1%}); "
                         f"step {w.get('busy_ms_per_step', 0):.2f} ms busy, idle {w.get('gpu_idle_frac', 0):.2%}")
-            rows.append(decode_phase(shapes(model), w, bw, rows=n))  # fixed lengths: every row alike
+            # fixed lengths: the decoding rows are alike, so the window bound is exact per row
+            rows.append(decode_phase(shapes(model), w, bw, rows=max(1, round(w.get("decode_tokens_per_step", 1)))))
     q = load(out, "qwen_small")  # the 8B's fixed workloads on the Qwen3-0.6B shape
     for w in q["workloads"] if q else []:
         rows.append(f"Qwen3-0.6B {w['num_prompts']:>3} req, 512 in / 256 out: {w['output_tok_s']:9.1f} tok/s; "

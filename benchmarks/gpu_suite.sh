@@ -382,8 +382,10 @@ fi
 if has scale; then
   # The grid a checker runs: each dummy shape at 1, 64 and 256 requests (512 in / 256 out), no
   # speed flags at all (the engine sizes its own batch limit), one engine start per shape.
-  echo "== default flags: 8B, Qwen3-0.6B, Gemma-4 9B at 1 / 64 / 256 requests"
-  for m in ${SCALE_MODELS:-llama-3.1-8b gemma4-dense-9b qwen3-0.6b}; do
+  SCALE_MODELS=${SCALE_MODELS:-llama-3.1-8b gemma4-dense-9b qwen3-0.6b}
+  echo "== default flags: $SCALE_MODELS at 1 / 64 / 256 requests"
+  for m in $SCALE_MODELS; do
+    echo "   $m"
     off scale_$m 200 --model-path $DM/$m --num-prompts 1,64,256 --input-len 512 --output-len 256 --warmup-rounds 1
   done
 fi

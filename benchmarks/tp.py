@@ -3,8 +3,8 @@
 Each rank is one process (as under `tandem serve --tp-size N`) running the real worker
 runner and its own copy of the scheduler core (deterministic: every rank plans the same
 steps, so no sockets are needed to drive them). Per batch size it admits B requests of
---input-len random tokens, prefills them, then times --output-len decode steps (overlap
-depth 2, as the worker runs). Then rank 0 profiles --profile-steps decode steps with
+--input-len random tokens, prefills them, then times --output-len decode steps (at the
+engine's default overlap depth, as the worker runs). Then rank 0 profiles --profile-steps decode steps with
 torch.profiler and reports the share of device time spent in collectives (NCCL kernels on
 CUDA, gloo ops on the CPU).
 
@@ -50,11 +50,15 @@ def _sync(device) -> None:
 
 
 def _drive(runner, core, planner, device, steps: int | None = None) -> tuple[int, int]:
-    """Plan/launch/result at depth 2 until idle (or ``steps`` plans); -> (plans, tokens out)."""
+    """Plan/launch/result at the default overlap depth until idle (or ``steps`` plans);
+    -> (plans, tokens out)."""
+    from proto.args import ServerArgs
+
+    depth = ServerArgs.overlap_depth
     pending: deque = deque()
     plans = tokens = 0
     while not core.idle() and (steps is None or plans < steps):
-        while len(core.inflight) < 2 and (plan := planner.plan()) is not None:
+        while len(core.inflight) < depth and (plan := planner.plan()) is not None:
             pending.append(runner.launch(plan))
             plans += 1
         if pending:

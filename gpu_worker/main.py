@@ -1,8 +1,10 @@
 """The GPU-worker process: load models, size the KV pool, report capacity, run steps.
 
-Step loop (``--overlap-depth`` 3 by default, or 2): launch plan N+1 as soon as it arrives,
-before waiting on step N's copy event; then send result N. On CPU launches are synchronous, yet
-the scheduler still plans N+1 while this process computes N.
+Step loop (``--overlap-depth`` 3 by default, or 2): launch each plan as soon as it arrives,
+while fewer than ``depth`` steps are in flight, before waiting on the oldest step's copy
+event; then send that result (at depth 3 plan N+2 is usually in hand when result N goes out).
+On CPU launches are synchronous, yet the scheduler still plans ahead while this process
+computes.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ without any per-step exchange besides the model's all-reduces.
 
 Why ZMQ and not a torch.distributed broadcast for the plans: an idle engine would leave the
 followers blocked inside a collective until its timeout fired; a ZMQ recv waits for ever at
-no cost, and the step's collectives pace the ranks anyway. Overlap depth 2 holds on every
-rank: each launches plan N+1 before waiting on step N.
+no cost, and the step's collectives pace the ranks anyway. Every rank keeps the leader's
+overlap depth (3 by default): each launches plans ahead of the step it waits on.
 
 Failure: a rank that dies (or fails at start-up) is a dead child of the supervisor, which
 fails in-flight requests and stops every process; peers blocked in a collective or a socket

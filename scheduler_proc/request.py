@@ -10,8 +10,8 @@ Lengths (all in tokens), with T = tokens per step (1 plain, S+1 with MTP):
     pages         page ids backing [0, len(pages) * page_size)
 
 Invariant: ``len(pages) * page_size >= worst_len`` after every plan; a decode step needs
-``worst_len + T`` covered before it is planned. The scheduler lags the worker by up to one
-step, so the worker's own seq_len is the truth and ``worst_len`` only bounds it.
+``worst_len + T`` covered before it is planned. The scheduler lags the worker by up to
+depth − 1 steps (``--overlap-depth``), so the worker's own seq_len is the truth and ``worst_len`` only bounds it.
 """
 
 from __future__ import annotations

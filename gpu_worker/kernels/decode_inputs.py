@@ -79,7 +79,7 @@ def draft_inputs(slots: torch.Tensor, seq_len: torch.Tensor, last_token: torch.T
                  tokens: torch.Tensor, offset: int):
     """slots [B] -> (seq [B], q_pos = seq - 1 [B], rope_pos = seq + offset [B], hidden[slots] [B, H]),
     and ``tokens[:, 0] = last_token[slots]``. Graph-capturable (fixed shapes, no host reads).
-    The kernel only with ``TANDEM_FUSED_GLUE=1`` (``kernels.fused_glue``)."""
+    The kernel unless ``TANDEM_FUSED_GLUE=0`` (``kernels.fused_glue``)."""
     if not fused_glue() or not use_triton(slots) or hidden.stride(1) != 1:
         return draft_inputs_reference(slots, seq_len, last_token, hidden, tokens, offset)
     b, h = slots.shape[0], hidden.shape[1]

@@ -73,7 +73,7 @@ def embed_cat(ids: torch.Tensor, table: torch.Tensor, scale: float, tail: torch.
 def embed_scaled(ids: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
     """ids [R] -> ``table[ids] * scale`` [R, H] in the table's dtype, one launch (the Gemma target's
     input embedding: torch's gather and multiply are two, ~6 us at one decode row on the H200).
-    The kernel only with ``TANDEM_FUSED_GLUE=1`` (``kernels.fused_glue``)."""
+    The kernel unless ``TANDEM_FUSED_GLUE=0`` (``kernels.fused_glue``)."""
     assert ids.dim() == 1, ids.shape
     if not fused_glue() or not use_triton(table) or table.stride(1) != 1:
         return F.embedding(ids, table) * scale

@@ -52,7 +52,7 @@ def softcap_reference(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 def softcap_float(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """logits [R, V] (any float dtype) -> float32 ``tanh(logits / cap) * cap``; no cap: the float
-    copy alone. One kernel where Triton runs the tensor and ``TANDEM_FUSED_GLUE=1``
+    copy alone. One kernel where Triton runs the tensor unless ``TANDEM_FUSED_GLUE=0``
     (``kernels.fused_glue``), torch's ops elsewhere."""
     if cap is None:
         return logits.float()

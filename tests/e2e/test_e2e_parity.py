@@ -6,6 +6,7 @@ For each architecture: completions and chat, streamed and not, token-identical t
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import pytest
@@ -79,3 +80,23 @@ def test_chat_matches_hf(served):
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
+
+
+@pytest.mark.parametrize("flags", [["--overlap-depth", "2"], ["--disable-overlap-schedule"]],
+                         ids=["depth2", "no-overlap"])
+def test_greedy_matches_hf_at_other_overlap_depths(ckpts, flags):
+    """The fixture above serves at the default depth (3); the other depths give the same tokens,
+    several requests at once so that steps hold more than one row."""
+    path = ckpts["llama"]
+    tok = Tokenizer.from_file(f"{path}/tokenizer.json")
+    srv = Server(path, *flags)
+    try:
+        client = _client(srv)
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: client.completions.create(model=path, prompt=p, max_tokens=24,
+                                                                    temperature=0).choices[0].text, PROMPTS))
+        for prompt, text in zip(PROMPTS, got):
+            ref = hf_greedy(path, tok.encode(prompt).ids, 24)
+            assert text == tok.decode(ref, skip_special_tokens=True), (flags, prompt)
+    finally:
+        assert srv.stop(timeout=20) == 0, srv.output()

@@ -26,7 +26,7 @@ _dec_result = msgspec.msgpack.Decoder(ResultMsg)
 
 class InProcEngine:
     def __init__(self, model_path: str, draft: str | None = None, steps: int = 3, overlap: bool = True,
-                 depth: int = 2, **kw):
+                 depth: int = ServerArgs.overlap_depth, **kw):
         spec = dict(speculative_algorithm="FROZEN-KV-MTP", speculative_draft_model_path=draft,
                     speculative_num_steps=steps) if draft else {}
         self.args = ServerArgs(model_path=model_path, device=kw.pop("device", "cpu"),

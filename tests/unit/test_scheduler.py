@@ -131,7 +131,7 @@ def test_prompt_too_long_is_an_error():
     assert out.finish_reason == "error" and out.error_code == 400 and "context" in out.error
 
 
-@pytest.mark.parametrize("t,depth", [(1, 2), (4, 2), (4, 1)])
+@pytest.mark.parametrize("t,depth", [(1, 3), (4, 3), (1, 2), (4, 2), (4, 1)])
 def test_stress_admit_abort_finish_every_step(t, depth):
     core, planner, worker = make(t=t, num_pages=48, ps=4, slots=6, chunk=24)
     drv = Driver(core, planner, worker, depth)
