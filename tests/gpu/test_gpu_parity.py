@@ -78,10 +78,11 @@ def test_inproc_mtp_parity_cuda(ckpts, overlap):
 
 
 @pytest.mark.parametrize("mtp", [False, True])
-def test_inproc_parity_cuda_depth3(ckpts, mtp):
-    """``--overlap-depth 3``: three steps launched before the oldest result is read."""
+def test_inproc_parity_cuda_depth2(ckpts, mtp):
+    """``--overlap-depth 2`` (the tests above run the default, 3): two steps launched before the
+    oldest result is read."""
     d = ckpts["gemma4"]
-    eng = InProcEngine(d, draft=ckpts["assistant"] if mtp else None, steps=3, depth=3, device="cuda",
+    eng = InProcEngine(d, draft=ckpts["assistant"] if mtp else None, steps=3, depth=2, device="cuda",
                        dtype="float32", chunked_prefill_size=16, max_total_tokens=65536)
     for i, p in enumerate(PROMPTS * 4):
         eng.submit(f"r{i}", p, max_new_tokens=24, ignore_eos=True)
