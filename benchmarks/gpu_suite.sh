@@ -206,7 +206,7 @@ if has lpt; then
     2>&1 | tail -15 | tee "$OUT/lpt_tests.log"
 fi
 if has sweep; then
-  # SWEEP_ONLY picks kernel_sweep.py's parts (logits, gemm, gemv, attn); SWEEP_ROTATE_MB=0 leaves weights in L2
+  # SWEEP_ONLY picks kernel_sweep.py's parts (logits, gemm, gemv, attn, wide, narrow); SWEEP_ROTATE_MB=0 leaves weights in L2
   echo "== kernel sweep: ${SWEEP_ONLY:-logits,gemm}"
   timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/kernel_sweep.py --only ${SWEEP_ONLY:-logits,gemm} \
     --json "$OUT/kernel_sweep.json" > "$OUT/kernel_sweep.log" 2>&1 || { echo "kernel sweep failed"; tail -5 "$OUT/kernel_sweep.log"; }

@@ -6,11 +6,13 @@ engine runs them) with weights/KV rotated over more than L2 holds:
 - (``gemv``) the GEMV at 1, 2 and 4 rows on Llama-8B and Gemma-4 9B projections, per-tile
   against the tensor-core variant's launch shapes;
 - (``wide``) the tensor-core GEMV at 32 and 64 rows against cuBLAS (Llama-8B projections);
+- (``narrow``) split K on short-K launches with few column tiles (1024-wide outputs, the 4-row
+  verify's o);
 - paged decode attention launch shapes (BLOCK_N, warps, stages) and split counts;
 - the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab] (torch's and ours,
   ``gpu_worker/kernels/argmax.py``).
 
-    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,gemv,attn,logits,wide]
+    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,gemv,attn,logits,wide,narrow]
     SWEEP_ROTATE_MB=0 python benchmarks/kernel_sweep.py --only gemv   # weights left in L2
 """
 
@@ -135,6 +137,28 @@ def gemv_rows(bw: float) -> list[dict]:
     return rows
 
 
+# (``narrow``) Short-K launches with few column tiles, split K 1..8 ways (``short_k_splits``
+# picks by tile count): the Gemma-4 assistant's o, down, full-layer o and input projection and
+# Qwen3-0.6B's o and down at one row (1024 outputs: 128 FMA tiles on 132 SMs), the 4-row
+# verify's o and qkv on the Gemma-4 9B target (120 / 256 tensor-core tiles), Llama-8B's o at
+# four rows, and the Gemma target's one-row o (480 tiles) as the wide reference.
+NARROW = [("assistant o", 1, 1024, 4096), ("assistant full o", 1, 1024, 8192), ("assistant pre", 1, 1024, 7680),
+          ("qwen o", 1, 1024, 2048), ("qwen down", 1, 1024, 3072), ("gemma o", 4, 3840, 4096),
+          ("gemma qkv", 4, 8192, 3840), ("llama o", 4, 4096, 4096), ("gemma o", 1, 3840, 4096)]
+
+
+def narrow_rows(bw: float) -> list[dict]:
+    from gpu_worker.kernels.gemv import launch_config, launch_tiles, short_k_splits
+
+    rows = []
+    for label, m, n, k in NARROW:
+        cfg = launch_config(m, torch.empty(n, k, device="meta"))
+        pick = short_k_splits(launch_tiles(n, cfg), k, cfg["block_k"], torch.device("cuda"))
+        rows += [r | {"tiles": launch_tiles(n, cfg), "is_default": r.get("splits") == pick}
+                 for r in shape_rows(bw, label, m, n, k, [(cfg, s) for s in (1, 2, 3, 4, 6, 8)])]
+    return rows
+
+
 # (``wide``) The tensor-core GEMV at decode batches of 32 and 64 rows against cuBLAS, on
 # Llama-3.1-8B's projections: at 64 rows the 8B step's cuBLAS GEMMs run at 65-85 % of the copy
 # bandwidth (h200-2026-12-03t), and the GEMV's weight stream does not depend on M.
@@ -196,7 +220,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = {"copy_bandwidth_bytes_s": bw}
     for part, fn in (("logits", logits_rows), ("gemm", lambda: gemm_rows(bw)), ("gemv", lambda: gemv_rows(bw)),
-                     ("attn", lambda: attn_rows(bw, sms)), ("wide", lambda: wide_rows(bw))):
+                     ("attn", lambda: attn_rows(bw, sms)), ("wide", lambda: wide_rows(bw)),
+                     ("narrow", lambda: narrow_rows(bw))):
         if part in a.only.split(","):
             try:
                 out[part] = fn()
@@ -214,9 +239,10 @@ def summarize(out: dict) -> None:
     for r in out.get("gemm", []):
         extra = f" {r['config']} err {r['max_abs_err_vs_cublas']:.3g}" if r["impl"] == "gemv" else ""
         print(f"gemm {r['shape']:14} m {r['m']:>3} {r['impl']:8} {r['us']:8.2f} us {r['frac_of_copy_bw']:6.1%}{extra}")
-    for r in out.get("gemv", []) + out.get("wide", []):
+    for r in out.get("gemv", []) + out.get("wide", []) + out.get("narrow", []):
         cfg = r.get("config")
         extra = f" {cfg} splits {r.get('splits', 1)} err {r['max_abs_err_vs_cublas']:.3g}" if cfg else ""
+        extra += " (default)" if r.get("is_default") else ""
         print(f"gemv {r['shape']:14} m {r['m']} {r['impl']:8} {r['us']:8.2f} us {r['frac_of_copy_bw']:6.1%}{extra}")
     best: dict = {}
     for r in out.get("attn", []):

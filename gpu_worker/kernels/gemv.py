@@ -33,6 +33,7 @@ differs from cuBLAS's, as cuBLAS's differs between its own kernels).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -59,6 +60,10 @@ GEMV_MAX_M = 4
 # 0.960 (its o 2M and down 3M elements; nothing of it lies between 1M and 2M); the Gemma-4 9B
 # MTP step 6.734 -> 6.706 ms (the assistant's 4M-element projections).
 SKINNY_MAX_K = 8192
+# Short-K launches with fewer column tiles than FILL_PER_SM programs per SM split K (each split
+# at least MIN_SPLIT_TILES K tiles): ``short_k_splits``.
+FILL_PER_SM = 3
+MIN_SPLIT_TILES = 2
 SKINNY_MIN_WEIGHT = 2 << 20  # elements; TANDEM_GEMV_MIN_WEIGHT overrides (read at import, below)
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 # The tensor-core variant (``gemv(dot=True)``, x padded to DOT_ROWS rows, tl.dot's smallest tile)
@@ -137,10 +142,48 @@ def long_k_splits() -> int:
     return _env_int("TANDEM_GEMV_SPLITK", 4)
 
 
-def short_k_splits() -> int:
-    """K splits for one-row projections with K <= SKINNY_MAX_K (``TANDEM_GEMV_SPLITK_SHORT``,
-    default 1: their N alone gives 512-3584 programs; 2 and 4 measured slower)."""
-    return max(1, _env_int("TANDEM_GEMV_SPLITK_SHORT", 1))
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; off CUDA (the CPU twin under the interpreter) the
+    H200's 132, so the CPU takes the launch decisions the H200 would."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fill_programs(device: torch.device) -> int:
+    """The programs a short-K GEMV launch should have in flight: FILL_PER_SM per SM
+    (``TANDEM_GEMV_FILL``; 0: never split short K on this account)."""
+    return _env_int("TANDEM_GEMV_FILL", FILL_PER_SM) * sm_count(device)
+
+
+def short_k_splits(tiles: int, k: int, block_k: int, device: torch.device) -> int:
+    """K splits for a projection with K <= SKINNY_MAX_K whose launch has ``tiles`` column tiles:
+    none while the tiles alone fill the GPU (``fill_programs``; Llama-8B's and the Gemma-4 9B
+    target's one-row projections: 480-3584 tiles), else enough that tiles x splits does, each
+    split at least MIN_SPLIT_TILES K tiles long. The narrow ones are the 1024-wide outputs (the
+    MTP assistant's o, down and input projection, Qwen3-0.6B's o and down: 128 tiles of 8 rows
+    on 132 SMs) and the 4-row verify's o (120 tiles of 32). ``TANDEM_GEMV_SPLITK_SHORT=N``
+    forces N splits everywhere (1: never)."""
+    forced = _env_int("TANDEM_GEMV_SPLITK_SHORT", 0)
+    if forced:
+        return forced
+    want = fill_programs(device)
+    if tiles >= want:
+        return 1
+    return max(1, min(-(-want // tiles), k // (MIN_SPLIT_TILES * block_k)))
+
+
+def launch_tiles(rows: int, cfg: dict, gated: bool = False) -> int:
+    """Column tiles of a GEMV launch through a weight of ``rows`` rows (``gemv``'s grid.x):
+    gated, the FMA kernel holds ``block_n`` outputs (2 x block_n weight rows) a program and the
+    tensor-core one ``block_n`` / 2 outputs (``block_n`` rows)."""
+    per = cfg["block_n"] if not gated or cfg.get("dot") else 2 * cfg["block_n"]
+    return -(-rows // per)
 
 
 def gated_config() -> dict:
@@ -265,7 +308,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
     cfg = launch_config(x.shape[0], w) if bias is None and _skinny(x, w) else None
     if cfg is not None:
         if w.shape[1] <= SKINNY_MAX_K:
-            return gemv(x, w, splits=short_k_splits(), after_attention=after_attention, **cfg)
+            splits = short_k_splits(launch_tiles(w.shape[0], cfg), w.shape[1], cfg["block_k"], x.device)
+            return gemv(x, w, splits=splits, after_attention=after_attention, **cfg)
         splits = long_k_splits()
         if splits > 1:
             return gemv(x, w, splits=splits, after_attention=after_attention, **cfg)
@@ -301,13 +345,14 @@ def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tens
         return gemv(x, gate_up, act=act, **wide_gated_config(x.shape[0]))
     if not _skinny(x, gate_up):
         return None
-    if gate_up.shape[1] <= SKINNY_MAX_K:
-        splits = short_k_splits()
-    elif (splits := long_k_splits()) <= 1:
+    k = gate_up.shape[1]
+    if k > SKINNY_MAX_K and long_k_splits() <= 1:
         return None  # cuBLAS there, as ``linear``
     cfg = launch_config(x.shape[0], gate_up)
-    if cfg is not None and cfg.get("dot"):
-        return gemv(x, gate_up, act=act, splits=splits, **cfg)
-    if mode == "1" and x.shape[0] == 1 and gate_up.shape[1] <= SKINNY_MAX_K:
-        return gemv(x, gate_up, act=act, splits=splits, **gated_config())
-    return None
+    if cfg is None or not cfg.get("dot"):
+        if not (mode == "1" and x.shape[0] == 1 and k <= SKINNY_MAX_K):
+            return None
+        cfg = gated_config()
+    splits = (short_k_splits(launch_tiles(gate_up.shape[0], cfg, gated=True), k, cfg["block_k"], x.device)
+              if k <= SKINNY_MAX_K else long_k_splits())
+    return gemv(x, gate_up, act=act, splits=splits, **cfg)

@@ -24,7 +24,8 @@ import torch
 
 from gpu_worker.kernels import PDL_ON, pdl
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
-from gpu_worker.kernels.gemv import CONFIG, SKINNY_MAX_K, _skinny, launch_config, prefetch_cols, short_k_splits
+from gpu_worker.kernels.gemv import (CONFIG, SKINNY_MAX_K, _skinny, launch_config, launch_tiles, prefetch_cols,
+                                     short_k_splits)
 
 try:
     import triton
@@ -45,7 +46,8 @@ def applies(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
     and ``head_dim`` splits into whole program tiles."""
     pairs = CONFIG["block_n"] // 2
     return (enabled() and x.dim() == 2 and x.shape[0] == 1 and _skinny(x, w) and w.shape[1] <= SKINNY_MAX_K
-            and short_k_splits() == 1 and launch_config(1, w) is CONFIG and head_dim % 2 == 0
+            and short_k_splits(launch_tiles(w.shape[0], CONFIG), w.shape[1], CONFIG["block_k"], x.device) == 1
+            and launch_config(1, w) is CONFIG and head_dim % 2 == 0
             and (head_dim // 2) % pairs == 0)
 
 

@@ -305,3 +305,53 @@ def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
     finally:
         enable_cpu_kernels(False)
     assert torch.equal(fused, unfused)
+
+
+def test_short_k_splits_fill_the_gpu(monkeypatch):
+    """Short-K launches split K only while their column tiles alone leave the GPU short of
+    FILL_PER_SM programs per SM (132 SMs off CUDA, the H200's), each split at least
+    MIN_SPLIT_TILES K tiles; TANDEM_GEMV_SPLITK_SHORT forces a count, TANDEM_GEMV_FILL=0 never
+    splits on this account."""
+    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_FILL"):
+        monkeypatch.delenv(var, raising=False)
+    cpu = torch.device("cpu")
+    cfg = G.CONFIG  # 8 rows x 512 K a tile
+    want = G.FILL_PER_SM * 132
+    assert G.short_k_splits(G.launch_tiles(8192, cfg), 3840, 512, cpu) == 1  # Gemma-9B qkv: 1024 tiles
+    assert G.short_k_splits(G.launch_tiles(3840, cfg), 4096, 512, cpu) == 1  # Gemma-9B o: 480 tiles
+    assert G.short_k_splits(128, 4096, 512, cpu) == min(-(-want // 128), 4)  # assistant o / down
+    assert G.short_k_splits(128, 2048, 512, cpu) == 2  # Qwen3-0.6B o: K = 4 tiles, 2 splits at most
+    assert G.short_k_splits(128, 512, 512, cpu) == 1  # one K tile: nothing to split
+    assert G.short_k_splits(G.launch_tiles(3840, G.ROWS_CONFIG), 4096, 256, cpu) == -(-want // 120)  # verify o
+    assert G.launch_tiles(2 * 4096, cfg, gated=True) == 512 and G.launch_tiles(2 * 4096, G.BIG_CONFIG, gated=True) == 128
+    monkeypatch.setenv("TANDEM_GEMV_FILL", "0")
+    assert G.short_k_splits(128, 4096, 512, cpu) == 1
+    monkeypatch.setenv("TANDEM_GEMV_SPLITK_SHORT", "2")
+    assert G.short_k_splits(4096, 4096, 512, cpu) == 2
+    monkeypatch.setenv("TANDEM_GEMV_FILL", "x")
+    monkeypatch.delenv("TANDEM_GEMV_SPLITK_SHORT")
+    with pytest.raises(ValueError, match="TANDEM_GEMV_FILL"):
+        G.short_k_splits(128, 4096, 512, cpu)
+
+
+def test_narrow_projection_takes_split_k(monkeypatch):
+    """One row through a narrow short-K weight (few column tiles) goes through the split-K GEMV
+    and still matches the fp32 product; the tickets are left clear."""
+    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_FILL", "TANDEM_GEMV_ROWS"):
+        monkeypatch.delenv(var, raising=False)
+    calls = []
+    real = G.gemv
+    monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append(kw["splits"]) or real(x, w, **kw))
+    monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 1)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 2048, generator=g).to(torch.bfloat16).to(DEV)  # 2 tiles, 4 K tiles
+    x = torch.randn(1, 2048, generator=g).to(torch.bfloat16).to(DEV)
+    enable_cpu_kernels(True)
+    try:
+        y = G.linear(x, w)
+    finally:
+        enable_cpu_kernels(False)
+    assert calls == [2] and tickets_clear()
+    ref = x.float() @ w.float().t()
+    ulp = ref.abs().clamp_min(1.0) * 2.0**-7
+    assert ((y.float() - ref).abs() <= ulp + 1e-3 * ref.abs().max()).all()
