@@ -61,8 +61,9 @@ GEMV_MAX_M = 4
 # MTP step 6.734 -> 6.706 ms (the assistant's 4M-element projections).
 SKINNY_MAX_K = 8192
 # Short-K launches with fewer column tiles than FILL_PER_SM programs per SM split K (each split
-# at least MIN_SPLIT_TILES K tiles): ``short_k_splits``.
-FILL_PER_SM = 3
+# at least MIN_SPLIT_TILES K tiles): ``short_k_splits``. Off (0) until measured on the H200
+# (``TANDEM_GEMV_FILL=3`` turns it on; kernel_sweep.py's ``narrow`` part, gpu_suite's gemmaab).
+FILL_PER_SM = 0
 MIN_SPLIT_TILES = 2
 SKINNY_MIN_WEIGHT = 2 << 20  # elements; TANDEM_GEMV_MIN_WEIGHT overrides (read at import, below)
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)

@@ -309,14 +309,14 @@ def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
 
 def test_short_k_splits_fill_the_gpu(monkeypatch):
     """Short-K launches split K only while their column tiles alone leave the GPU short of
-    FILL_PER_SM programs per SM (132 SMs off CUDA, the H200's), each split at least
+    ``TANDEM_GEMV_FILL`` programs per SM (132 SMs off CUDA, the H200's), each split at least
     MIN_SPLIT_TILES K tiles; TANDEM_GEMV_SPLITK_SHORT forces a count, TANDEM_GEMV_FILL=0 never
     splits on this account."""
-    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_FILL"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("TANDEM_GEMV_SPLITK_SHORT", raising=False)
+    monkeypatch.setenv("TANDEM_GEMV_FILL", "3")
     cpu = torch.device("cpu")
     cfg = G.CONFIG  # 8 rows x 512 K a tile
-    want = G.FILL_PER_SM * 132
+    want = 3 * 132
     assert G.short_k_splits(G.launch_tiles(8192, cfg), 3840, 512, cpu) == 1  # Gemma-9B qkv: 1024 tiles
     assert G.short_k_splits(G.launch_tiles(3840, cfg), 4096, 512, cpu) == 1  # Gemma-9B o: 480 tiles
     assert G.short_k_splits(128, 4096, 512, cpu) == min(-(-want // 128), 4)  # assistant o / down
@@ -337,8 +337,9 @@ def test_short_k_splits_fill_the_gpu(monkeypatch):
 def test_narrow_projection_takes_split_k(monkeypatch):
     """One row through a narrow short-K weight (few column tiles) goes through the split-K GEMV
     and still matches the fp32 product; the tickets are left clear."""
-    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_FILL", "TANDEM_GEMV_ROWS"):
+    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_ROWS"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TANDEM_GEMV_FILL", "3")
     calls = []
     real = G.gemv
     monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append(kw["splits"]) or real(x, w, **kw))
