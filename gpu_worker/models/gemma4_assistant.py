@@ -20,6 +20,7 @@ from gpu_worker.kernels.argmax import argmax_last
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4AssistantSpec
 from gpu_worker.models.gemma4 import Gemma4Backbone
+from gpu_worker.models.layers import Linear
 from gpu_worker.parallel import factory, shard
 from gpu_worker.parallel.layers import vocab_rows_logits
 from gpu_worker.parallel.state import tp_size
@@ -81,8 +82,10 @@ class Gemma4AssistantForCausalLM(CausalLM):
         self.sliding_windows = tuple(sorted({w for layer in text.layers if (w := layer.sliding_window)}))
         self.model = Gemma4Backbone(text)
         self.lm_head = None if spec.tie_word_embeddings else factory.lm_head(text.hidden_size, text.vocab_size)
-        self.pre_projection = nn.Linear(2 * spec.backbone_hidden_size, text.hidden_size, bias=False)
-        self.post_projection = nn.Linear(text.hidden_size, spec.backbone_hidden_size, bias=False)
+        # Replicated at any TP size; ``Linear`` lets their one-row draft GEMMs take the GEMV (a
+        # link of the PDL chain in the draft graph, where cuBLAS's split-K pair broke it).
+        self.pre_projection = Linear(2 * spec.backbone_hidden_size, text.hidden_size, bias=False)
+        self.post_projection = Linear(text.hidden_size, spec.backbone_hidden_size, bias=False)
         self.masked_embedding = Gemma4AssistantMaskedEmbedder(spec) if spec.use_ordered_embeddings else None
         self._target: list = []  # a list, so the target is not registered as a submodule
 
