@@ -60,10 +60,9 @@ GEMV_MAX_M = 4
 # 0.960 (its o 2M and down 3M elements; nothing of it lies between 1M and 2M); the Gemma-4 9B
 # MTP step 6.734 -> 6.706 ms (the assistant's 4M-element projections).
 SKINNY_MAX_K = 8192
-# Short-K launches with fewer column tiles than FILL_PER_SM programs per SM split K (each split
-# at least MIN_SPLIT_TILES K tiles): ``short_k_splits``. Off (0) until measured on the H200
-# (``TANDEM_GEMV_FILL=3`` turns it on; kernel_sweep.py's ``narrow`` part, gpu_suite's gemmaab).
-FILL_PER_SM = 0
+# Short-K launches with fewer column tiles than the GPU has SMs split K into FILL_PER_SM
+# programs per SM (each split at least MIN_SPLIT_TILES K tiles): ``short_k_splits``.
+FILL_PER_SM = 3
 MIN_SPLIT_TILES = 2
 SKINNY_MIN_WEIGHT = 2 << 20  # elements; TANDEM_GEMV_MIN_WEIGHT overrides (read at import, below)
 CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
@@ -156,27 +155,32 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def fill_programs(device: torch.device) -> int:
-    """The programs a short-K GEMV launch should have in flight: FILL_PER_SM per SM
-    (``TANDEM_GEMV_FILL``; 0: never split short K on this account)."""
-    return _env_int("TANDEM_GEMV_FILL", FILL_PER_SM) * sm_count(device)
+def fill_per_sm() -> int:
+    """Programs per SM a narrow short-K launch is split into (``TANDEM_GEMV_FILL``; 0: never)."""
+    return _env_int("TANDEM_GEMV_FILL", FILL_PER_SM)
 
 
 def short_k_splits(tiles: int, k: int, block_k: int, device: torch.device) -> int:
     """K splits for a projection with K <= SKINNY_MAX_K whose launch has ``tiles`` column tiles:
-    none while the tiles alone fill the GPU (``fill_programs``; Llama-8B's and the Gemma-4 9B
-    target's one-row projections: 480-3584 tiles), else enough that tiles x splits does, each
-    split at least MIN_SPLIT_TILES K tiles long. The narrow ones are the 1024-wide outputs (the
-    MTP assistant's o, down and input projection, Qwen3-0.6B's o and down: 128 tiles of 8 rows
-    on 132 SMs) and the 4-row verify's o (120 tiles of 32). ``TANDEM_GEMV_SPLITK_SHORT=N``
-    forces N splits everywhere (1: never)."""
+    none while there are at least as many tiles as SMs, else enough that tiles x splits reaches
+    ``fill_per_sm()`` programs per SM, each split at least MIN_SPLIT_TILES K tiles long.
+
+    Why (the MTP step on the H200, h200-2026-12-04f ``trace_mtp.json.gz``, Gemma-4 9B + assistant,
+    one request): the assistant's one-row o projection (8 MB, 128 tiles of 8 rows on 132 SMs) took
+    7.8 us where its q projection, as many bytes in 512 tiles, took 4.4; the full layer's o (16
+    MB, 128 tiles) 13.9 us; the 4-row verify's o (31.5 MB, 120 tensor-core tiles) 17.4 us, at
+    1.8 TB/s, where its qkv (63 MB, 256 tiles) streamed at 3.9. Four splits give those launches
+    the programs, and the bytes per program, of the fast ones. Also narrow: Qwen3-0.6B's o and
+    down (1024 outputs). Launches of 132 tiles and more are untouched (Llama-8B's and the Gemma
+    target's one-row projections: 480-3584). ``TANDEM_GEMV_SPLITK_SHORT=N`` forces N splits
+    everywhere (1: never)."""
     forced = _env_int("TANDEM_GEMV_SPLITK_SHORT", 0)
     if forced:
         return forced
-    want = fill_programs(device)
-    if tiles >= want:
+    sms, per_sm = sm_count(device), fill_per_sm()
+    if not per_sm or tiles >= sms:
         return 1
-    return max(1, min(-(-want // tiles), k // (MIN_SPLIT_TILES * block_k)))
+    return max(1, min(-(-per_sm * sms // tiles), k // (MIN_SPLIT_TILES * block_k)))
 
 
 def launch_tiles(rows: int, cfg: dict, gated: bool = False) -> int:

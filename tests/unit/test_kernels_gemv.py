@@ -308,24 +308,30 @@ def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
 
 
 def test_short_k_splits_fill_the_gpu(monkeypatch):
-    """Short-K launches split K only while their column tiles alone leave the GPU short of
-    ``TANDEM_GEMV_FILL`` programs per SM (132 SMs off CUDA, the H200's), each split at least
-    MIN_SPLIT_TILES K tiles; TANDEM_GEMV_SPLITK_SHORT forces a count, TANDEM_GEMV_FILL=0 never
-    splits on this account."""
-    monkeypatch.delenv("TANDEM_GEMV_SPLITK_SHORT", raising=False)
-    monkeypatch.setenv("TANDEM_GEMV_FILL", "3")
+    """Short-K launches split K only when they have fewer column tiles than the GPU has SMs (132
+    off CUDA, the H200's), into FILL_PER_SM programs per SM, each split at least MIN_SPLIT_TILES
+    K tiles; TANDEM_GEMV_SPLITK_SHORT forces a count, TANDEM_GEMV_FILL=0 never splits on this
+    account."""
+    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_FILL"):
+        monkeypatch.delenv(var, raising=False)
     cpu = torch.device("cpu")
     cfg = G.CONFIG  # 8 rows x 512 K a tile
-    want = 3 * 132
+    want = G.FILL_PER_SM * 132
+    assert G.FILL_PER_SM == 3
     assert G.short_k_splits(G.launch_tiles(8192, cfg), 3840, 512, cpu) == 1  # Gemma-9B qkv: 1024 tiles
     assert G.short_k_splits(G.launch_tiles(3840, cfg), 4096, 512, cpu) == 1  # Gemma-9B o: 480 tiles
-    assert G.short_k_splits(128, 4096, 512, cpu) == min(-(-want // 128), 4)  # assistant o / down
+    assert G.short_k_splits(G.launch_tiles(8192, G.ROWS_CONFIG), 3840, 256, cpu) == 1  # 4-row qkv: 256 tiles
+    assert G.short_k_splits(132, 4096, 512, cpu) == 1  # a tile per SM
+    assert G.short_k_splits(128, 4096, 512, cpu) == 4 == -(-want // 128)  # assistant o / down
+    assert G.short_k_splits(128, 8192, 512, cpu) == 4  # the assistant's full-layer o
     assert G.short_k_splits(128, 2048, 512, cpu) == 2  # Qwen3-0.6B o: K = 4 tiles, 2 splits at most
     assert G.short_k_splits(128, 512, 512, cpu) == 1  # one K tile: nothing to split
-    assert G.short_k_splits(G.launch_tiles(3840, G.ROWS_CONFIG), 4096, 256, cpu) == -(-want // 120)  # verify o
+    assert G.short_k_splits(G.launch_tiles(3840, G.ROWS_CONFIG), 4096, 256, cpu) == 4  # the 4-row verify's o
     assert G.launch_tiles(2 * 4096, cfg, gated=True) == 512 and G.launch_tiles(2 * 4096, G.BIG_CONFIG, gated=True) == 128
     monkeypatch.setenv("TANDEM_GEMV_FILL", "0")
     assert G.short_k_splits(128, 4096, 512, cpu) == 1
+    monkeypatch.setenv("TANDEM_GEMV_FILL", "2")
+    assert G.short_k_splits(128, 4096, 512, cpu) == 3
     monkeypatch.setenv("TANDEM_GEMV_SPLITK_SHORT", "2")
     assert G.short_k_splits(4096, 4096, 512, cpu) == 2
     monkeypatch.setenv("TANDEM_GEMV_FILL", "x")
@@ -337,9 +343,8 @@ def test_short_k_splits_fill_the_gpu(monkeypatch):
 def test_narrow_projection_takes_split_k(monkeypatch):
     """One row through a narrow short-K weight (few column tiles) goes through the split-K GEMV
     and still matches the fp32 product; the tickets are left clear."""
-    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_ROWS"):
+    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_ROWS", "TANDEM_GEMV_FILL"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("TANDEM_GEMV_FILL", "3")
     calls = []
     real = G.gemv
     monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append(kw["splits"]) or real(x, w, **kw))
