@@ -36,6 +36,8 @@ FALLBACK_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+# Marks the end of the final message for continue_final_message (HF's tag, trailing space included).
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplateError(ValueError):
@@ -182,20 +184,41 @@ class ChatTemplate:
         tools: list | None = None,
         documents: list | None = None,
         extra_vars: dict | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         if not messages:
             raise ChatTemplateError("messages: at least one message is required")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        normalized = normalize_messages(messages)
+        if continue_final_message:
+            normalized[-1]["content"] += CONTINUE_TAG  # content is a string once normalized
         variables = {**self.base_vars, **(extra_vars or {})}
         variables.update(
-            messages=normalize_messages(messages),
+            messages=normalized,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             documents=documents,
         )
         try:
-            return self.template.render(**variables)
+            text = self.template.render(**variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from exc
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
             # A template that trips over an odd message shape is the request's fault, not ours.
             raise ChatTemplateError(f"chat template error: {type(exc).__name__}: {exc}") from exc
+        return cut_at_tag(text) if continue_final_message else text
+
+
+def cut_at_tag(rendered: str) -> str:
+    """``continue_final_message``: end the prompt where the final message's text ends, dropping
+    whatever the template wrote to close that turn, so the model continues it (a prefilled answer).
+    As HF does: the text was rendered with ``CONTINUE_TAG`` appended; cut at the tag, keeping the
+    message's trailing whitespace only if the template kept it too."""
+    loc = rendered.rfind(CONTINUE_TAG.strip())
+    if loc < 0:
+        raise ChatTemplateError("continue_final_message is set but the final message does not appear in the "
+                                "chat after applying the chat template")
+    if rendered[loc:loc + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()  # the template trimmed the message: so do we

@@ -244,12 +244,24 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
 # ---------------------------------------------------------------------- /v1/chat/completions
 
 
+def generation_prompt(req) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message): an unset add_generation_prompt gives way
+    to continue_final_message; both set true is vLLM's 400."""
+    cont = bool(req.continue_final_message)
+    if cont and req.add_generation_prompt:
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          "continue_final_message")
+    return (not cont) if req.add_generation_prompt is None else req.add_generation_prompt, cont
+
+
 def chat_text(req, template: ChatTemplate) -> str:
     validate_messages(req.messages)
+    add_generation_prompt, continue_final_message = generation_prompt(req)
     try:
         return template.render(
             req.messages,
-            add_generation_prompt=req.add_generation_prompt,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tools=getattr(req, "tools", None),
             documents=getattr(req, "documents", None),
             extra_vars=getattr(req, "chat_template_kwargs", None),
@@ -263,10 +275,24 @@ def chat_prompt(req, tok: TextTokenizer, template: ChatTemplate, limits: Limits)
     return encode_prompt(chat_text(req, template), tok, limits, "messages", add_special_tokens=False)
 
 
+def check_tool_choice(choice) -> None:
+    """``tools`` reach the chat template, but no tool calls are parsed and none can be forced: a
+    choice that demands a call ("required", a named function) would silently get plain text, so it
+    is refused (vLLM refuses tool choices its flags cannot serve with a 400 too)."""
+    if choice is None or choice in ("none", "auto"):
+        return
+    if choice == "required" or isinstance(choice, dict):
+        raise bad_request("tool_choice 'required' and named function choices are not supported by this server "
+                          "(no constrained decoding of tool calls); use 'auto' or 'none'", "tool_choice")
+    raise bad_request(f"Invalid value for 'tool_choice': {choice!r}. Supported values are 'none' and 'auto'.",
+                      "tool_choice")
+
+
 def plan_chat(
     req: ChatCompletionRequest, tok: TextTokenizer, template: ChatTemplate, limits: Limits, defaults: dict
 ) -> GenPlan:
     _unsupported(req)
+    check_tool_choice(req.tool_choice)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     ids = chat_prompt(req, tok, template, limits)

@@ -105,7 +105,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PosInt | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    add_generation_prompt: bool = True
+    # Unset: true, or false with continue_final_message (both true is a 400, as in vLLM).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False  # continue the last (assistant) message, unclosed
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -117,7 +119,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None  # default: true for prompt, false for messages
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # as in ChatCompletionRequest
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -198,7 +198,9 @@ class ChatHandler:
         for state in self.group.states:  # the role comes first, for every choice (as vLLM does)
             role = {"index": state.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
-            yield sse(self.chunk([role]))
+            # continuous_usage_stats: every chunk has usage, this one too (0 completion tokens),
+            # as vLLM sends it; clients read chunk.usage without a None check.
+            yield sse(self.chunk([role], state_usage(state) if self.plan.continuous_usage else None))
         async for batch in self.group.deltas():
             for d in batch:
                 if d.error is not None:

@@ -117,3 +117,40 @@ def test_sandbox_blocks_attribute_escapes():
     evil = "{{ messages.__class__.__mro__ }}"
     with pytest.raises(ChatTemplateError):
         ChatTemplate(evil, tok).render([{"role": "user", "content": "x"}])
+
+
+PREFILLS = [
+    [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Well, 日本"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  padded answer  "}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "text", "text": "part"}]}],
+]
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama"])
+@pytest.mark.parametrize("conv", range(len(PREFILLS)))
+def test_continue_final_message_matches_transformers(template, conv):
+    """vLLM's continue_final_message: the last (assistant) turn is left open for the model to
+    continue, cut exactly where HF's apply_chat_template cuts it."""
+    tok_dir = shared_tokenizer_dir(template)
+    tok = TextTokenizer(tok_dir)
+    messages = PREFILLS[conv]
+    ours_text = ChatTemplate.from_tokenizer(tok).render(messages, add_generation_prompt=False,
+                                                        continue_final_message=True)
+    hf = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else m["content"][-1]["text"]}
+            for m in messages]  # these templates only print string content (ours flattens parts first)
+    theirs_text = hf.apply_chat_template(flat, tokenize=False, add_generation_prompt=False,
+                                         continue_final_message=True)
+    assert ours_text == theirs_text
+    assert not ours_text.rstrip().endswith(("<|im_end|>", "[/INST]", "</s>"))
+
+
+def test_continue_final_message_errors():
+    tmpl = ChatTemplate.from_tokenizer(TextTokenizer(shared_tokenizer_dir("chatml")))
+    messages = PREFILLS[0]
+    with pytest.raises(ChatTemplateError, match="add_generation_prompt"):
+        tmpl.render(messages, add_generation_prompt=True, continue_final_message=True)
+    hiding = ChatTemplate("{% for m in messages %}[{{ m['role'] }}]{% endfor %}", TextTokenizer(
+        shared_tokenizer_dir("chatml")))
+    with pytest.raises(ChatTemplateError, match="does not appear"):
+        hiding.render(messages, add_generation_prompt=False, continue_final_message=True)
