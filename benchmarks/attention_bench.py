@@ -34,11 +34,12 @@ SHAPES = [("llama-8b", 32, 8, ctx, bs) for ctx in (2048, 8192) for bs in (1, 64)
     [("qwen3-0.6b", 16, 8, ctx, 256) for ctx in (512, 1024)]
 
 
-def setup(bs: int, ctx: int, hq: int, hkv: int, shuffle: bool = True):
-    """One KV layer of ``bs`` rows of ``ctx`` keys (pages shuffled, or in order) + their queries."""
+def setup(bs: int, ctx: int, hq: int, hkv: int, shuffle: bool = True, d: int = D):
+    """One KV layer of ``bs`` rows of ``ctx`` keys of head dim ``d`` (pages shuffled, or in
+    order) + one query per row."""
     pages_per = -(-ctx // PS)
     n_pages = bs * pages_per + 1
-    pool = KVPool([KVLayerShape(hkv, D)], n_pages, PS, torch.bfloat16, "cuda")
+    pool = KVPool([KVLayerShape(hkv, d)], n_pages, PS, torch.bfloat16, "cuda")
     pool.k[0].normal_()
     pool.v[0].normal_()
     ids = np.arange(1, n_pages)
@@ -49,7 +50,7 @@ def setup(bs: int, ctx: int, hq: int, hkv: int, shuffle: bool = True):
     kv = torch.full((bs,), ctx, dtype=torch.int64, device="cuda")
     layout = RowLayout(slots=slots, q_lens=np.ones(bs, np.int64), kv_lens=kv, kv_bound=np.full(bs, ctx),
                        q_pos=kv - 1)
-    q = torch.randn(bs, hq, D, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
     return pool, pt, layout, q
 
 

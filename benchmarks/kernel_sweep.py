@@ -171,19 +171,31 @@ def wide_rows(bw: float) -> list[dict]:
     return [r for m in (32, 64) for name, n, k in LLAMA for r in shape_rows(bw, f"llama {name}", m, n, k, variants)]
 
 
+# (model, rows, context, query heads, KV heads, pages shuffled, head dim, queries per row): the
+# Qwen3 recipe's and Llama-8B's decode, and the MTP step's short-context reads on the Gemma-4 9B
+# shape: the verify (4 queries a row) and the draft (one), on sliding layers (head dim 256) and
+# full ones (512) -- latency-bound at ~600 keys (BENCHMARKS.md 2026-12-05, third session).
+ATTN_CASES = [("qwen3-0.6b", 256, 812, 16, 8, False, 128, 1), ("qwen3-0.6b", 256, 812, 16, 8, True, 128, 1),
+              ("llama-8b", 64, 640, 32, 8, True, 128, 1), ("llama-8b", 1, 560, 32, 8, False, 128, 1),
+              ("gemma-9b sliding verify", 1, 640, 16, 8, False, 256, 4),
+              ("gemma-9b full verify", 1, 640, 16, 4, False, 512, 4),
+              ("gemma-9b sliding draft", 1, 640, 16, 8, False, 256, 1),
+              ("gemma-9b full draft", 1, 640, 16, 4, False, 512, 1)]
+
+
 def attn_rows(bw: float, sms: int) -> list[dict]:
     rows = []
-    cases = [("qwen3-0.6b", 256, 812, 16, 8, False), ("qwen3-0.6b", 256, 812, 16, 8, True),
-             ("llama-8b", 64, 640, 32, 8, True), ("llama-8b", 1, 560, 32, 8, False)]
-    for model, bs, ctx, hq, hkv, shuffle in cases:
-        pool, pt, layout, q = attention_setup(bs, ctx, hq, hkv, shuffle)
+    for model, bs, ctx, hq, hkv, shuffle, d, t in ATTN_CASES:
+        pool, pt, layout, q = attention_setup(bs, ctx, hq, hkv, shuffle, d)
         k, v, slots, kv = pool.k[0], pool.v[0], layout.slots, layout.kv_lens
-        nbytes = bs * ctx * hkv * 128 * 2 * 2
+        q = q.repeat_interleave(t, dim=0)  # t queries a row, at the row's last t positions
+        q_pos = (kv[:, None] - t + torch.arange(t, device=kv.device)[None, :]).reshape(-1)
+        nbytes = bs * ctx * hkv * d * 2 * 2
         default = decode_splits(bs, hkv, sms)
         other = sorted({1, 2, 4, 8, 16} - {default}) if bs == 1 else []
-        for sp, tune in [(default, None)] + [(default, t) for t in ATTN_TUNES] + [(s, None) for s in other]:
+        for sp, tune in [(default, None)] + [(default, t_) for t_ in ATTN_TUNES] + [(s, None) for s in other]:
             def run():
-                paged_decode(q, k, v, pt, slots, kv, kv - 1, t=1, page_size=16, scale=128**-0.5, num_splits=sp,
+                paged_decode(q, k, v, pt, slots, kv, q_pos, t=t, page_size=16, scale=d**-0.5, num_splits=sp,
                              tune=tune)
             try:
                 sec = graph_time(run, 1)
@@ -191,9 +203,9 @@ def attn_rows(bw: float, sms: int) -> list[dict]:
                 rows.append({"model": model, "bs": bs, "ctx": ctx, "splits": sp, "tune": tune,
                              "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
                 continue
-            rows.append({"model": model, "bs": bs, "ctx": ctx, "shuffled": shuffle, "splits": sp,
-                         "tune": tune or "default", "is_default": tune is None and sp == default, "us": sec * 1e6,
-                         "frac_of_copy_bw": nbytes / sec / bw})
+            rows.append({"model": model, "bs": bs, "ctx": ctx, "shuffled": shuffle, "head_dim": d, "t": t,
+                         "splits": sp, "tune": tune or "default", "is_default": tune is None and sp == default,
+                         "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
         del pool, k, v
         torch.cuda.empty_cache()
     return rows
