@@ -217,7 +217,9 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
     pairs = completion_prompts(req.prompt, tok, limits)
     prompts = [ids for ids, _ in pairs]
     for ids in prompts:
-        check_context(len(ids), max_tokens, limits)
+        # echo + max_tokens=0 still makes the engine generate one token (discarded), which needs
+        # a free position: refuse here, as a 400 before any stream starts, not as an engine error.
+        check_context(len(ids), max(1, max_tokens), limits)
     check_min_tokens(req.min_tokens, max_tokens)
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
@@ -312,6 +314,7 @@ def plan_chat(
         check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, defaults, -1 if top is None else top, -1, req.min_tokens, req.seed)
+    echo_text = chat_echo_text(req.messages) if req.echo else ""
     return GenPlan(
         prompts=[ids],
         params=params,
@@ -321,4 +324,19 @@ def plan_chat(
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
         top_logprobs=top,
+        echo=bool(echo_text),
+        prompt_texts=[echo_text] if echo_text else [],
     )
+
+
+def chat_echo_text(messages: list[dict]) -> str:
+    """vLLM's chat ``echo``: a final assistant message (a prefill, usually with
+    continue_final_message) is repeated at the start of the answer; any other last turn echoes
+    nothing. Text parts are joined as the template saw them."""
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        return "\n".join(p.get(p.get("type"), "") for p in content if isinstance(p, dict))
+    return content

@@ -108,6 +108,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # Unset: true, or false with continue_final_message (both true is a 400, as in vLLM).
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False  # continue the last (assistant) message, unclosed
+    echo: bool | None = None  # vLLM's: a final assistant message starts the answer
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None

@@ -190,6 +190,9 @@ class ChatHandler:
             out["usage"] = usage_obj
         return out
 
+    def _echo(self) -> str:
+        return self.plan.prompt_texts[0] if self.plan.echo else ""
+
     def _logprobs(self, token_ids, entries) -> dict | None:
         k = self.plan.top_logprobs
         return None if k is None else chat_logprobs(self.front.tok, token_ids, entries, k)
@@ -201,6 +204,11 @@ class ChatHandler:
             # continuous_usage_stats: every chunk has usage, this one too (0 completion tokens),
             # as vLLM sends it; clients read chunk.usage without a None check.
             yield sse(self.chunk([role], state_usage(state) if self.plan.continuous_usage else None))
+        if self.plan.echo:  # then the echoed prefill, one chunk per choice (vLLM's order)
+            for state in self.group.states:
+                echo = {"index": state.index, "delta": {"content": self.plan.prompt_texts[0]}, "logprobs": None,
+                        "finish_reason": None}
+                yield sse(self.chunk([echo], state_usage(state) if self.plan.continuous_usage else None))
         async for batch in self.group.deltas():
             for d in batch:
                 if d.error is not None:
@@ -219,7 +227,7 @@ class ChatHandler:
 
     def body(self, results: list[ChoiceResult]) -> dict:
         choices = [
-            {"index": r.state.index, "message": {"role": "assistant", "content": "".join(r.text)},
+            {"index": r.state.index, "message": {"role": "assistant", "content": self._echo() + "".join(r.text)},
              "logprobs": self._logprobs(r.token_ids, r.logprobs), "finish_reason": r.finish_reason,
              "stop_reason": r.stop_reason}
             for r in results

@@ -94,3 +94,33 @@ def test_chat_continuous_usage_on_every_chunk(stack, client, n):
         assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n * len(
         stack.tok.encode("one two three", add_special_tokens=False))
+
+
+def test_chat_echo_repeats_the_prefill(stack, client):
+    """vLLM's chat echo: with a final assistant message (a prefill), the answer starts with it,
+    streamed as its own chunk after the role chunk; another last turn echoes nothing."""
+    stack.fake.output_fn = lambda req: stack.tok.encode("more", add_special_tokens=False)
+    try:
+        kw = dict(model=MODEL, max_tokens=5, extra_body={"echo": True, "continue_final_message": True})
+        r = client.chat.completions.create(messages=PREFILL, **kw)
+        assert r.choices[0].message.content == "Well, more"
+        chunks = list(client.chat.completions.create(messages=PREFILL, stream=True, n=2, **kw))
+        texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in (0, 1)}
+        assert texts == {0: "Well, more", 1: "Well, more"}
+        assert [c.choices[0].delta.content for c in chunks[2:4]] == ["Well, ", "Well, "]
+        plain = client.chat.completions.create(model=MODEL, messages=PREFILL[:1], max_tokens=5, extra_body={"echo": True})
+        assert plain.choices[0].message.content == "more"
+    finally:
+        stack.fake.output_fn = None
+
+
+def test_echo_max_tokens_zero_needs_a_free_position(stack, http):
+    """echo + max_tokens=0 still has the engine generate one (discarded) token: a prompt that fills
+    the context is a 400 before the stream starts, never a 200 followed by an error event."""
+    full = [5] * stack.engine.info.max_context
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={"prompt": full, "max_tokens": 0, "echo": True, "stream": stream})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "max_tokens"
+    r = http.post("/v1/completions", json={"prompt": full[1:], "max_tokens": 0, "echo": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0
