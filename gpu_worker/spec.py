@@ -27,10 +27,10 @@ DRAFT_ROPE_OFFSET = 0
 
 def draft_chain(assistant, backend, fb, tokens: torch.Tensor, hidden: torch.Tensor, steps: int) -> None:
     """S greedy drafts per row into ``tokens[:, 1:steps + 1]``, from the bonus in ``tokens[:, 0]``
-    (each step reads its input column and writes the next: no stack, no copy). The draft is a
-    deterministic proposer."""
+    (each step reads its input column and writes the next: no stack, no copy; the last step
+    skips the post-projection nobody reads). The draft is a deterministic proposer."""
     for i in range(steps):
-        _, hidden = assistant.draft_step(tokens[:, i], hidden, fb, backend, out=tokens[:, i + 1])
+        _, hidden = assistant.draft_step(tokens[:, i], hidden, fb, backend, out=tokens[:, i + 1], last=i == steps - 1)
 
 
 def verify(

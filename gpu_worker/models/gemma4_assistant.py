@@ -147,19 +147,22 @@ class Gemma4AssistantForCausalLM(CausalLM):
         return self.compute_logits(h), next_hidden
 
     def draft_step(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, fb: ForwardBatch, backend,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor | None = None, last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One greedy draft step: ``forward`` on the target's embedding of ``tokens`` [R], then
-        the argmax -> (next tokens [R], written into ``out`` when given; next_hidden [R, Ht]).
-        The input row is one kernel (``embed_cat``) and the argmax reads the logits in the model
-        dtype: the same index as over their float32 copy, without the copy (three launches fewer
-        per step)."""
-        h, next_hidden = self._run(self.target.embed_cat(tokens, prev_hidden), fb, backend)
+        the argmax -> (next tokens [R], written into ``out`` when given; next_hidden [R, Ht], or
+        None for the ``last`` step of a chain, whose hidden nothing reads: its post-projection
+        is skipped). The input row is one kernel (``embed_cat``) and the argmax reads the logits
+        in the model dtype: the same index as over their float32 copy, without the copy (three
+        launches fewer per step)."""
+        h, next_hidden = self._run(self.target.embed_cat(tokens, prev_hidden), fb, backend, hidden=not last)
         return argmax_last(self._logits(h), out), next_hidden
 
-    def _run(self, x: torch.Tensor, fb: ForwardBatch, backend) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-projected input [R, 2 Ht] -> (post-norm draft hidden [R, Ha], next_hidden [R, Ht])."""
+    def _run(self, x: torch.Tensor, fb: ForwardBatch, backend,
+             hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pre-projected input [R, 2 Ht] -> (post-norm draft hidden [R, Ha], next_hidden [R, Ht]
+        or None without ``hidden``)."""
         h = self.model.run(self.pre_projection(x), None, fb, backend)
-        return h, self.post_projection(h)
+        return h, self.post_projection(h) if hidden else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Post-norm draft hidden [R, Ha] -> float32 logits [R, V] (no softcap, as HF)."""

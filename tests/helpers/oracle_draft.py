@@ -25,11 +25,11 @@ class BigramDraft(nn.Module):
             nxt[a] = b
         self.register_buffer("next_tok", nxt)
 
-    def draft_step(self, tokens, prev_hidden, fb, backend, out=None):
+    def draft_step(self, tokens, prev_hidden, fb, backend, out=None, last=False):
         """The engine's interface (``Gemma4AssistantForCausalLM.draft_step``): next tokens (into
-        ``out`` when given), hidden."""
+        ``out`` when given), hidden (None for a chain's ``last`` step)."""
         nxt = self.next_tok[tokens]
-        return (nxt if out is None else out.copy_(nxt)), prev_hidden
+        return (nxt if out is None else out.copy_(nxt)), None if last else prev_hidden
 
 def bigram_table(sequences: list[list[int]]) -> dict[int, int]:
     table: dict[int, int] = {}

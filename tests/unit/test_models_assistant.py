@@ -147,8 +147,10 @@ def test_draft_steps_match_hf(tmp_path, ordered):
         for step in range(STEPS):
             # the engine's greedy step (one input kernel, argmax over model-dtype logits)
             picked, step_hidden = draft.draft_step(tokens, hidden, fb, h.backend)
+            last_pick, no_hidden = draft.draft_step(tokens, hidden, fb, h.backend, last=True)
             logits, hidden = draft(draft.embed(tokens), hidden, fb, h.backend)
             assert torch.equal(step_hidden, hidden) and torch.equal(picked, logits.argmax(-1))
+            assert no_hidden is None and torch.equal(last_pick, picked)  # a chain's last step: no post-projection
             assert logits.dtype == torch.float32 and logits.shape == (3, VOCAB)
             ref_logits = torch.stack([refs[r][step][0] for r in range(3)])
             ref_hidden = torch.stack([refs[r][step][1] for r in range(3)])
