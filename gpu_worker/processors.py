@@ -5,7 +5,9 @@
 - frequency_penalty f and presence_penalty r: logit -= f * count_out(tok) + r * [count_out > 0]
   (output tokens only);
 - min_tokens m: the request's stop tokens (EOS unless ignore_eos, plus stop_token_ids) get
-  -inf at every position before ``prompt_len + m``.
+  -inf at every position before ``prompt_len + m``;
+- logit_bias: the request's biases are added to their tokens' logits first, before penalties
+  (vLLM's order), so greedy rows, MTP's verify included, pick the biased argmax.
 
 Raw logits stay untouched for logprobs. Counts live on the device, indexed by slot, and are
 updated in the step that produced the tokens (stream order makes step N+1 see them). With
@@ -24,6 +26,7 @@ from gpu_worker.staging import StageBatch
 from proto.messages import AdmitRow
 
 STOP_WIDTH = 8  # initial width of the per-slot stop-id table; grows on demand
+BIAS_WIDTH = 8  # the same for the logit-bias table (padding entries: token 0, bias 0)
 
 
 class LogitProcessors:
@@ -35,8 +38,11 @@ class LogitProcessors:
         self.min_until = torch.zeros(n_slots, dtype=torch.int64, device=device)
         self.stop_ids = torch.zeros(n_slots, STOP_WIDTH, dtype=torch.int64, device=device)
         self.stop_valid = torch.zeros(n_slots, STOP_WIDTH, dtype=torch.int64, device=device)
+        self.bias_ids = torch.zeros(n_slots, BIAS_WIDTH, dtype=torch.int64, device=device)
+        self.bias_vals = torch.zeros(n_slots, BIAS_WIDTH, device=device)
         self.has_penalty = np.zeros(n_slots, dtype=bool)
         self.has_min = np.zeros(n_slots, dtype=bool)
+        self.has_bias = np.zeros(n_slots, dtype=bool)
         self.prompt_len = np.zeros(n_slots, dtype=np.int64)
         self.counts: torch.Tensor | None = None  # [slots, V] int32 output-token counts
         self.prompt_seen: torch.Tensor | None = None  # [slots, V] bool
@@ -65,6 +71,7 @@ class LogitProcessors:
             stops[i, : len(row)], valid[i, : len(row)] = row, 1
         b.put("pr_stops", stops)
         b.put("pr_valid", valid)
+        self._stage_bias(slots, p, b)
         if pen.any():
             self._ensure_tables()
             b.put("pr_pen_slot", slots[pen])
@@ -80,9 +87,34 @@ class LogitProcessors:
         width = self.stop_ids.shape[1]
         self.stop_ids[idx] = b["pr_stops"].view(-1, width)
         self.stop_valid[idx] = b["pr_valid"].view(-1, width)
+        if "pr_bias_slot" in b:
+            width = self.bias_ids.shape[1]
+            self.bias_ids[b["pr_bias_slot"]] = b["pr_bias_ids"].view(-1, width)
+            self.bias_vals[b["pr_bias_slot"]] = b["pr_bias_vals"].float().view(-1, width)
         if "pr_pen_slot" in b:
             self.counts.index_fill_(0, b["pr_pen_slot"], 0)
             self.prompt_seen.index_fill_(0, b["pr_pen_slot"], False)
+
+    def _stage_bias(self, slots: np.ndarray, params: list, b: StageBatch) -> None:
+        """Rows of the bias table for the admitted requests that have one (a request without
+        bias is only flagged off: ``apply`` never reads its stale row)."""
+        has = np.array([len(x.logit_bias_ids) > 0 for x in params])
+        self.has_bias[slots] = has
+        if not has.any():
+            return
+        rows = [x for x, h in zip(params, has) if h]
+        width = max(len(x.logit_bias_ids) for x in rows)
+        if width > self.bias_ids.shape[1]:
+            pad = width - self.bias_ids.shape[1]
+            self.bias_ids = torch.nn.functional.pad(self.bias_ids, (0, pad))
+            self.bias_vals = torch.nn.functional.pad(self.bias_vals, (0, pad))
+        ids = np.zeros((len(rows), self.bias_ids.shape[1]), dtype=np.int64)
+        vals = np.zeros(ids.shape, dtype=np.float64)
+        for i, x in enumerate(rows):
+            ids[i, : len(x.logit_bias_ids)], vals[i, : len(x.logit_bias)] = x.logit_bias_ids, x.logit_bias
+        b.put("pr_bias_slot", slots[has])
+        b.put("pr_bias_ids", ids)
+        b.put("pr_bias_vals", vals)
 
     def _widen_stops(self, width: int) -> None:
         """Every stop id of every request is masked: widen the table when a request has more."""
@@ -127,7 +159,8 @@ class LogitProcessors:
 
     # ------------------------------------------------------------ applying
     def active(self, slots: np.ndarray) -> bool:
-        return bool(len(slots)) and bool(self.has_penalty[slots].any() or self.has_min[slots].any())
+        return bool(len(slots)) and bool(self.has_penalty[slots].any() or self.has_min[slots].any()
+                                         or self.has_bias[slots].any())
 
     def apply(self, logits: torch.Tensor, slots: np.ndarray, slots_t, pos: torch.Tensor,
               drafts: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,8 +171,12 @@ class LogitProcessors:
         out = logits.float().clone()
         n = 1 if drafts is None else drafts.shape[1] + 1
         rows = out.view(len(slots), n, -1)
+        if self.has_bias[slots].any():  # padding entries add 0 to token 0; unbiased rows' rows are 0
+            on = h2d(self.has_bias[slots], self.device)[:, None]
+            vals = torch.where(on, self.bias_vals[slots_t], 0.0)
+            out.scatter_add_(1, self.bias_ids[slots_t].repeat_interleave(n, 0), vals.repeat_interleave(n, 0))
         if self.has_penalty[slots].any():
-            self._penalize(rows, logits.float().view(len(slots), n, -1), slots_t, drafts)
+            self._penalize(rows, out.view(len(slots), n, -1).clone(), slots_t, drafts)
         if self.has_min[slots].any():
             self._mask_stops(out, slots_t.repeat_interleave(n), pos)
         return out

@@ -40,6 +40,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     logprobs: int = -1  # -1: none; k >= 0: chosen-token logprob plus top-k alternatives
     prompt_logprobs: int = -1  # -1: none; k >= 0: logprobs of prompt tokens (echo)
+    # OpenAI's logit_bias: added to the logits of these token ids before penalties and sampling
+    # (greedy included); logprobs stay the raw model's
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias: tuple[float, ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -62,7 +62,8 @@ def _param_from_validation(message: str) -> tuple[str, str | None]:
     """msgspec says 'Expected `int` >= 0 - at `$.max_tokens`'; split off the field path."""
     m = _PATH_RE.search(message)
     if m:
-        path = m.group(1) or None
+        # a dict's value is `$.logit_bias[...]` (msgspec names no key): the field is the param
+        path = m.group(1).removesuffix("[...]") or None
         missing = _MISSING_RE.search(message)
         if missing:
             path = f"{path}.{missing.group(1)}" if path else missing.group(1)

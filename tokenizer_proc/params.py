@@ -13,6 +13,8 @@ Choices:
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass, field
 
@@ -85,6 +87,30 @@ def check_token_ids(ids: list[int], limits: Limits, param: str) -> None:
             raise bad_request(f"token id {t} is out of range [0, {limits.vocab_size})", param)
 
 
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's documented range; vLLM clamps to it
+
+
+def check_logit_bias(bias: dict[str, float] | None, limits: Limits) -> None:
+    """Keys are token ids (decimal strings) inside the vocabulary; values finite numbers."""
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < limits.vocab_size:
+            raise bad_request(f"logit_bias token id {token} is out of range [0, {limits.vocab_size})", "logit_bias")
+        if not math.isfinite(value):
+            raise bad_request(f"logit_bias value for token {token} must be a finite number", "logit_bias")
+
+
+def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Checked ``logit_bias`` -> (token ids, biases clamped to [-100, 100]), in id order. A key
+    repeated under two spellings ("5", "05") keeps the last value, as a dict of ints would."""
+    merged = {int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v))) for k, v in (bias or {}).items()}
+    ids = tuple(sorted(merged))
+    return ids, tuple(merged[i] for i in ids)
+
+
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(s == "" for s in stops):
@@ -130,7 +156,7 @@ def check_min_tokens(min_tokens: int | None, max_tokens: int, param: str = "min_
 
 
 def _unsupported(req: SamplingFields) -> None:
-    # logit_bias, suffix and response_format are limited to their no-op values by protocol.py.
+    # suffix and response_format are limited to their no-op values by protocol.py.
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
 
@@ -149,6 +175,7 @@ def sampling_params(
         return value if value is not None else defaults.get(name, fallback)
 
     top_k = int(pick("top_k", -1))
+    bias_ids, bias = logit_bias_pairs(getattr(req, "logit_bias", None))
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_tokens or 0,
@@ -164,6 +191,8 @@ def sampling_params(
         repetition_penalty=float(pick("repetition_penalty", 1.0)),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        logit_bias_ids=bias_ids,
+        logit_bias=bias,
     )
 
 
@@ -223,6 +252,7 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
     check_min_tokens(req.min_tokens, max_tokens)
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
+    check_logit_bias(req.logit_bias, limits)
     logprobs = -1 if req.logprobs is None else req.logprobs
     prompt_lp = req.prompt_logprobs if req.prompt_logprobs is not None else (logprobs if echo else -1)
     params = sampling_params(req, max(1, max_tokens), defaults, logprobs, prompt_lp, req.min_tokens, req.seed)
@@ -312,6 +342,7 @@ def plan_chat(
     check_min_tokens(req.min_tokens, max_tokens)
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
+    check_logit_bias(req.logit_bias, limits)
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, defaults, -1 if top is None else top, -1, req.min_tokens, req.seed)
     echo_text = chat_echo_text(req.messages) if req.echo else ""

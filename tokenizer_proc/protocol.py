@@ -17,6 +17,7 @@ from msgspec import Meta
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_LOGIT_BIAS = 1024  # entries per request: a per-slot table row on the worker (processors.py)
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -69,7 +70,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: NonNegInt | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: Annotated[dict[str, float], Meta(max_length=0, description="not supported: only {}")] | None = None
+    # token id (as a string, OpenAI's form) -> bias added to its logit, clamped to [-100, 100] as vLLM
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
 

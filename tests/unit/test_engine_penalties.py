@@ -13,13 +13,15 @@ from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
 
 
-def reference(model_dir, prompt, n, rep=1.0, freq=0.0, pres=0.0, min_new=0, stop_ids=(), eos=(EOS, 5)):
+def reference(model_dir, prompt, n, rep=1.0, freq=0.0, pres=0.0, min_new=0, stop_ids=(), eos=(EOS, 5), bias=None):
     model = hf_model(model_dir)
     seq, out = list(prompt), []
     stops = set(stop_ids) | set(eos)
     while len(out) < n:
         with torch.no_grad():
             logits = model(torch.tensor([seq])).logits[0, -1].float()
+        for tok, b in (bias or {}).items():  # logit_bias first, then penalties (vLLM's order)
+            logits[tok] += b
         counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
         seen = counts > 0
         seen[torch.tensor(prompt)] = True
@@ -89,3 +91,38 @@ def test_min_tokens_masks_stop_tokens(pair):
     ref = reference(g, p, 30, min_new=6, stop_ids=(stop,), eos=())
     assert eng.tokens["m"] == ref
     assert stop not in eng.tokens["m"][:6]
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_logit_bias_matches_reference(pair, mtp):
+    """OpenAI's logit_bias: added before penalties, greedy rows take the biased argmax (MTP's
+    verify included), rows without a bias in the same batches are untouched, and a slot freed
+    by a biased request serves an unbiased one cleanly (max_running_requests 2)."""
+    g, a = pair
+    first = [hf_greedy(g, p, 1, ignore_eos=True)[0] for p in PROMPTS]
+    cases = {  # rid -> (prompt index, bias, extra params)
+        "ban": (0, {first[0]: -100.0}, {}),
+        "boost": (1, {7: 30.0, 11: 29.5}, {}),
+        "wide": (2, {t: 0.5 * (t % 7) - 1.0 for t in range(20, 60)} | {first[2]: -100.0}, {}),  # widens the table
+        "pen": (3, {first[3]: 4.0}, {"repetition_penalty": 1.3}),
+    }
+    eng = InProcEngine(g, draft=a if mtp else None, steps=3, page_size=4, max_running_requests=2)
+    refs = {}
+    for rid, (pi, bias, extra) in cases.items():
+        ids = tuple(sorted(bias))
+        eng.submit(rid, PROMPTS[pi], max_new_tokens=12, ignore_eos=True, logit_bias_ids=ids,
+                   logit_bias=tuple(bias[i] for i in ids), **extra)
+        refs[rid] = reference(g, PROMPTS[pi], 12, rep=extra.get("repetition_penalty", 1.0), eos=(), bias=bias)
+    if mtp:
+        eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table(
+            [PROMPTS[pi] + refs[rid] for rid, (pi, _, _) in cases.items()]))
+    for pi in range(2):  # unbiased, after the biased ones (reusing their slots)
+        eng.submit(f"plain{pi}", PROMPTS[pi], max_new_tokens=12, ignore_eos=True)
+    eng.run()
+    for rid, ref in refs.items():
+        assert eng.tokens[rid] == ref, rid
+    assert refs["ban"][0] != first[0] and refs["boost"][0] == 7
+    for pi in range(2):
+        assert eng.tokens[f"plain{pi}"] == hf_greedy(g, PROMPTS[pi], 12, ignore_eos=True)
+    if mtp:
+        assert eng.core.counters.accepted > 0
