@@ -90,17 +90,17 @@ def check_token_ids(ids: list[int], limits: Limits, param: str) -> None:
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's documented range; vLLM clamps to it
 
 
-def check_logit_bias(bias: dict[str, float] | None, limits: Limits) -> None:
+def check_logit_bias(bias: dict[str, float] | None, limits: Limits, param: str = "logit_bias") -> None:
     """Keys are token ids (decimal strings) inside the vocabulary; values finite numbers."""
     for key, value in (bias or {}).items():
         try:
             token = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param) from None
         if not 0 <= token < limits.vocab_size:
-            raise bad_request(f"logit_bias token id {token} is out of range [0, {limits.vocab_size})", "logit_bias")
+            raise bad_request(f"logit_bias token id {token} is out of range [0, {limits.vocab_size})", param)
         if not math.isfinite(value):
-            raise bad_request(f"logit_bias value for token {token} must be a finite number", "logit_bias")
+            raise bad_request(f"logit_bias value for token {token} must be a finite number", param)
 
 
 def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, ...], tuple[float, ...]]:

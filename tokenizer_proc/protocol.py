@@ -150,6 +150,7 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepPenalty | None = None
     n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None  # as SamplingFields
     sampling_seed: Seed | None = None
     seed: Seed | None = None
 

@@ -26,6 +26,7 @@ from tokenizer_proc.params import (
     Limits,
     chat_text,
     check_context,
+    check_logit_bias,
     check_min_tokens,
     check_model,
     check_text_length,
@@ -89,6 +90,7 @@ def _native_state(front: Front, req: GenerateRequest, limits: Limits, t0: float)
     check_min_tokens(sp.min_new_tokens, max_new, "sampling_params.min_new_tokens")
     if sp.stop_token_ids:
         check_token_ids(sp.stop_token_ids, limits, "sampling_params.stop_token_ids")
+    check_logit_bias(sp.logit_bias, limits, "sampling_params.logit_bias")
     lp = _logprob_opts(req)
     k = lp.top_k if lp.enabled else -1
     # logprob_start_len -1 (SGLang's default): output logprobs only; >= 0 adds the prompt's.

@@ -90,6 +90,8 @@ BATTERY = [
      "prompt_logprobs"),
     ("logit_bias id outside the vocabulary", C, _j({"prompt": "hi", "logit_bias": {"99999999": 10}}), JSON, 400,
      "logit_bias"),
+    ("generate logit_bias id outside the vocabulary", GEN, _j({"text": "hi", "sampling_params": {
+        "logit_bias": {"99999999": 1}}}), JSON, 400, "sampling_params.logit_bias"),
     ("logit_bias key not a token id", CH, _j({"messages": [{"role": "user", "content": "x"}],
                                               "logit_bias": {"a": 1}}), JSON, 400, "logit_bias"),
     ("empty messages", CH, _j({"messages": []}), JSON, 400, "messages"),

@@ -128,6 +128,20 @@ def test_sampling_fields_reach_the_engine(stack, client):
     assert gen_reqs(stack)[-1].params.top_k == -1
 
 
+def test_logit_bias_reaches_the_engine(stack, client, http):
+    """Token ids in id order, biases clamped to [-100, 100] (vLLM); chat and /generate too."""
+    client.completions.create(model=MODEL, prompt="bias", max_tokens=1, logit_bias={"9": 250, "3": -0.5, "12": -300})
+    p = gen_reqs(stack)[-1].params
+    assert (p.logit_bias_ids, p.logit_bias) == ((3, 9, 12), (-0.5, 100.0, -100.0))
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                   logit_bias={"4": 2})
+    assert gen_reqs(stack)[-1].params.logit_bias_ids == (4,)
+    r = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1, "logit_bias": {"5": 1.5}}})
+    assert r.status_code == 200 and gen_reqs(stack)[-1].params.logit_bias == (1.5,)
+    client.completions.create(model=MODEL, prompt="bias", max_tokens=1)
+    assert gen_reqs(stack)[-1].params.logit_bias_ids == ()
+
+
 # ---------------------------------------------------------------------- stops
 
 
