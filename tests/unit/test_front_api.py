@@ -28,17 +28,6 @@ def reset_fake(stack):
     yield
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0, timeout=20)
-
-
-@pytest.fixture(scope="module")
-def http(stack):
-    with httpx.Client(base_url=stack.base_url, timeout=20) as c:
-        yield c
-
-
 def fixed_output(stack, text: str):
     ids = stack.tok.encode(text, add_special_tokens=False)
     stack.fake.output_fn = lambda req: list(ids)

@@ -3,7 +3,6 @@ continue_final_message, tool_choice, continuous usage stats on every chat chunk.
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
@@ -20,17 +19,6 @@ def stack():
     s = start_stack()
     yield s
     s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0, timeout=20)
-
-
-@pytest.fixture(scope="module")
-def http(stack):
-    with httpx.Client(base_url=stack.base_url, timeout=20) as c:
-        yield c
 
 
 def last_prompt(stack) -> str:

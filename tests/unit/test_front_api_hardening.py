@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
 from proto.messages import GenerateReq
@@ -21,12 +20,6 @@ def stack():
     s = start_stack(max_request_body_bytes=64 << 20)  # past the body limit: the text-length guard
     yield s
     s.close()
-
-
-@pytest.fixture(scope="module")
-def http(stack):
-    with httpx.Client(base_url=stack.base_url, timeout=20) as c:
-        yield c
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize"])
