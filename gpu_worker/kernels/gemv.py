@@ -20,7 +20,8 @@ slower than cuBLAS at four), the tensor-core one (``dot``) multiplies the W tile
   (an atomic ticket per tile) adds the partials in split order and writes the result. One
   kernel instead of cuBLAS's split-K GEMM + reduce pair, and deterministic: the sum order
   never depends on which program finished last. On by default for K > SKINNY_MAX_K (4 splits):
-  Gemma-4-9B's plain decode step 5.986 -> 5.870 ms with it and the in-kernel attention merge.
+  Gemma-4-9B's plain decode step 5.986 -> 5.870 ms with it and the in-kernel attention merge;
+  and for short-K launches with fewer column tiles than SMs (``short_k_splits``).
 
 A split-K launch takes tickets 0..tiles-1 of the device's ticket buffer (``kernels/__init__.py``,
 where the invariant is stated).
@@ -166,10 +167,11 @@ def short_k_splits(tiles: int, k: int, block_k: int, device: torch.device) -> in
     ``fill_per_sm()`` programs per SM, each split at least MIN_SPLIT_TILES K tiles long.
 
     Why (the MTP step on the H200, h200-2026-12-04f ``trace_mtp.json.gz``, Gemma-4 9B + assistant,
-    one request): the assistant's one-row o projection (8 MB, 128 tiles of 8 rows on 132 SMs) took
-    7.8 us where its q projection, as many bytes in 512 tiles, took 4.4; the full layer's o (16
-    MB, 128 tiles) 13.9 us; the 4-row verify's o (31.5 MB, 120 tensor-core tiles) 17.4 us, at
-    1.8 TB/s, where its qkv (63 MB, 256 tiles) streamed at 3.9. Four splits give those launches
+    one request; medians of each projection's own time): the assistant's one-row o projection (8
+    MB, 128 tiles of 8 rows on 132 SMs) took 7.5 us where its q projection, as many bytes in 512
+    tiles, took 3.3; the full layer's o (16 MB, 128 tiles) 13.9 us; the 4-row verify's o (31.5
+    MB, 120 tensor-core tiles) 17.0 us, at 1.9 TB/s, where its qkv (63 MB, 256 tiles) streamed
+    at 3.85. Four splits give those launches
     the programs, and the bytes per program, of the fast ones. Also narrow: Qwen3-0.6B's o and
     down (1024 outputs). Launches of 132 tiles and more are untouched (Llama-8B's and the Gemma
     target's one-row projections: 480-3584). ``TANDEM_GEMV_SPLITK_SHORT=N`` forces N splits
