@@ -25,8 +25,7 @@ from gpu_worker.device import h2d
 from gpu_worker.staging import StageBatch
 from proto.messages import AdmitRow
 
-STOP_WIDTH = 8  # initial width of the per-slot stop-id table; grows on demand
-BIAS_WIDTH = 8  # the same for the logit-bias table (padding entries: token 0, bias 0)
+STOP_WIDTH = 8  # initial width of the per-slot stop-id and logit-bias tables; they grow on demand
 
 
 class LogitProcessors:
@@ -38,8 +37,8 @@ class LogitProcessors:
         self.min_until = torch.zeros(n_slots, dtype=torch.int64, device=device)
         self.stop_ids = torch.zeros(n_slots, STOP_WIDTH, dtype=torch.int64, device=device)
         self.stop_valid = torch.zeros(n_slots, STOP_WIDTH, dtype=torch.int64, device=device)
-        self.bias_ids = torch.zeros(n_slots, BIAS_WIDTH, dtype=torch.int64, device=device)
-        self.bias_vals = torch.zeros(n_slots, BIAS_WIDTH, device=device)
+        self.bias_ids = torch.zeros(n_slots, STOP_WIDTH, dtype=torch.int64, device=device)
+        self.bias_vals = torch.zeros(n_slots, STOP_WIDTH, device=device)
         self.has_penalty = np.zeros(n_slots, dtype=bool)
         self.has_min = np.zeros(n_slots, dtype=bool)
         self.has_bias = np.zeros(n_slots, dtype=bool)
@@ -64,13 +63,10 @@ class LogitProcessors:
         b.put("pr_pres", np.array([x.presence_penalty for x in p], dtype=np.float64))
         b.put("pr_min_until", [r.prompt_len + x.min_new_tokens for r, x in zip(rows, p)])
         ids = [list(x.stop_token_ids) + ([] if x.ignore_eos else list(self.eos)) for x in p]
-        self._widen_stops(max(len(i) for i in ids))
-        stops = np.zeros((len(rows), self.stop_ids.shape[1]), dtype=np.int64)
-        valid = np.zeros_like(stops)
-        for i, row in enumerate(ids):
-            stops[i, : len(row)], valid[i, : len(row)] = row, 1
-        b.put("pr_stops", stops)
-        b.put("pr_valid", valid)
+        width = max(self.stop_ids.shape[1], max(len(i) for i in ids))  # every stop id is masked
+        self.stop_ids, self.stop_valid = _widened(self.stop_ids, width), _widened(self.stop_valid, width)
+        b.put("pr_stops", _padded(ids, width, np.int64))
+        b.put("pr_valid", _padded([[1] * len(i) for i in ids], width, np.int64))
         self._stage_bias(slots, p, b)
         if pen.any():
             self._ensure_tables()
@@ -96,34 +92,20 @@ class LogitProcessors:
             self.prompt_seen.index_fill_(0, b["pr_pen_slot"], False)
 
     def _stage_bias(self, slots: np.ndarray, params: list, b: StageBatch) -> None:
-        """Rows of the bias table for the admitted requests that have one (a request without
-        bias is only flagged off: ``apply`` never reads its stale row)."""
+        """Bias-table rows for the admitted requests that have a bias, and zero rows for slots
+        whose previous request had one. Invariant: a slot's row is all zeros (adds nothing)
+        unless its current request has a bias, so ``apply`` adds every row of the batch."""
         has = np.array([len(x.logit_bias_ids) > 0 for x in params])
+        write = has | self.has_bias[slots]
         self.has_bias[slots] = has
-        if not has.any():
+        if not write.any():
             return
-        rows = [x for x, h in zip(params, has) if h]
-        width = max(len(x.logit_bias_ids) for x in rows)
-        if width > self.bias_ids.shape[1]:
-            pad = width - self.bias_ids.shape[1]
-            self.bias_ids = torch.nn.functional.pad(self.bias_ids, (0, pad))
-            self.bias_vals = torch.nn.functional.pad(self.bias_vals, (0, pad))
-        ids = np.zeros((len(rows), self.bias_ids.shape[1]), dtype=np.int64)
-        vals = np.zeros(ids.shape, dtype=np.float64)
-        for i, x in enumerate(rows):
-            ids[i, : len(x.logit_bias_ids)], vals[i, : len(x.logit_bias)] = x.logit_bias_ids, x.logit_bias
-        b.put("pr_bias_slot", slots[has])
-        b.put("pr_bias_ids", ids)
-        b.put("pr_bias_vals", vals)
-
-    def _widen_stops(self, width: int) -> None:
-        """Every stop id of every request is masked: widen the table when a request has more."""
-        old = self.stop_ids.shape[1]
-        if width <= old:
-            return
-        pad = torch.zeros(self.stop_ids.shape[0], width - old, dtype=torch.int64, device=self.device)
-        self.stop_ids = torch.cat([self.stop_ids, pad], dim=1)
-        self.stop_valid = torch.cat([self.stop_valid, pad.clone()], dim=1)
+        rows = [x for x, w in zip(params, write) if w]
+        width = max(self.bias_ids.shape[1], max(len(x.logit_bias_ids) for x in rows))
+        self.bias_ids, self.bias_vals = _widened(self.bias_ids, width), _widened(self.bias_vals, width)
+        b.put("pr_bias_slot", slots[write])
+        b.put("pr_bias_ids", _padded([x.logit_bias_ids for x in rows], width, np.int64))
+        b.put("pr_bias_vals", _padded([x.logit_bias for x in rows], width, np.float64))
 
     def _ensure_tables(self) -> None:
         if self.counts is None:
@@ -171,12 +153,13 @@ class LogitProcessors:
         out = logits.float().clone()
         n = 1 if drafts is None else drafts.shape[1] + 1
         rows = out.view(len(slots), n, -1)
-        if self.has_bias[slots].any():  # padding entries add 0 to token 0; unbiased rows' rows are 0
-            on = h2d(self.has_bias[slots], self.device)[:, None]
-            vals = torch.where(on, self.bias_vals[slots_t], 0.0)
-            out.scatter_add_(1, self.bias_ids[slots_t].repeat_interleave(n, 0), vals.repeat_interleave(n, 0))
-        if self.has_penalty[slots].any():
-            self._penalize(rows, out.view(len(slots), n, -1).clone(), slots_t, drafts)
+        biased = self.has_bias[slots].any()
+        if biased:  # other rows' bias rows are zeros (``_stage_bias``), as are padding entries
+            out.scatter_add_(1, self.bias_ids[slots_t].repeat_interleave(n, 0),
+                             self.bias_vals[slots_t].repeat_interleave(n, 0))
+        if self.has_penalty[slots].any():  # penalties see the biased logits (vLLM's order)
+            raw = rows.clone() if biased else logits.float().view(len(slots), n, -1)
+            self._penalize(rows, raw, slots_t, drafts)
         if self.has_min[slots].any():
             self._mask_stops(out, slots_t.repeat_interleave(n), pos)
         return out
@@ -199,6 +182,19 @@ class LogitProcessors:
         hits = torch.zeros_like(out, dtype=torch.int64)
         hits.scatter_add_(1, self.stop_ids[slots_rep], self.stop_valid[slots_rep] * active)
         out.masked_fill_(hits > 0, float("-inf"))
+
+
+def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
+    """A per-slot table [slots, w] with zero columns up to ``width`` (itself if wide enough)."""
+    return table if width <= table.shape[1] else torch.nn.functional.pad(table, (0, width - table.shape[1]))
+
+
+def _padded(rows: list, width: int, dtype) -> np.ndarray:
+    """Host rows of unequal length -> [len(rows), width], zero-padded (token 0, bias 0, invalid)."""
+    out = np.zeros((len(rows), width), dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
 
 
 def _penalty(logits, counts, seen, rep, freq, pres):

@@ -150,28 +150,6 @@ def test_stop_token_ids_count_but_hide(srv):
         assert r["usage"]["completion_tokens"] == cut
 
 
-def test_logit_bias(srv):
-    """OpenAI's logit_bias through the official client: +100 on one token makes greedy repeat it
-    (its logprobs stay the raw model's, vLLM's default), -100 on the greedy first token bans it;
-    chat takes it too."""
-    path, s = srv
-    ids = hf_ref.encode(path, STOP_PROMPT)
-    ref = hf_ref.greedy(path, ids, 6, ignore_eos=True)
-    boosted = next(t for t in range(40, 400) if t not in ref and hf_ref.decode(path, [t]).strip())
-    client = OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-    r = client.completions.create(model=path, prompt=STOP_PROMPT, max_tokens=6, temperature=0, logprobs=1,
-                                  logit_bias={str(boosted): 100}, extra_body={"ignore_eos": True})
-    assert r.choices[0].text == hf_ref.decode(path, [boosted] * 6) and r.usage.completion_tokens == 6
-    raw = hf_ref.logprob_rows(path, ids + [boosted])[len(ids) - 1, boosted].item()
-    assert abs(r.choices[0].logprobs.token_logprobs[0] - raw) < ATOL  # not ~0: the bias is not in it
-    banned = client.completions.create(model=path, prompt=ids, max_tokens=1, temperature=0,
-                                       logit_bias={str(ref[0]): -100}, extra_body={"ignore_eos": True})
-    assert banned.choices[0].text != hf_ref.decode(path, ref[:1])
-    chat = client.chat.completions.create(model=path, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                          temperature=0, logit_bias={str(boosted): 100})
-    assert chat.choices[0].message.content == hf_ref.decode(path, [boosted] * 3)
-
-
 # ---------------------------------------------------------------------- 2. n > 1
 
 

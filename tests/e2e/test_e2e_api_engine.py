@@ -1,5 +1,5 @@
 """Engine-facing API behaviour against a real `tandem serve` (Gemma 4 tiny checkpoint, CPU):
-penalties and min_tokens against an HF greedy loop with vLLM semantics, client disconnects,
+penalties, min_tokens and logit_bias against HF greedy with vLLM semantics, client disconnects,
 Prometheus metrics after a known workload, and the native / auxiliary endpoints.
 """
 
@@ -18,6 +18,7 @@ from tests.helpers.server import Server, post_then_leave
 
 ATOL = 1e-4
 REPEAT_PROMPT = "hello there"  # greedy repeats " th th th ...": penalties change it
+BIAS_PROMPT = "To be, or not to be"
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +146,28 @@ def test_min_tokens_defers_stop_strings(srv):
         assert r["choices"][0]["text"] == texts[k][: texts[k].rfind(case.stop)]
     else:
         assert (r["choices"][0]["text"], r["usage"]["completion_tokens"]) == (texts[-1], len(ref))
+
+
+def test_logit_bias(srv):
+    """OpenAI's logit_bias through the official client: +100 on one token makes greedy repeat it
+    (its logprobs stay the raw model's, vLLM's default), -100 on the greedy first token bans it;
+    chat takes it too."""
+    path, s = srv
+    ids = hf_ref.encode(path, BIAS_PROMPT)
+    ref = hf_ref.greedy(path, ids, 6, ignore_eos=True)
+    boosted = next(t for t in range(40, 400) if t not in ref and hf_ref.decode(path, [t]).strip())
+    client = OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    r = client.completions.create(model=path, prompt=BIAS_PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                  logit_bias={str(boosted): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == hf_ref.decode(path, [boosted] * 6) and r.usage.completion_tokens == 6
+    raw = hf_ref.logprob_rows(path, ids + [boosted])[len(ids) - 1, boosted].item()
+    assert abs(r.choices[0].logprobs.token_logprobs[0] - raw) < ATOL  # not ~0: the bias is not in it
+    banned = client.completions.create(model=path, prompt=ids, max_tokens=1, temperature=0,
+                                       logit_bias={str(ref[0]): -100}, extra_body={"ignore_eos": True})
+    assert banned.choices[0].text != hf_ref.decode(path, ref[:1])
+    chat = client.chat.completions.create(model=path, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(boosted): 100})
+    assert chat.choices[0].message.content == hf_ref.decode(path, [boosted] * 3)
 
 
 # ---------------------------------------------------------------------- 8. disconnects
