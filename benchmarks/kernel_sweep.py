@@ -8,7 +8,8 @@ engine runs them) with weights/KV rotated over more than L2 holds:
 - (``wide``) the tensor-core GEMV at 32 and 64 rows against cuBLAS (Llama-8B projections);
 - (``narrow``) split K on short-K launches with few column tiles (1024-wide outputs, the 4-row
   verify's o);
-- paged decode attention launch shapes (BLOCK_N, warps, stages) and split counts;
+- paged decode attention launch shapes (BLOCK_N, warps, stages), split counts and, at one row,
+  the split cap by keys (``TANDEM_DECODE_MIN_SPLIT_KEYS``);
 - the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab] (torch's and ours,
   ``gpu_worker/kernels/argmax.py``).
 
@@ -50,6 +51,8 @@ GEMM_SHAPES = [(f"llama {n}", m, nn, k) for m in (1, 4, 64) for n, nn, k in LLAM
 GEMV_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
                 for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))] + \
     [dict(block_n=bn, block_k=512, num_warps=8, num_stages=3) for bn in (16, 32)]
+# TANDEM_DECODE_MIN_SPLIT_KEYS values tried at one row (kernels/attention_decode.py: min_split_keys)
+ATTN_MIN_KEYS = (64, 128, 256)
 ATTN_TUNES = [dict(block_n=bn, num_warps=4, num_stages=st) for bn, st in itertools.product((32, 64, 128), (2, 3, 4))] + \
     [dict(block_n=bn, num_warps=8, num_stages=3) for bn in (64, 128)]
 
@@ -193,10 +196,12 @@ def attn_rows(bw: float, sms: int) -> list[dict]:
         nbytes = bs * ctx * hkv * d * 2 * 2
         default = decode_splits(bs, hkv, sms)
         other = sorted({1, 2, 4, 8, 16} - {default}) if bs == 1 else []
-        for sp, tune in [(default, None)] + [(default, t_) for t_ in ATTN_TUNES] + [(s, None) for s in other]:
+        cases = [(default, None, 0)] + [(default, t_, 0) for t_ in ATTN_TUNES] + [(s, None, 0) for s in other]
+        cases += [(default, None, mk) for mk in ATTN_MIN_KEYS] if bs == 1 else []  # the split cap, at one row
+        for sp, tune, mk in cases:
             def run():
                 paged_decode(q, k, v, pt, slots, kv, q_pos, t=t, page_size=16, scale=d**-0.5, num_splits=sp,
-                             tune=tune)
+                             tune=tune, min_keys=mk)
             try:
                 sec = graph_time(run, 1)
             except Exception as exc:  # noqa: BLE001 - a config that does not fit: report, go on
@@ -204,7 +209,8 @@ def attn_rows(bw: float, sms: int) -> list[dict]:
                              "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
                 continue
             rows.append({"model": model, "bs": bs, "ctx": ctx, "shuffled": shuffle, "head_dim": d, "t": t,
-                         "splits": sp, "tune": tune or "default", "is_default": tune is None and sp == default,
+                         "splits": sp, "tune": tune or "default", "min_keys": mk,
+                         "is_default": tune is None and sp == default and mk == 0,
                          "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
         del pool, k, v
         torch.cuda.empty_cache()
@@ -268,7 +274,12 @@ def summarize(out: dict) -> None:
     for key, b in best.items():
         d, bb = b.get("default"), b["best"]
         print(f"attn {key}: default {d['us'] if d else float('nan'):.1f} us (splits {d['splits'] if d else '?'}) "
-              f"best {bb['us']:.1f} us {bb['frac_of_copy_bw']:.1%} splits {bb['splits']} {bb['tune']}")
+              f"best {bb['us']:.1f} us {bb['frac_of_copy_bw']:.1%} splits {bb['splits']} {bb['tune']}"
+              f"{' min_keys ' + str(bb['min_keys']) if bb.get('min_keys') else ''}")
+    for r in out.get("attn", []):
+        if r.get("min_keys") and "error" not in r:
+            print(f"attn {r['model']} bs {r['bs']} ctx {r['ctx']} splits {r['splits']} min_keys {r['min_keys']}: "
+                  f"{r['us']:.1f} us {r['frac_of_copy_bw']:.1%}")
 
 
 if __name__ == "__main__":

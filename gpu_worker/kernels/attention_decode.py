@@ -11,7 +11,10 @@ run in parallel and are merged by log-sum-exp — by the last split of each (row
 finish, which takes a ticket (``kernels/__init__.py``) and reads the others' partials, or by a
 second kernel (``TANDEM_DECODE_FUSED_MERGE=0``); the split count depends only on the batch
 bucket, so the launch is the same on every CUDA-graph replay (splits past the row's keys store
-an empty partial at once). Rows with no visible key (graph padding) produce zeros, never NaN.
+an empty partial at once; with ``TANDEM_DECODE_MIN_SPLIT_KEYS`` so do the pieces a short row does
+not need). A query row that saw no key of a split writes only its -inf log-sum-exp, and both
+merges skip such partials without reading them. Rows with no visible key (graph padding) produce
+zeros, never NaN.
 
 PDL (``kernels/__init__.py``): launched early, a program loads its row's lengths, positions and
 page entries and its split's first key tile before waiting for the previous kernel; keys at or
@@ -90,10 +93,12 @@ if triton is not None:
     # pointers (order_ptr unordered, po_ptr / plse_ptr with one split) receive the whole page
     # table, whose alignment never varies: given the slots / out views, the H200 compiled two
     # variants mid-serving (0.55 s each, BENCHMARKS.md 2026-12-02 night).
-    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"])
+    # ``min_keys`` is a runtime value (not specialised: 0, off, and any cap share one binary).
+    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"],
+                do_not_specialize=["min_keys"])
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, order_ptr, tk_ptr,
-        sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
+        sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window, min_keys,
         T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
@@ -121,7 +126,11 @@ if triton is not None:
         if USE_WINDOW:
             lo = tl.maximum(0, tl.min(tl.where(mvalid, qpos, 2147483647), axis=0) - window + 1)
         span = tl.maximum(hi - lo, 0)
-        chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
+        # pieces in use: SPLITS, or with a cap as many as give each at least min_keys keys (the
+        # rest store an empty partial at once, which the merge skips)
+        used = tl.where(min_keys > 0, tl.minimum(SPLITS, tl.maximum(1, tl.cdiv(span, tl.maximum(min_keys, 1)))),
+                        SPLITS)
+        chunk = tl.cdiv(tl.cdiv(span, used), BLOCK_N) * BLOCK_N
         s_lo = lo + split * chunk
         s_hi = tl.minimum(hi, s_lo + chunk)
         dv = tl.arange(0, BLOCK_DV)
@@ -167,7 +176,8 @@ if triton is not None:
             row = (tok * (G * HKV) + qh) * SPLITS + split  # [N, Hq, SPLITS]
             lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(plse_ptr + row, lse, mask=mvalid)
-            tl.store(po_ptr + row[:, None] * BLOCK_DV + dv[None, :], out, mask=mvalid[:, None])
+            # a query row that saw no key of this split writes only its -inf lse: merges skip it
+            tl.store(po_ptr + row[:, None] * BLOCK_DV + dv[None, :], out, mask=(mvalid & has)[:, None])
             if FUSED_MERGE:  # the last split of (row, KV head) to finish merges them all
                 tl.debug_barrier()  # every thread's partials precede the ticket, which releases them
                 if tl.atomic_add(tk_ptr + b * HKV + kvh, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
@@ -191,8 +201,8 @@ if triton is not None:
             lse = tl.load(plse_ptr + base + sp, mask=mvalid, other=float("-inf"), cache_modifier=".cg")
             w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
             tot += w
-            part = tl.load(po_ptr + (base + sp)[:, None] * BLOCK_DV + dv[None, :], mask=mvalid[:, None], other=0.0,
-                           cache_modifier=".cg")
+            part = tl.load(po_ptr + (base + sp)[:, None] * BLOCK_DV + dv[None, :],
+                           mask=(mvalid & (lse > float("-inf")))[:, None], other=0.0, cache_modifier=".cg")
             acc += part * w[:, None]
         out = acc / tl.where(tot > 0, tot, 1.0)[:, None]
         tl.store(o_ptr + tok[:, None] * sot + qh[:, None] * soh + dv[None, :], out.to(o_ptr.dtype.element_ty),
@@ -211,7 +221,8 @@ if triton is not None:
         w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(mx == float("-inf"), 0.0, mx)))
         tot = tl.sum(w, axis=0)
         dv = tl.arange(0, BLOCK_DV)
-        part = tl.load(po_ptr + row[:, None] * BLOCK_DV + dv[None, :])
+        part = tl.load(po_ptr + row[:, None] * BLOCK_DV + dv[None, :], mask=(lse > float("-inf"))[:, None],
+                       other=0.0)
         out = tl.sum(part * w[:, None], axis=0) / tl.where(tot > 0, tot, 1.0)
         tl.store(o_ptr + tok * sot + h * soh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
 
@@ -233,6 +244,19 @@ def fused_merge_enabled() -> bool:
     (one launch fewer per layer at small batches); ``TANDEM_DECODE_FUSED_MERGE=0``: the separate
     merge kernel."""
     return os.environ.get("TANDEM_DECODE_FUSED_MERGE", "1") != "0"
+
+
+def min_split_keys() -> int:
+    """``TANDEM_DECODE_MIN_SPLIT_KEYS=N``: a split-KV launch uses only as many of its pieces as
+    give each at least N keys, decided in the kernel from the row's length (so a graph replay
+    still launches what its capture did). At short context the pieces' fixed costs (a wait, a
+    partial, the merge's reads) outweigh their keys: on the H200, 16 pieces of ~40 keys made a
+    600-key layer of the Gemma MTP step cost 8x its bytes (BENCHMARKS.md 2026-12-05 third
+    session). Unset or 0: every piece takes an equal share (the default until measured)."""
+    raw = os.environ.get("TANDEM_DECODE_MIN_SPLIT_KEYS", "0").strip() or "0"
+    if not raw.isdigit():
+        raise ValueError(f"TANDEM_DECODE_MIN_SPLIT_KEYS: expected a key count >= 0, got {raw!r}")
+    return int(raw)
 
 
 _TUNE_KEYS = ("block_n", "num_warps", "num_stages")
@@ -258,13 +282,14 @@ def env_tune() -> dict | None:
 def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: int, page_size: int,
                  scale: float, window: int | None = None, softcap: float | None = None, num_splits: int = 1,
                  out: torch.Tensor | None = None, tune: dict | None = None,
-                 order: torch.Tensor | None = None) -> torch.Tensor:
+                 order: torch.Tensor | None = None, min_keys: int | None = None) -> torch.Tensor:
     """q [B*t, Hq, D] (row b owns tokens b*t..b*t+t-1) -> out [B*t, Hq, Dv].
 
     ``slots`` [B], ``kv_lens`` [B] and ``q_pos`` [B*t] are device tensors; nothing here reads
     them on the host, so the call is CUDA-graph safe for a fixed B, t and ``num_splits``.
     ``order`` [B] (a permutation of the rows, longest first) sets the launch order.
-    ``tune`` overrides the launch shape (block_n, num_warps, num_stages) for benchmark sweeps."""
+    ``tune`` overrides the launch shape (block_n, num_warps, num_stages) for benchmark sweeps;
+    ``min_keys`` the split cap (``min_split_keys``, from the environment when None)."""
     n, hq, d = q.shape
     b = slots.shape[0]
     hkv, dv = k_cache.shape[1], v_cache.shape[-1]
@@ -294,7 +319,7 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
         order if order is not None else page_table, tk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
-        T=t, G=g, HKV=hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
+        min_split_keys() if min_keys is None else min_keys, T=t, G=g, HKV=hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
         BLOCK_M=max(16, next_pow2(t * g)), BLOCK_N=block_n, SPLITS=splits, USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), PDL=on,
         ORDERED=order is not None, FUSED_MERGE=fused,

@@ -254,3 +254,47 @@ def test_pdl_prologue_reads_no_fresh_key_and_changes_no_bit(monkeypatch, t, spli
     got = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
     assert waits and not torch.isnan(got).any()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("t,window,min_keys", [(1, None, 8), (4, None, 5), (1, 5, 3), (2, None, 1)])
+def test_split_cap_by_keys(monkeypatch, t, window, min_keys):
+    """TANDEM_DECODE_MIN_SPLIT_KEYS: a row uses only as many of the launch's pieces as give each
+    at least that many keys (the rest store an empty partial). Both merges skip partials no key
+    was seen for (their buffers are poisoned with NaN here, as fresh GPU memory may be), the
+    result matches the reference, and a cap above every row's length gives the bits of the
+    unsplit launch: one piece in use, merged with weight 1."""
+    from gpu_worker.kernels import attention_decode as ad
+    from gpu_worker.kernels import tickets_clear
+
+    ps, hkv, hq, d, splits = 4, 2, 4, 32, 8
+    kc, vc = _pool(40, ps, hkv, d, d, torch.float32, seed=13 + t)
+    pt = _page_table(6, 10, 40, seed=14)
+    slots = torch.tensor([3, 1, 0, 4, 5], device=DEV)
+    kv_lens = torch.tensor([9, 37, 0, 1 + t, 30], device=DEV)
+    q_pos = ((kv_lens - t).clamp_min(0)[:, None] + torch.arange(t, device=DEV)[None, :]).reshape(-1)
+    q_pos[2 * t : 3 * t] = 0
+    q = torch.randn(5 * t, hq, d, generator=torch.Generator().manual_seed(t)).to(DEV)
+    # key tiles of 4, so that 8 equal pieces of these short rows are several non-empty ones
+    kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window, tune={"block_n": 4})
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda x: x.fill_(float("nan")) if x.is_floating_point()
+                                                         else x)(real_empty(*a, **k)))
+    monkeypatch.setenv("TANDEM_DECODE_MIN_SPLIT_KEYS", str(min_keys))
+    assert ad.min_split_keys() == min_keys
+    got = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("TANDEM_DECODE_FUSED_MERGE", fused)
+        got[fused] = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
+        assert not torch.isnan(got[fused]).any()
+    assert tickets_clear()
+    torch.testing.assert_close(got["1"], got["0"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got["1"], paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, min_keys=min_keys, **kw))
+    ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), pt.cpu(), slots.repeat_interleave(t).cpu(),
+                              kv_lens.repeat_interleave(t).cpu(), q_pos.cpu(), ps, d**-0.5, window)
+    assert _rel_err(got["1"], ref) < 2e-5
+    one_piece = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **{**kw, "num_splits": 1})
+    assert torch.equal(paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, min_keys=64, **kw), one_piece)
+    for bad in ("-1", "x", "1.5"):
+        monkeypatch.setenv("TANDEM_DECODE_MIN_SPLIT_KEYS", bad)
+        with pytest.raises(ValueError, match="TANDEM_DECODE_MIN_SPLIT_KEYS"):
+            ad.min_split_keys()
