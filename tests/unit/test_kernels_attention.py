@@ -89,6 +89,17 @@ def test_paged_decode_launch_order_changes_no_bit(t, splits):
     assert torch.equal(plain, ordered)
 
 
+def _five_rows(t, hq, d, longest):
+    """Slots, lengths, query positions and queries of five rows, t queries each: row 2 is a graph
+    padding row (slot 0, no keys), row 3 holds only this forward's keys."""
+    slots = torch.tensor([3, 1, 0, 4, 5], device=DEV)
+    kv_lens = torch.tensor([9, longest, 0, 1 + t, 30], device=DEV)
+    q_pos = ((kv_lens - t).clamp_min(0)[:, None] + torch.arange(t, device=DEV)[None, :]).reshape(-1)
+    q_pos[2 * t : 3 * t] = 0
+    q = torch.randn(5 * t, hq, d, generator=torch.Generator().manual_seed(t)).to(DEV)
+    return slots, kv_lens, q_pos, q
+
+
 @pytest.mark.parametrize("t,splits,window", [(1, 4, None), (3, 2, None), (1, 8, 5)])
 def test_split_merge_in_the_decode_kernel(monkeypatch, t, splits, window):
     """Split-KV partials merged by the last split of each (row, KV head) inside the decode kernel
@@ -99,11 +110,7 @@ def test_split_merge_in_the_decode_kernel(monkeypatch, t, splits, window):
     ps, hkv, hq, d = 4, 2, 4, 32
     kc, vc = _pool(40, ps, hkv, d, d, torch.float32, seed=9 + t)
     pt = _page_table(6, 8, 40, seed=10)
-    slots = torch.tensor([3, 1, 0, 4, 5], device=DEV)
-    kv_lens = torch.tensor([9, 23, 0, 1 + t, 30], device=DEV)
-    q_pos = ((kv_lens - t).clamp_min(0)[:, None] + torch.arange(t, device=DEV)[None, :]).reshape(-1)
-    q_pos[2 * t : 3 * t] = 0
-    q = torch.randn(5 * t, hq, d, generator=torch.Generator().manual_seed(t)).to(DEV)
+    slots, kv_lens, q_pos, q = _five_rows(t, hq, d, longest=23)
     kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window)
     monkeypatch.setenv("TANDEM_DECODE_FUSED_MERGE", "0")
     two_kernels = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
@@ -269,11 +276,7 @@ def test_split_cap_by_keys(monkeypatch, t, window, min_keys):
     ps, hkv, hq, d, splits = 4, 2, 4, 32, 8
     kc, vc = _pool(40, ps, hkv, d, d, torch.float32, seed=13 + t)
     pt = _page_table(6, 10, 40, seed=14)
-    slots = torch.tensor([3, 1, 0, 4, 5], device=DEV)
-    kv_lens = torch.tensor([9, 37, 0, 1 + t, 30], device=DEV)
-    q_pos = ((kv_lens - t).clamp_min(0)[:, None] + torch.arange(t, device=DEV)[None, :]).reshape(-1)
-    q_pos[2 * t : 3 * t] = 0
-    q = torch.randn(5 * t, hq, d, generator=torch.Generator().manual_seed(t)).to(DEV)
+    slots, kv_lens, q_pos, q = _five_rows(t, hq, d, longest=37)
     # key tiles of 4, so that 8 equal pieces of these short rows are several non-empty ones
     kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window, tune={"block_n": 4})
     real_empty = torch.empty
