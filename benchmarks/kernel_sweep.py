@@ -54,7 +54,9 @@ GEMV_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
 # TANDEM_DECODE_MIN_SPLIT_KEYS values tried at one row (kernels/attention_decode.py: min_split_keys)
 ATTN_MIN_KEYS = (64, 128, 256)
 ATTN_TUNES = [dict(block_n=bn, num_warps=4, num_stages=st) for bn, st in itertools.product((32, 64, 128), (2, 3, 4))] + \
-    [dict(block_n=bn, num_warps=8, num_stages=3) for bn in (64, 128)]
+    [dict(block_n=bn, num_warps=8, num_stages=3) for bn in (64, 128)] + \
+    [dict(block_n=16, num_warps=4, num_stages=2), dict(block_n=16, num_warps=8, num_stages=3),
+     dict(block_n=32, num_warps=8, num_stages=2)]  # narrower tiles for head dim 512 (Gemma's full layers)
 
 
 def graph_time(fn, reps: int) -> float:
