@@ -237,6 +237,42 @@ def test_fused_split_merge_in_graph(monkeypatch):
     assert tickets_clear()
 
 
+@pytest.mark.parametrize("hkv,d,t", [(8, 256, 4), (4, 512, 4), (4, 512, 1)])
+def test_split_cap_in_graph(monkeypatch, hkv, d, t):
+    """TANDEM_DECODE_MIN_SPLIT_KEYS at the Gemma MTP step's reads (16 query heads, head dim 256
+    and 512, verify and draft rows): one captured graph, replayed as the row grows past several
+    cap boundaries, gives the eager launch's bits each time (the pieces in use are decided in the
+    kernel), and the uncapped launch's values within bf16 rounding."""
+    from gpu_worker.kernels.attention_decode import paged_decode
+
+    torch.manual_seed(5)
+    ps, hq, top = 16, 16, 1100
+    pages = top // ps + 2
+    kc = torch.randn(pages * ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(pages * ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    pt = torch.randperm(pages, device="cuda", dtype=torch.int32)[None, :].repeat(2, 1)
+    slots = torch.tensor([1], device="cuda")
+    kv_lens = torch.tensor([130], device="cuda")
+    q_pos = kv_lens - t + torch.arange(t, device="cuda")
+    qs = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=16)
+    monkeypatch.setenv("TANDEM_DECODE_MIN_SPLIT_KEYS", "128")
+    paged_decode(qs, kc, vc, pt, slots, kv_lens, q_pos, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode(qs, kc, vc, pt, slots, kv_lens, q_pos, **kw)
+    for n in (130, 255, 257, 600, 640, 1024, top):
+        kv_lens.fill_(n)
+        q_pos.copy_(n - t + torch.arange(t, device="cuda"))
+        qs.copy_(torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        got = out.clone()
+        assert torch.equal(got, paged_decode(qs, kc, vc, pt, slots, kv_lens, q_pos, **kw)), n
+        uncapped = paged_decode(qs, kc, vc, pt, slots, kv_lens, q_pos, min_keys=0, **kw)
+        torch.testing.assert_close(got, uncapped, rtol=2e-2, atol=2e-2)
+    assert tickets_clear()
+
+
 # Lengths per replay i, chosen so the fresh keys fall in a split's first tile (read before the
 # wait, then replaced): 16 splits of 64 keys (BLOCK_N 64) at one row; at verify (T = 4, 8 splits
 # of 128 keys) the four new keys straddle a split start, two in the tile before the wait, two in
