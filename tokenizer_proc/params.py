@@ -154,6 +154,16 @@ def check_min_tokens(min_tokens: int | None, max_tokens: int, param: str = "min_
                           param)
 
 
+def include_usage(req: SamplingFields) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def continuous_usage(req: SamplingFields) -> bool:
+    """Usage on every chunk needs ``include_usage`` too (vLLM: ``include_usage and
+    continuous_usage_stats``); ``continuous_usage_stats`` alone sends no usage at all."""
+    return include_usage(req) and bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+
 def _unsupported(req: SamplingFields) -> None:
     # suffix and response_format are limited to their no-op values by protocol.py.
     if req.stream_options is not None and not req.stream:
@@ -261,8 +271,8 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
         stop_cfg=_stop_cfg(req, discard=max_tokens == 0),
         n=req.n or 1,
         stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        include_usage=include_usage(req),
+        continuous_usage=continuous_usage(req),
         echo=echo,
         top_logprobs=req.logprobs,
         return_prompt_logprobs=req.prompt_logprobs is not None,
@@ -351,8 +361,8 @@ def plan_chat(
         stop_cfg=_stop_cfg(req),
         n=req.n or 1,
         stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        include_usage=include_usage(req),
+        continuous_usage=continuous_usage(req),
         top_logprobs=top,
         echo=bool(echo_text),
         prompt_texts=[echo_text] if echo_text else [],

@@ -22,6 +22,7 @@ from tokenizer_proc.formatting import (
     chat_logprobs,
     new_id,
     now_s,
+    openai_stop_reason,
     state_usage,
     usage,
     vllm_prompt_logprobs,
@@ -50,6 +51,10 @@ def raise_on_error(results: list[ChoiceResult]) -> None:
 
 def _error_event(d: Delta) -> bytes:
     return sse(error_body(d.error_code or 500, d.error or "engine error"))
+
+
+def _stop_reason(front: Front, state: RequestState, matched: str | int | None) -> str | int | None:
+    return openai_stop_reason(matched, state.params, front.tok.eos_id)
 
 
 def _silent(d: Delta, top_logprobs: int | None) -> bool:
@@ -135,7 +140,8 @@ class CompletionHandler:
                     text = self._prompt_text(d.state) + text
                 choice = {"index": d.state.index, "text": text,
                           "logprobs": self._logprobs_part(d.state, d.token_ids, d.logprobs),
-                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                          "finish_reason": d.finish_reason,
+                          "stop_reason": _stop_reason(self.front, d.state, d.stop_reason)}
                 yield sse(self.chunk([choice], state_usage(d.state) if self.plan.continuous_usage else None))
         if self.plan.include_usage:
             yield sse(self.chunk([], usage(self.group.states, self.plan.n)))
@@ -153,7 +159,7 @@ class CompletionHandler:
             if self.plan.echo:
                 text = self._prompt_text(r.state) + text
             choice = {"index": r.state.index, "text": text, "logprobs": logprobs,
-                      "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+                      "finish_reason": r.finish_reason, "stop_reason": _stop_reason(self.front, r.state, r.stop_reason)}
             if self.plan.return_prompt_logprobs:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self.front.tok, r.state.prompt_ids,
                                                                  r.state.prompt_logprobs)
@@ -219,7 +225,8 @@ class ChatHandler:
                     continue
                 choice = {"index": d.state.index, "delta": {"content": d.text} if d.text else {},
                           "logprobs": self._logprobs(d.token_ids, d.logprobs),
-                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                          "finish_reason": d.finish_reason,
+                          "stop_reason": _stop_reason(self.front, d.state, d.stop_reason)}
                 yield sse(self.chunk([choice], state_usage(d.state) if self.plan.continuous_usage else None))
         if self.plan.include_usage:
             yield sse(self.chunk([], usage(self.group.states, self.plan.n)))
@@ -229,7 +236,7 @@ class ChatHandler:
         choices = [
             {"index": r.state.index, "message": {"role": "assistant", "content": self._echo() + "".join(r.text)},
              "logprobs": self._logprobs(r.token_ids, r.logprobs), "finish_reason": r.finish_reason,
-             "stop_reason": r.stop_reason}
+             "stop_reason": _stop_reason(self.front, r.state, r.stop_reason)}
             for r in results
         ]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
