@@ -59,9 +59,26 @@ def test_tool_choice_that_demands_a_call_is_400(stack, client, http):
         assert exc.value.body["param"] == "tool_choice"
     r = http.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "tool_choice": "sometimes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    for choice in ("auto", "none"):  # tools go to the template; the answer is text
-        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=2)
-        assert r.choices[0].message.role == "assistant"
+
+
+def test_auto_tool_choice_needs_the_server_flags(client, http):
+    """vLLM's rule: tool_choice "auto", explicit or implied by tools, is a 400 unless the server
+    runs with --enable-auto-tool-choice and --tool-call-parser; "none" answers with text (the
+    tools still reach the template); a tool_choice without tools is a 400 too."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    for extra in ({"tool_choice": "auto"}, {}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=2, **extra)
+        err = exc.value.body
+        assert err["param"] == "tool_choice" and err["code"] == 400 and err["type"] == "BadRequestError"
+        assert err["message"] == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=2)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    for choice in ("auto", "required"):
+        r = http.post("/v1/chat/completions", json={"messages": msgs, "tool_choice": choice, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "When using `tool_choice`, `tools` must be set."
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("n", [1, 2])

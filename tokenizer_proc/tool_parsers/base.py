@@ -64,6 +64,26 @@ class ParserOutput:
         else:
             self.calls.append(CallDelta(index, text))
 
+    def extend(self, other: ParserOutput) -> ParserOutput:
+        self.content += other.content
+        for d in other.calls:
+            if d.name is None:
+                self.add_arguments(d.index, d.arguments)
+            else:
+                self.calls.append(d)
+        return self
+
+    def to_openai_calls(self) -> list[dict]:
+        """The chunk's ``delta.tool_calls``: a call's first delta names it, later ones extend it."""
+        out = []
+        for d in self.calls:
+            if d.name is None:
+                out.append({"index": d.index, "function": {"arguments": d.arguments}})
+            else:
+                out.append({"index": d.index, "id": d.id, "type": "function",
+                            "function": {"name": d.name, "arguments": d.arguments}})
+        return out
+
 
 @dataclass
 class ToolCall:

@@ -282,8 +282,8 @@ class CallObject:
     def _value_done(self) -> None:
         if self.key == "name":
             self.name = json.loads("".join(self.raw))
-            if not self.name:
-                raise JsonSyntaxError("a tool call's name is empty")
+            if not self.name or not self.name.isprintable():
+                raise JsonSyntaxError("a tool call's name is empty or not printable")
         self.state = "after"
 
     def _after(self, c: str) -> bool:
