@@ -87,7 +87,8 @@ def test_hermes_call_broken_mid_stream(text):
     assert m.content == text and m.tool_calls == []
     streamed, _, broken = stream("hermes", list(text))
     assert broken and streamed.tool_calls[0].name == "f"
-    assert streamed.tool_calls[0].arguments + (streamed.content or "") == text[text.index("{", text.index("arguments")):]
+    args_start = text.index("{", text.index("arguments"))
+    assert streamed.tool_calls[0].arguments + (streamed.content or "") == text[args_start:]
     duplicate = hermes('{"name": "f", "arguments": {}, "name": "g"}')
     assert shape(whole("hermes", duplicate)) == (duplicate, [])
 
