@@ -28,7 +28,7 @@ class Llama3JsonParser(ToolParser):
         self.held = ""  # read, not emitted: leading whitespace, the tag, a separator
         self.prefix = ""  # what was held when the current call began
         self.body: CallObject | None = None
-        self.raw = ""  # the current call's text
+        self.raw: list[str] = []  # the current call's text (a list: calls can be long)
         self.index: int | None = None
         self.sent = 0
 
@@ -43,16 +43,18 @@ class Llama3JsonParser(ToolParser):
 
     def _end(self) -> None:
         if self.state == "call" and self.index is not None:
-            self._break(self.prefix + self.raw)  # cut off mid-call
+            self._break(self.prefix + "".join(self.raw))  # cut off mid-call
         elif self.state in ("start", "call"):
-            self._content(self.held + self.prefix + self.raw)  # never a call: the text as it was
-        self.held = self.prefix = self.raw = ""
+            self._content(self.held + self.prefix + "".join(self.raw))  # never a call: the text as it was
+        self.held = self.prefix = ""
+        self.raw = []
         self.state = "passthrough"
 
     def _pass(self, text: str) -> bool:
         """From here on everything is content; the current character is read again."""
         self._content(text)
-        self.held = self.prefix = self.raw = ""
+        self.held = self.prefix = ""
+        self.raw = []
         self.state = "passthrough"
         return False
 
@@ -70,7 +72,7 @@ class Llama3JsonParser(ToolParser):
         return self._open(c) if rest == "{" else self._pass(self.held)
 
     def _open(self, c: str) -> bool:
-        self.body, self.raw, self.index, self.sent = CallObject(require_args=True), "", None, 0
+        self.body, self.raw, self.index, self.sent = CallObject(require_args=True), [], None, 0
         self.prefix, self.held, self.state = self.held, "", "call"
         return self._call(c)
 
@@ -79,14 +81,14 @@ class Llama3JsonParser(ToolParser):
             closed = self.body.push(c)
         except CallSyntaxError:
             if self.index is None:
-                return self._pass(self.prefix + self.raw)
-            self._break(self.prefix + self.raw)
+                return self._pass(self.prefix + "".join(self.raw))
+            self._break(self.prefix + "".join(self.raw))
             return self._pass("")
-        self.raw += c
+        self.raw.append(c)
         self._emit_call()
         if closed:
             self.completed += 1
-            self.prefix, self.raw, self.state = "", "", "between"
+            self.prefix, self.raw, self.state = "", [], "between"
         return True
 
     def _emit_call(self) -> None:

@@ -51,7 +51,7 @@ class TaggedCallParser(ToolParser):
         self.ws_hold = ""  # whitespace of a run that has nothing else yet
         self.run_has_text = False
         self.body: CallBody | None = None
-        self.raw = ""  # the current call's text since its start tag
+        self.raw: list[str] = []  # the current call's text since its start tag (a list: calls get long)
         self.ws_before = ""  # the whitespace-only run right before it
         self.index: int | None = None  # the current call's index once announced
         self.sent = 0  # argument fragments of the current call already emitted
@@ -75,9 +75,9 @@ class TaggedCallParser(ToolParser):
     def _end(self) -> None:
         if self.state == "body":
             if self.index is None:
-                self._plain(self.ws_before + self.raw)
+                self._plain(self.ws_before + "".join(self.raw))
             else:
-                self._break(self.ws_before + self.raw)  # cut off mid-call
+                self._break(self.ws_before + "".join(self.raw))  # cut off mid-call
         self.state = "text"
         self._plain(self.tag_hold)
         if self.ws_hold and not self.started:
@@ -115,7 +115,7 @@ class TaggedCallParser(ToolParser):
     def _open_call(self) -> None:
         self.ws_before = "" if self.run_has_text else self.ws_hold
         self.ws_hold = ""
-        self.raw, self.body, self.index, self.sent = self.start_tag, self._new_body(), None, 0
+        self.raw, self.body, self.index, self.sent = [self.start_tag], self._new_body(), None, 0
         self.state = "body"
 
     def _call_char(self, c: str) -> bool:
@@ -125,7 +125,7 @@ class TaggedCallParser(ToolParser):
             closed = self.body.push(c)
         except CallSyntaxError:
             return self._fail()
-        self.raw += c
+        self.raw.append(c)
         self._emit_call()
         if closed:
             self.completed += 1
@@ -146,9 +146,9 @@ class TaggedCallParser(ToolParser):
         """The character just read breaks the call; it is read again in the new state."""
         if self.index is None:
             self.state = "text"
-            self._plain(self.ws_before + self.raw)
+            self._plain(self.ws_before + "".join(self.raw))
         else:
-            self._break(self.ws_before + self.raw)
+            self._break(self.ws_before + "".join(self.raw))
             self.state = "passthrough"
         return False
 
