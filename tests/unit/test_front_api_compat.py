@@ -71,7 +71,8 @@ def test_auto_tool_choice_needs_the_server_flags(client, http):
             client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=2, **extra)
         err = exc.value.body
         assert err["param"] == "tool_choice" and err["code"] == 400 and err["type"] == "BadRequestError"
-        assert err["message"] == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        assert err["message"] == ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                  "to be set")
     r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=2)
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
     for choice in ("auto", "required"):

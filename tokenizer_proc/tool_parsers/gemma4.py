@@ -98,21 +98,39 @@ class GemmaCallBody:
         return not self.stack  # the arguments object closed: so did the call
 
     def _key(self, c: str) -> bool:
+        """A bare key (no brackets, commas or newlines: a malformed call must not swallow the
+        text after it) or one between quote tokens, then ':'."""
         if not self.buf and c.isspace():
             return False
         if not self.buf and c == "}" and self.empty_ok:
             return self._close(c)
-        if c != ":":
-            self.buf += c
+        if c == ":" and self._key_text() is not None:
+            self.args.append(json.dumps(self._key_text(), ensure_ascii=False) + ": ")
+            self.mode, self.buf, self.empty_ok = "value", "", False
             return False
-        key = self.buf.strip()
-        if key.startswith(QUOTE) and key.endswith(QUOTE) and len(key) >= 2 * len(QUOTE):
-            key = key[len(QUOTE):-len(QUOTE)]
-        if not key:
-            return self._fail("an empty key")
-        self.args.append(json.dumps(key, ensure_ascii=False) + ": ")
-        self.mode, self.buf, self.empty_ok = "value", "", False
+        self.buf += c
+        if self.buf.startswith("<"):
+            return self._quoted_key()
+        if c in "{}[],<>\n":
+            return self._fail(f"unexpected {c!r} in a key")
         return False
+
+    def _quoted_key(self) -> bool:
+        if not self.buf.startswith(QUOTE):
+            return False if QUOTE.startswith(self.buf) else self._fail("a key starting with '<'")
+        inner = self.buf[len(QUOTE):]
+        end = inner.find(QUOTE)
+        if end >= 0 and inner[end + len(QUOTE):].strip():
+            return self._fail("text after a quoted key")
+        return False
+
+    def _key_text(self) -> str | None:
+        """The key read so far if it is complete, else None."""
+        key = self.buf.strip()
+        if key.startswith("<"):
+            quoted = key.startswith(QUOTE) and key.endswith(QUOTE) and len(key) >= 2 * len(QUOTE)
+            return key[len(QUOTE):-len(QUOTE)] if quoted else None
+        return key or None
 
     def _value(self, c: str) -> bool:
         if not self.buf:
