@@ -74,7 +74,7 @@ async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 async def respond(request: Request, group: RequestGroup, plan: GenPlan,
-                   events: Callable[[], AsyncIterator[bytes]], body: Callable[[list[ChoiceResult]], dict]) -> Response:
+                  events: Callable[[], AsyncIterator[bytes]], body: Callable[[list[ChoiceResult]], dict]) -> Response:
     if plan.stream:
         return SSEResponse(_guarded(events()), on_close=group.close)
     try:
