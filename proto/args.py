@@ -18,6 +18,8 @@ BUNDLED_MODEL_DIR = os.path.join(
 SPEC_ALGORITHMS = ("FROZEN-KV-MTP",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# tokenizer_proc/tool_parsers' registry (kept equal by a unit test; proto imports no process package)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "gemma4")
 
 
 class ArgError(ValueError):
@@ -71,6 +73,9 @@ class ServerArgs:
     metrics_require_key: bool = False
     curve_keys_dir: str | None = None  # tcp transport: default = fresh keys in the run dir
     max_request_body_bytes: int = 8 * 1024 * 1024
+    # Tool calling (vLLM's flags): parse the model's calls into tool_calls for tool_choice "auto".
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     extra: dict = field(default_factory=dict)
 
     # --------------------------------------------------------------- derived values
@@ -172,7 +177,17 @@ def validate(args: ServerArgs) -> ServerArgs:
         raise ArgError(f"--transport: expected ipc or tcp, got {args.transport!r}")
     _validate_ops(args)
     _validate_spec(args)
+    _validate_tools(args)
     return args
+
+
+def _validate_tools(args: ServerArgs) -> None:
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ArgError(f"--tool-call-parser: expected one of {', '.join(TOOL_CALL_PARSERS)}, "
+                       f"got {args.tool_call_parser!r}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ArgError("--enable-auto-tool-choice: requires --tool-call-parser "
+                       f"(one of {', '.join(TOOL_CALL_PARSERS)})")
 
 
 def _validate_ops(args: ServerArgs) -> None:
@@ -290,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
       help="--transport tcp: CURVE keys from 'tandem keys generate DIR' (default: fresh keys per run)")
     o("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
       help="larger request bodies get 413 (default 8 MiB)")
+    tools = p.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="answer tool_choice 'auto' (the default with tools) with parsed tool_calls; "
+                       "needs --tool-call-parser")
+    tools.add_argument("--tool-call-parser", default=None,
+                       help=f"how the model writes tool calls: {', '.join(TOOL_CALL_PARSERS)}")
     return p
 
 

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proto.auth import APIKeyMiddleware
-from tokenizer_proc import serving_native, serving_openai
+from tokenizer_proc import serving_chat, serving_native, serving_openai
 from tokenizer_proc.context import Front
 from tokenizer_proc.errors import APIError, error_body, error_response
 from tokenizer_proc.params import check_model
@@ -217,7 +217,7 @@ def build_app(front: Front) -> FastAPI:
                           responses={**(ok or {}), **ERRORS})
 
     post("/v1/completions", serving_openai.create_completion, "CompletionRequest", STREAM_OK)
-    post("/v1/chat/completions", serving_openai.create_chat_completion, "ChatCompletionRequest", STREAM_OK)
+    post("/v1/chat/completions", serving_chat.create_chat_completion, "ChatCompletionRequest", STREAM_OK)
     post("/generate", serving_native.generate, "GenerateRequest", STREAM_OK)
     for path in ("/tokenize", "/v1/tokenize"):
         post(path, serving_native.tokenize, "TokenizeRequest")

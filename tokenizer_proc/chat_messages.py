@@ -7,12 +7,14 @@ Per role (OpenAI's chat-completions reference):
   is given; its parts may also be ``{"type": "refusal", "refusal": str}`` (rendered as text);
 - ``tool``: ``content`` and ``tool_call_id`` required;
 - ``function`` (deprecated): ``name`` required, ``content`` may be null.
+An assistant's ``tool_calls`` items need ``function.name`` and JSON ``function.arguments``.
 Any other role is refused. Every failure is a 400 whose ``param`` is the path, e.g.
 ``messages[0].content``, never a 422. Keys we do not know pass through to the template.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tokenizer_proc.errors import APIError, bad_request
@@ -107,3 +109,32 @@ def validate_messages(messages: list) -> None:
         if tool_calls is not None and not isinstance(tool_calls, list):
             raise bad_request(f"Invalid type for '{path}.tool_calls': expected an array, but got "
                               f"{_type_name(tool_calls)} instead.", f"{path}.tool_calls")
+        for j, call in enumerate(tool_calls or ()):
+            _check_tool_call(call, f"{path}.tool_calls[{j}]")
+
+
+def _check_object(value: Any, path: str) -> None:
+    if value is None:
+        raise _missing(path)
+    if not isinstance(value, dict):
+        raise bad_request(f"Invalid type for '{path}': expected an object, but got {_type_name(value)} instead.", path)
+
+
+def _check_tool_call(call: Any, path: str) -> None:
+    """An earlier tool call: ``function.name`` a string, ``function.arguments`` JSON text (or
+    an object, as some clients send it), since the chat template receives it decoded."""
+    _check_object(call, path)
+    function = call.get("function")
+    _check_object(function, f"{path}.function")
+    _check_string(function, "name", f"{path}.function", required=True)
+    args = function.get("arguments")
+    where = f"{path}.function.arguments"
+    if args is None or isinstance(args, dict):
+        return
+    if not isinstance(args, str):
+        raise bad_request(f"Invalid type for '{where}': expected a string, but got {_type_name(args)} instead.", where)
+    if args.strip():
+        try:
+            json.loads(args)
+        except ValueError as exc:
+            raise bad_request(f"Invalid '{where}': not valid JSON ({exc}).", where) from None

@@ -128,6 +128,29 @@ def load_chat_template(tokenizer_dir: str, tokenizer_config: dict) -> str | None
     return _pick_template(tokenizer_config.get("chat_template"))
 
 
+def template_tool_calls(tool_calls: list) -> list:
+    """An assistant turn's tool calls as chat templates expect them: OpenAI sends ``arguments``
+    as JSON text, HF templates take a mapping (Qwen's writes ``arguments | tojson``, which would
+    quote the text a second time; Llama 3.1's prints it as a dict). Like vLLM: text is decoded,
+    empty or missing arguments are ``{}``. The caller's dicts are not changed."""
+    out = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            out.append(call)
+            continue
+        args = function.get("arguments")
+        if args is None or (isinstance(args, str) and not args.strip()):
+            args = {}
+        elif isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # refused by chat_messages.py before rendering; kept as text otherwise
+        out.append({**call, "function": {**function, "arguments": args}})
+    return out
+
+
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """Drop None-valued keys; flatten all-text part lists into one string.
 
@@ -135,11 +158,14 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     template render list content; an assistant's ``refusal`` part counts as text; other parts are
     rejected because we serve text models.
     A missing or null ``content`` (an assistant turn with tool calls) becomes "" so templates
-    that print ``message['content']`` do not fail on it (vLLM does the same).
+    that print ``message['content']`` do not fail on it (vLLM does the same). Tool calls'
+    arguments become mappings (``template_tool_calls``).
     """
     out = []
     for i, message in enumerate(messages):
         msg = {k: v for k, v in message.items() if v is not None}
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = template_tool_calls(msg["tool_calls"])
         content = msg.setdefault("content", "")
         if isinstance(content, list):
             texts = []

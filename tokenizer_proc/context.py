@@ -28,6 +28,11 @@ class Front:
     metrics: Metrics
     gen_defaults: dict = field(default_factory=dict)
 
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser for tool_choice "auto": only with --enable-auto-tool-choice and --tool-call-parser."""
+        return self.args.tool_call_parser if self.args.enable_auto_tool_choice else None
+
     def limits(self) -> Limits:
         info = self.engine.info
         if info is None:

@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Sequence
 
+from proto.messages import SamplingParams
 from tokenizer_proc.request_state import RequestState, TokenLogprob
 from tokenizer_proc.tokenizer import TextTokenizer
 
@@ -24,6 +25,17 @@ def new_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
+
+
+def openai_stop_reason(matched: str | int | None, params: SamplingParams, eos_id: int | None) -> str | int | None:
+    """``stop_reason`` as vLLM reports it: the stop string, or the stop token id, except
+    ``None`` for the tokenizer's EOS (vLLM checks that token before ``stop_token_ids``, so a
+    user stop id equal to it reads as EOS too, unless ``ignore_eos``). Other
+    generation-config EOS ids are ids: vLLM folds them into ``stop_token_ids``.
+    ``/generate`` keeps the raw id (SGLang's ``matched_stop``)."""
+    if isinstance(matched, int) and matched == eos_id and not params.ignore_eos:
+        return None
+    return matched
 
 
 def _lp(value: float) -> float:

@@ -31,6 +31,8 @@ from tokenizer_proc.protocol import (
 )
 from tokenizer_proc.request_state import StopConfig
 from tokenizer_proc.tokenizer import TextTokenizer, read_json
+from tokenizer_proc.tool_choice import resolve_tool_choice
+from tokenizer_proc.tool_parsers import parser_class
 
 DEFAULT_COMPLETION_TOKENS = 16
 GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -65,6 +67,7 @@ class GenPlan:
     top_logprobs: int | None = None  # None: no logprobs in the response
     return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field (non-streaming only)
     prompt_texts: list[str] = field(default_factory=list)
+    tool_parser: str | None = None  # chat: the parser that turns the answer into tool_calls
 
     def choice_params(self, j: int) -> SamplingParams:
         if j == 0 or self.params.seed is None:
@@ -154,6 +157,16 @@ def check_min_tokens(min_tokens: int | None, max_tokens: int, param: str = "min_
                           param)
 
 
+def include_usage(req: SamplingFields) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def continuous_usage(req: SamplingFields) -> bool:
+    """Usage on every chunk needs ``include_usage`` too (vLLM: ``include_usage and
+    continuous_usage_stats``); ``continuous_usage_stats`` alone sends no usage at all."""
+    return include_usage(req) and bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+
 def _unsupported(req: SamplingFields) -> None:
     # suffix and response_format are limited to their no-op values by protocol.py.
     if req.stream_options is not None and not req.stream:
@@ -195,11 +208,13 @@ def sampling_params(
     )
 
 
-def _stop_cfg(req: SamplingFields, discard: bool = False) -> StopConfig:
+def _stop_cfg(req: SamplingFields, discard: bool = False, keep_special: bool = False) -> StopConfig:
+    """``keep_special``: a tool parser reads tags that are special tokens (vLLM's parsers turn
+    ``skip_special_tokens`` off for themselves the same way)."""
     return StopConfig(
         stop=stop_strings(req.stop),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
-        skip_special_tokens=req.skip_special_tokens is not False,
+        skip_special_tokens=req.skip_special_tokens is not False and not keep_special,
         discard_generation=discard,
     )
 
@@ -261,8 +276,8 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
         stop_cfg=_stop_cfg(req, discard=max_tokens == 0),
         n=req.n or 1,
         stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        include_usage=include_usage(req),
+        continuous_usage=continuous_usage(req),
         echo=echo,
         top_logprobs=req.logprobs,
         return_prompt_logprobs=req.prompt_logprobs is not None,
@@ -306,24 +321,13 @@ def chat_prompt(req, tok: TextTokenizer, template: ChatTemplate, limits: Limits)
     return encode_prompt(chat_text(req, template), tok, limits, "messages", add_special_tokens=False)
 
 
-def check_tool_choice(choice) -> None:
-    """``tools`` reach the chat template, but no tool calls are parsed and none can be forced: a
-    choice that demands a call ("required", a named function) would silently get plain text, so it
-    is refused (vLLM refuses tool choices its flags cannot serve with a 400 too)."""
-    if choice is None or choice in ("none", "auto"):
-        return
-    if choice == "required" or isinstance(choice, dict):
-        raise bad_request("tool_choice 'required' and named function choices are not supported by this server "
-                          "(no constrained decoding of tool calls); use 'auto' or 'none'", "tool_choice")
-    raise bad_request(f"Invalid value for 'tool_choice': {choice!r}. Supported values are 'none' and 'auto'.",
-                      "tool_choice")
-
-
 def plan_chat(
-    req: ChatCompletionRequest, tok: TextTokenizer, template: ChatTemplate, limits: Limits, defaults: dict
+    req: ChatCompletionRequest, tok: TextTokenizer, template: ChatTemplate, limits: Limits, defaults: dict,
+    server_tool_parser: str | None = None,
 ) -> GenPlan:
+    """``server_tool_parser``: the parser name when the server has both tool-calling flags."""
     _unsupported(req)
-    check_tool_choice(req.tool_choice)
+    tool_parser = resolve_tool_choice(req.tool_choice, req.tools, server_tool_parser)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     ids = chat_prompt(req, tok, template, limits)
@@ -348,14 +352,15 @@ def plan_chat(
     return GenPlan(
         prompts=[ids],
         params=params,
-        stop_cfg=_stop_cfg(req),
+        stop_cfg=_stop_cfg(req, keep_special=bool(tool_parser) and parser_class(tool_parser).keeps_special_tokens),
         n=req.n or 1,
         stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        include_usage=include_usage(req),
+        continuous_usage=continuous_usage(req),
         top_logprobs=top,
         echo=bool(echo_text),
         prompt_texts=[echo_text] if echo_text else [],
+        tool_parser=tool_parser,
     )
 
 

@@ -1,4 +1,4 @@
-"""POST /v1/completions and /v1/chat/completions, streaming and not.
+"""POST /v1/completions, streaming and not, and what the chat endpoint (serving_chat.py) shares.
 
 Streaming sends one SSE event per choice per engine step (deltas a slow reader missed are
 coalesced), ``choices[].index`` telling ``n`` > 1 choices apart; ``stream_options.include_usage``
@@ -19,15 +19,15 @@ from tokenizer_proc.context import Front, arrival, read_body
 from tokenizer_proc.errors import APIError, decode_body, error_body
 from tokenizer_proc.formatting import (
     CompletionLogprobs,
-    chat_logprobs,
     new_id,
     now_s,
+    openai_stop_reason,
     state_usage,
     usage,
     vllm_prompt_logprobs,
 )
-from tokenizer_proc.params import GenPlan, check_model, plan_chat, plan_completion
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
+from tokenizer_proc.params import GenPlan, check_model, plan_completion
+from tokenizer_proc.protocol import CompletionRequest
 from tokenizer_proc.request_state import Delta, RequestState
 from tokenizer_proc.streaming import (
     DONE_EVENT,
@@ -48,8 +48,12 @@ def raise_on_error(results: list[ChoiceResult]) -> None:
             raise APIError(r.error_code or 500, r.error)
 
 
-def _error_event(d: Delta) -> bytes:
+def error_event(d: Delta) -> bytes:
     return sse(error_body(d.error_code or 500, d.error or "engine error"))
+
+
+def stop_reason(front: Front, state: RequestState, matched: str | int | None) -> str | int | None:
+    return openai_stop_reason(matched, state.params, front.tok.eos_id)
 
 
 def _silent(d: Delta, top_logprobs: int | None) -> bool:
@@ -69,8 +73,8 @@ async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield DONE_EVENT
 
 
-async def _respond(request: Request, group: RequestGroup, plan: GenPlan,
-                   events: Callable[[], AsyncIterator[bytes]], body: Callable[[list[ChoiceResult]], dict]) -> Response:
+async def respond(request: Request, group: RequestGroup, plan: GenPlan,
+                  events: Callable[[], AsyncIterator[bytes]], body: Callable[[list[ChoiceResult]], dict]) -> Response:
     if plan.stream:
         return SSEResponse(_guarded(events()), on_close=group.close)
     try:
@@ -124,7 +128,7 @@ class CompletionHandler:
         async for batch in self.group.deltas():
             for d in batch:
                 if d.error is not None:
-                    yield _error_event(d)
+                    yield error_event(d)
                     yield DONE_EVENT
                     return
                 if _silent(d, self.k):
@@ -135,7 +139,8 @@ class CompletionHandler:
                     text = self._prompt_text(d.state) + text
                 choice = {"index": d.state.index, "text": text,
                           "logprobs": self._logprobs_part(d.state, d.token_ids, d.logprobs),
-                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                          "finish_reason": d.finish_reason,
+                          "stop_reason": stop_reason(self.front, d.state, d.stop_reason)}
                 yield sse(self.chunk([choice], state_usage(d.state) if self.plan.continuous_usage else None))
         if self.plan.include_usage:
             yield sse(self.chunk([], usage(self.group.states, self.plan.n)))
@@ -153,7 +158,7 @@ class CompletionHandler:
             if self.plan.echo:
                 text = self._prompt_text(r.state) + text
             choice = {"index": r.state.index, "text": text, "logprobs": logprobs,
-                      "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+                      "finish_reason": r.finish_reason, "stop_reason": stop_reason(self.front, r.state, r.stop_reason)}
             if self.plan.return_prompt_logprobs:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self.front.tok, r.state.prompt_ids,
                                                                  r.state.prompt_logprobs)
@@ -172,77 +177,4 @@ async def create_completion(front: Front, request: Request) -> Response:
     request_id = new_id("cmpl")
     group = RequestGroup(front.engine, front.make_states(plan, request_id, t0))
     handler = CompletionHandler(front, plan, group, request_id)
-    return await _respond(request, group, plan, handler.events, handler.body)
-
-
-# ---------------------------------------------------------------------- chat
-
-
-class ChatHandler:
-    def __init__(self, front: Front, plan: GenPlan, group: RequestGroup, request_id: str):
-        self.front, self.plan, self.group = front, plan, group
-        self.id, self.created, self.model = request_id, now_s(), front.args.model_name
-
-    def chunk(self, choices: list[dict], usage_obj: dict | None = None) -> dict:
-        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "choices": choices}
-        if usage_obj is not None:
-            out["usage"] = usage_obj
-        return out
-
-    def _echo(self) -> str:
-        return self.plan.prompt_texts[0] if self.plan.echo else ""
-
-    def _logprobs(self, token_ids, entries) -> dict | None:
-        k = self.plan.top_logprobs
-        return None if k is None else chat_logprobs(self.front.tok, token_ids, entries, k)
-
-    async def events(self) -> AsyncIterator[bytes]:
-        for state in self.group.states:  # the role comes first, for every choice (as vLLM does)
-            role = {"index": state.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}
-            # continuous_usage_stats: every chunk has usage, this one too (0 completion tokens),
-            # as vLLM sends it; clients read chunk.usage without a None check.
-            yield sse(self.chunk([role], state_usage(state) if self.plan.continuous_usage else None))
-        if self.plan.echo:  # then the echoed prefill, one chunk per choice (vLLM's order)
-            for state in self.group.states:
-                echo = {"index": state.index, "delta": {"content": self.plan.prompt_texts[0]}, "logprobs": None,
-                        "finish_reason": None}
-                yield sse(self.chunk([echo], state_usage(state) if self.plan.continuous_usage else None))
-        async for batch in self.group.deltas():
-            for d in batch:
-                if d.error is not None:
-                    yield _error_event(d)
-                    yield DONE_EVENT
-                    return
-                if _silent(d, self.plan.top_logprobs):
-                    continue
-                choice = {"index": d.state.index, "delta": {"content": d.text} if d.text else {},
-                          "logprobs": self._logprobs(d.token_ids, d.logprobs),
-                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-                yield sse(self.chunk([choice], state_usage(d.state) if self.plan.continuous_usage else None))
-        if self.plan.include_usage:
-            yield sse(self.chunk([], usage(self.group.states, self.plan.n)))
-        yield DONE_EVENT
-
-    def body(self, results: list[ChoiceResult]) -> dict:
-        choices = [
-            {"index": r.state.index, "message": {"role": "assistant", "content": self._echo() + "".join(r.text)},
-             "logprobs": self._logprobs(r.token_ids, r.logprobs), "finish_reason": r.finish_reason,
-             "stop_reason": r.stop_reason}
-            for r in results
-        ]
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(self.group.states, self.plan.n)}
-
-
-async def create_chat_completion(front: Front, request: Request) -> Response:
-    t0 = arrival()
-    req = decode_body(await read_body(request), ChatCompletionRequest)
-    check_model(req.model, front.args.model_name)
-    front.engine.check_accepting()
-    plan = plan_chat(req, front.tok, front.template, front.limits(), front.gen_defaults)
-    request_id = new_id("chatcmpl")
-    group = RequestGroup(front.engine, front.make_states(plan, request_id, t0))
-    handler = ChatHandler(front, plan, group, request_id)
-    return await _respond(request, group, plan, handler.events, handler.body)
+    return await respond(request, group, plan, handler.events, handler.body)

@@ -26,8 +26,9 @@ JSON = {"content-type": "application/json"}
 def srv(ckpts):
     # Bodies up to 64 MiB, so the 10 MB cases below reach the text-length guard (the 8 MiB
     # default body limit, 413, is tested in test_e2e_ops.py).
+    # Tool calling on, so the schemathesis run below reaches the tool-call parser path too.
     s = Server(ckpts["gemma4"], "--context-length", str(CTX), "--metrics-compat", "vllm",
-               "--max-request-body-bytes", str(64 << 20))
+               "--max-request-body-bytes", str(64 << 20), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield ckpts["gemma4"], s
     stop_server(s)
 
@@ -188,6 +189,30 @@ def test_vllm_metric_aliases(srv):
             assert m[("vllm:" + name[len("tandem:"):], labels)] == value, name
     assert m[("vllm:generation_tokens_total", frozenset())] >= 2
     assert "_created" not in httpx.get(s.url + "/metrics").text
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_tools_request_without_a_call_is_the_models_text(srv):
+    """With the tool-call flags, a tools request the tiny model answers without a call gets the
+    model's text as content (hermes decodes with special tokens kept: so does the plain request
+    compared with), the same finish_reason, no tool_calls; streamed the same. required is a 400."""
+    path, s = srv
+    client = OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=30)
+    kw = dict(model=path, messages=MSG, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0]
+    r = client.chat.completions.create(**kw, tools=TOOLS).choices[0]
+    assert plain.message.content and plain.finish_reason in ("stop", "length")
+    assert (r.message.content, r.message.tool_calls, r.finish_reason) == (
+        plain.message.content, None, plain.finish_reason)
+    chunks = list(client.chat.completions.create(**kw, tools=TOOLS, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.message.content
+    assert chunks[-1].choices[0].finish_reason == plain.finish_reason
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    with pytest.raises(BadRequestError) as exc:
+        client.chat.completions.create(**kw, tools=TOOLS, tool_choice="required")
+    assert exc.value.body["param"] == "tool_choice"
 
 
 def _cap_schema(node) -> None:

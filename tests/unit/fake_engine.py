@@ -8,6 +8,7 @@ GenerateReq with deterministic tokens: by default the prompt's own tokens, cycle
 - ``step_s``: time between steps; ``paused``: stop stepping (requests stay running);
 - ``error_token``: a prompt containing this id is rejected with error_code 400;
 - ``eos_after``: emit EOS as the N-th token (finish "stop", matched_stop = EOS);
+- ``extra_eos``: more ids that end a request like EOS (a generation_config's second EOS);
 - ``max_running``: only the oldest N requests step; the rest are reported as waiting.
 
 Finish rules match the real scheduler's: the earliest of EOS / stop_token_ids (after
@@ -70,6 +71,7 @@ class FakeEngine:
         self.paused = False
         self.error_token: int | None = None
         self.eos_after: int | None = None
+        self.extra_eos: tuple[int, ...] = ()
         self.max_running = 32
         self.generate_count = 0  # GenerateReqs read (SchedulerStats.requests_received)
         self.output_fn: Callable[[GenerateReq], list[int]] | None = None
@@ -171,7 +173,7 @@ class FakeEngine:
 
     def _cut(self, req: FakeReq, new: list[int]) -> tuple[list[int], str | None, int | None]:
         p = req.msg.params
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_id})
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_id, *self.extra_eos})
         for i, tok in enumerate(new):
             produced = req.emitted + i + 1
             if tok in stop_ids and produced > p.min_new_tokens:

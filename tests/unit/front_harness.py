@@ -86,8 +86,10 @@ class Stack:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def start_stack(wait_ready: bool = True, send_info: bool = True, **arg_overrides) -> Stack:
-    tok_dir = shared_tokenizer_dir("chatml")
+def start_stack(wait_ready: bool = True, send_info: bool = True, tok_dir: str | None = None,
+                **arg_overrides) -> Stack:
+    """``tok_dir``: another tokenizer directory (default: the shared chatml one)."""
+    tok_dir = tok_dir or shared_tokenizer_dir("chatml")
     tok = TextTokenizer(tok_dir)
     run_dir = make_run_dir()
     endpoints = ipc_endpoints(run_dir)

@@ -1,7 +1,9 @@
 """Request options that vLLM users send and the front once ignored or half-served:
-continue_final_message, tool_choice, continuous usage stats on every chat chunk."""
+continue_final_message, tool_choice, continuous usage stats on every chat chunk, stop_reason."""
 
 from __future__ import annotations
+
+import json
 
 import openai
 import pytest
@@ -57,9 +59,27 @@ def test_tool_choice_that_demands_a_call_is_400(stack, client, http):
         assert exc.value.body["param"] == "tool_choice"
     r = http.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "tool_choice": "sometimes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    for choice in ("auto", "none"):  # tools go to the template; the answer is text
-        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=2)
-        assert r.choices[0].message.role == "assistant"
+
+
+def test_auto_tool_choice_needs_the_server_flags(client, http):
+    """vLLM's rule: tool_choice "auto", explicit or implied by tools, is a 400 unless the server
+    runs with --enable-auto-tool-choice and --tool-call-parser; "none" answers with text (the
+    tools still reach the template); a tool_choice without tools is a 400 too."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    for extra in ({"tool_choice": "auto"}, {}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=2, **extra)
+        err = exc.value.body
+        assert err["param"] == "tool_choice" and err["code"] == 400 and err["type"] == "BadRequestError"
+        assert err["message"] == ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                  "to be set")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=2)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    for choice in ("auto", "required"):
+        r = http.post("/v1/chat/completions", json={"messages": msgs, "tool_choice": choice, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "When using `tool_choice`, `tools` must be set."
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -82,6 +102,63 @@ def test_chat_continuous_usage_on_every_chunk(stack, client, n):
         assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n * len(
         stack.tok.encode("one two three", add_special_tokens=False))
+
+
+def test_continuous_usage_stats_alone_sends_no_usage(stack, client):
+    """vLLM sends usage on every chunk only when include_usage is true as well."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, stream=True,
+        stream_options={"continuous_usage_stats": True}))
+    assert chunks and all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+
+
+def _last_choice(http, path: str, body: dict, stream: bool) -> dict:
+    r = http.post(path, json={**body, "stream": stream})
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]["choices"][0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stop_reason_like_vllm(stack, http, path, stream):
+    """null on the tokenizer's EOS (also when a stop_token_ids entry is that EOS, unless
+    ignore_eos); the id for another stop token (a user's, or a second generation_config EOS);
+    the string for a stop string; null on length."""
+    eos = stack.tok.eos_id
+    ids = stack.tok.encode("one two three four", add_special_tokens=False)
+    stack.fake.output_fn = lambda req: ids[:2] + [eos] + ids[2:]
+    prompt = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    cases = [
+        ({}, "stop", None),
+        ({"stop_token_ids": [ids[1]]}, "stop", ids[1]),
+        ({"stop_token_ids": [eos]}, "stop", None),
+        ({"stop_token_ids": [eos], "ignore_eos": True}, "stop", eos),
+        ({"stop": ["n"]}, "stop", "n"),
+        ({"max_tokens": 1}, "length", None),
+    ]
+    try:
+        for extra, finish, reason in cases:
+            choice = _last_choice(http, path, {**prompt, "max_tokens": 10, **extra}, stream)
+            assert (choice["finish_reason"], choice["stop_reason"]) == (finish, reason), extra
+        stack.fake.extra_eos = (ids[1],)
+        choice = _last_choice(http, path, {**prompt, "max_tokens": 10}, stream)
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", ids[1])
+    finally:
+        stack.fake.output_fn, stack.fake.extra_eos = None, ()
+
+
+def test_generate_keeps_the_eos_id_as_matched_stop(stack, http):
+    """/generate is SGLang's: its matched_stop is the EOS id itself."""
+    eos = stack.tok.eos_id
+    stack.fake.output_fn = lambda req: stack.tok.encode("a b", add_special_tokens=False) + [eos]
+    try:
+        r = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 10}}).json()
+    finally:
+        stack.fake.output_fn = None
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
 
 
 def test_chat_echo_repeats_the_prefill(stack, client):

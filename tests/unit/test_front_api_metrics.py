@@ -88,16 +88,25 @@ def test_end_to_end_success_and_abort_counts():
 
 
 def test_continuous_usage_stats():
+    """vLLM: usage on every chunk only with include_usage *and* continuous_usage_stats;
+    continuous_usage_stats alone sends no usage at all (no per-chunk usage, no usage chunk)."""
     stack = start_stack()
     try:
         with httpx.Client(base_url=stack.base_url, timeout=10) as c:
-            r = c.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 4, "stream": True,
-                                                "stream_options": {"continuous_usage_stats": True}})
-        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        counts = [ch["usage"]["completion_tokens"] for ch in chunks]
-        assert counts == sorted(counts) and counts[-1] == 4
+            def chunks(options: dict) -> list[dict]:
+                r = c.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 4, "stream": True,
+                                                    "stream_options": options})
+                return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+            both = chunks({"include_usage": True, "continuous_usage_stats": True})
+            alone = chunks({"continuous_usage_stats": True})
+            final_only = chunks({"include_usage": True, "continuous_usage_stats": False})
+        counts = [ch["usage"]["completion_tokens"] for ch in both]
+        assert counts == sorted(counts) and counts[-1] == 4 and both[-1]["choices"] == []
         assert all(ch["usage"]["total_tokens"] == ch["usage"]["prompt_tokens"] + ch["usage"]["completion_tokens"]
-                   for ch in chunks)
+                   for ch in both)
+        assert alone and all("usage" not in ch for ch in alone) and all(ch["choices"] for ch in alone)
+        assert all("usage" not in ch for ch in final_only[:-1]) and final_only[-1]["usage"]["completion_tokens"] == 4
     finally:
         stack.close()
 

@@ -13,6 +13,7 @@ from proto.arrays import pack_i32
 from proto.messages import ReqOutput, SamplingParams
 from tests.unit.front_tok import shared_tokenizer_dir
 from tokenizer_proc.detokenize import IncrementalDetokenizer
+from tokenizer_proc.formatting import openai_stop_reason
 from tokenizer_proc.request_state import RequestState, StopConfig
 from tokenizer_proc.stops import StopMatch, StopMatcher
 from tokenizer_proc.tokenizer import TextTokenizer
@@ -164,4 +165,20 @@ def test_eos_token_counted_but_hidden():
     params = SamplingParams(max_new_tokens=10)
     state = RequestState("r", 0, [0], params, StopConfig(skip_special_tokens=False), TOK)
     delta = state.apply(ReqOutput("r", pack_i32(ids), finish_reason="stop", matched_stop=TOK.eos_id))
+    # The delta keeps the engine's matched id: /generate reports it (SGLang's matched_stop).
     assert delta.text == "Hello" and delta.stop_reason == TOK.eos_id and state.n_tokens == len(ids)
+    # The OpenAI endpoints report no stop_reason for the tokenizer's EOS, as vLLM does.
+    assert openai_stop_reason(delta.stop_reason, params, TOK.eos_id) is None
+
+
+def test_openai_stop_reason_rules():
+    """vLLM checks the tokenizer's EOS before stop_token_ids: a user stop id equal to EOS reads
+    as EOS (null) unless ignore_eos; any other id (a user's, or a generation_config EOS, which
+    vLLM folds into stop_token_ids) and stop strings are reported as matched."""
+    plain, ignoring = SamplingParams(stop_token_ids=(TOK.eos_id, 7)), SamplingParams(ignore_eos=True)
+    assert openai_stop_reason(TOK.eos_id, plain, TOK.eos_id) is None
+    assert openai_stop_reason(TOK.eos_id, ignoring, TOK.eos_id) == TOK.eos_id
+    assert openai_stop_reason(7, plain, TOK.eos_id) == 7
+    assert openai_stop_reason("stop here", plain, TOK.eos_id) == "stop here"
+    assert openai_stop_reason(None, plain, TOK.eos_id) is None
+    assert openai_stop_reason(TOK.eos_id, plain, None) == TOK.eos_id  # a tokenizer without EOS
