@@ -24,7 +24,7 @@ from gpu_worker.attention import create_backend, resolve_backend
 from gpu_worker.cuda_graphs import graph_buckets
 from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool
-from gpu_worker.models.config import read_eos_token_ids
+from gpu_worker.models.eos import read_eos_token_ids
 from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
 from gpu_worker.prefill_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
@@ -77,7 +77,7 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     backend = create_backend(name, pool=pool, page_table=state.page_table)
     # An EOS id outside the vocabulary (a broken config) could never be sampled; dropping it
     # keeps the min_tokens mask from indexing out of range.
-    eos = tuple(i for i in read_eos_token_ids(args.model_path) if 0 <= i < target.vocab_size)
+    eos = tuple(i for i in read_eos_token_ids(args.model_path, args.tokenizer_dir) if 0 <= i < target.vocab_size)
     runner = ModelRunner(target, assistant, backend, state, t, device, eos)
     # On the CPU, --attention-backend triton runs every kernel (norms, RoPE too) in the interpreter.
     runner.cpu_kernels = name in ("triton", "flashinfer") and device.type != "cuda"  # flashinfer: tests' fake

@@ -364,28 +364,3 @@ def parse_config(cfg: dict) -> ModelSpec:
 def load_config(model_dir: str | Path) -> dict:
     with open(Path(model_dir) / "config.json") as f:
         return json.load(f)
-
-
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def read_eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
-    """EOS ids from generation_config.json then config.json (and its text_config), deduplicated."""
-    model_dir = Path(model_dir)
-    ids: list[int] = []
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        with open(gen) as f:
-            ids += _as_ids(json.load(f).get("eos_token_id"))
-    cfg_path = model_dir / "config.json"
-    if cfg_path.exists():
-        cfg = load_config(model_dir)
-        ids += _as_ids(cfg.get("eos_token_id"))
-        if isinstance(cfg.get("text_config"), dict):
-            ids += _as_ids(cfg["text_config"].get("eos_token_id"))
-    return tuple(dict.fromkeys(ids))

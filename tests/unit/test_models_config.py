@@ -12,8 +12,8 @@ from gpu_worker.models.config import (
     Gemma4Spec,
     LlamaSpec,
     parse_config,
-    read_eos_token_ids,
 )
+from gpu_worker.models.eos import read_eos_token_ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -163,3 +163,22 @@ def test_read_eos_token_ids(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
     (tmp_path / "config.json").write_text(json.dumps({}))
     assert read_eos_token_ids(tmp_path) == ()
+
+
+def test_tokenizer_eos_stops_too(tmp_path):
+    """The tokenizer's EOS token ends a request even where the configs do not list it (vLLM and
+    SGLang stop on it): resolved through tokenizer.json, from the tokenizer directory when it is
+    not the model's; absent or unknown tokens add nothing."""
+    from tests.helpers.checkpoints import build_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    build_tokenizer(str(tok_dir))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert read_eos_token_ids(tmp_path) == (7,)  # no tokenizer in the model directory
+    assert read_eos_token_ids(tmp_path, tok_dir) == (7, 2)  # "</s>"
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    for eos, want in (({"content": "<|end|>", "special": True}, (7, 5)), ("<not-a-token>", (7,)), (None, (7,))):
+        (tok_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": eos}))
+        assert read_eos_token_ids(tmp_path, tok_dir) == want, eos
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert read_eos_token_ids(tmp_path, tok_dir) == (5, 7)  # already listed: once, in config order
