@@ -250,8 +250,8 @@ def min_split_keys() -> int:
     """``TANDEM_DECODE_MIN_SPLIT_KEYS=N``: a split-KV launch uses only as many of its pieces as
     give each at least N keys, decided in the kernel from the row's length (so a graph replay
     still launches what its capture did). At short context the pieces' fixed costs (a wait, a
-    partial, the merge's reads) outweigh their keys: on the H200, 16 pieces of ~40 keys made a
-    600-key layer of the Gemma MTP step cost 8x its bytes (BENCHMARKS.md 2026-12-05 third
+    partial, the merge's reads) outweigh their keys: on the H200, 10-13 pieces of 48-64 keys made
+    a 600-key layer of the Gemma MTP step cost 8-16x its bytes (BENCHMARKS.md 2026-12-05 third
     session). Unset or 0: every piece takes an equal share (the default until measured)."""
     raw = os.environ.get("TANDEM_DECODE_MIN_SPLIT_KEYS", "0").strip() or "0"
     if not raw.isdigit():
