@@ -138,3 +138,5 @@ def _check_tool_call(call: Any, path: str) -> None:
             json.loads(args)
         except ValueError as exc:
             raise bad_request(f"Invalid '{where}': not valid JSON ({exc}).", where) from None
+        except RecursionError:
+            raise bad_request(f"Invalid '{where}': not valid JSON (nested too deeply).", where) from None

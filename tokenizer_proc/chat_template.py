@@ -145,7 +145,7 @@ def template_tool_calls(tool_calls: list) -> list:
         elif isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass  # refused by chat_messages.py before rendering; kept as text otherwise
         out.append({**call, "function": {**function, "arguments": args}})
     return out
@@ -233,6 +233,8 @@ class ChatTemplate:
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
             # A template that trips over an odd message shape is the request's fault, not ours.
             raise ChatTemplateError(f"chat template error: {type(exc).__name__}: {exc}") from exc
+        except RecursionError:  # e.g. tool call arguments nested too deeply for `tojson`
+            raise ChatTemplateError("chat template error: a message is nested too deeply") from None
         return cut_at_tag(text) if continue_final_message else text
 
 
