@@ -68,6 +68,7 @@ class GenPlan:
     return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field (non-streaming only)
     prompt_texts: list[str] = field(default_factory=list)
     tool_parser: str | None = None  # chat: the parser that turns the answer into tool_calls
+    parallel_tool_calls: bool = True  # false: only a choice's first call is returned
 
     def choice_params(self, j: int) -> SamplingParams:
         if j == 0 or self.params.seed is None:
@@ -361,6 +362,7 @@ def plan_chat(
         echo=bool(echo_text),
         prompt_texts=[echo_text] if echo_text else [],
         tool_parser=tool_parser,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
     )
 
 

@@ -114,6 +114,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: only the first parsed call is returned (vLLM)
     documents: list[dict[str, Any]] | None = None
 
 

@@ -7,7 +7,8 @@ deltas the calls (the first one of a call its ``index``, ``id``, ``type`` and ``
 later ones ``function.arguments`` fragments), text that may still become a call is held back,
 and a choice that made a call finishes with ``"tool_calls"`` (vLLM's choice, also when the
 length cap ended it). The non-streaming message has ``tool_calls`` and ``content`` (null when
-only calls were made).
+only calls were made). ``parallel_tool_calls: false`` keeps only each choice's first call
+(vLLM drops the others the same way, after parsing).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class ChatHandler:
         out = parser.feed(d.text)
         if d.finished:
             out.extend(parser.finish())
+        if not self.plan.parallel_tool_calls:  # vLLM: the deltas of the first call only
+            out.calls = [c for c in out.calls if c.index == 0]
         delta: dict = {"content": out.content} if out.content else {}
         if out.calls:
             delta["tool_calls"] = out.to_openai_calls()
@@ -120,6 +123,8 @@ class ChatHandler:
         if self.plan.tool_parser is None:
             return {"role": "assistant", "content": self._echo() + text}, r.finish_reason
         parsed = self._parsed(text)
+        if not self.plan.parallel_tool_calls:  # vLLM keeps the first call
+            parsed.tool_calls = parsed.tool_calls[:1]
         content = self._echo() + (parsed.content or "")
         message = {"role": "assistant", "content": content if content or not parsed.tool_calls else None}
         if parsed.tool_calls:

@@ -72,3 +72,47 @@ def test_a_template_that_recurses_is_a_template_error():
     tmpl = ChatTemplate("{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(messages) }}", tok)
     with pytest.raises(ChatTemplateError, match="nested too deeply"):
         tmpl.render([{"role": "user", "content": "hi"}])
+
+
+# ---------------------------------------------------------------------- parallel_tool_calls
+
+
+def fold(chunks, index: int = 0) -> tuple[str | None, list[dict], str | None]:
+    """Chunks of one choice folded the way clients fold them (tool calls by index)."""
+    content, calls, finish = None, {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.index != index:
+                continue
+            if choice.delta.content:
+                content = (content or "") + choice.delta.content
+            for tc in choice.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": ""})
+                call["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 40])
+def test_parallel_tool_calls_false_keeps_the_first_call(stack, client, tokens_per_step):
+    """vLLM (maybe_filter_parallel_tool_calls): with parallel_tool_calls false only the first
+    call is returned, streamed deltas of index 0 only; true or unset returns every call."""
+    stack.fake.tokens_per_step = tokens_per_step
+    script(stack, TWO_CALLS)
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=300, n=2)
+    for parallel, want in ((False, ["Paris"]), (True, ["Paris", "Tokyo"]), (None, ["Paris", "Tokyo"])):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        r = client.chat.completions.create(**kw, **extra)
+        chunks = list(client.chat.completions.create(stream=True, **kw, **extra))
+        for choice in r.choices:
+            assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check.\n"
+            assert [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls] == want
+            content, calls, finish = fold(chunks, choice.index)
+            assert (content, finish) == ("Let me check.\n", "tool_calls")
+            assert [json.loads(c["arguments"])["city"] for c in calls] == want
+
+
+def test_parallel_tool_calls_must_be_a_boolean(http):
+    body = {"messages": ASK, "tools": TOOLS, "parallel_tool_calls": "sometimes"}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "parallel_tool_calls", r.text
