@@ -116,3 +116,26 @@ def test_parallel_tool_calls_must_be_a_boolean(http):
     body = {"messages": ASK, "tools": TOOLS, "parallel_tool_calls": "sometimes"}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "parallel_tool_calls", r.text
+
+
+# ---------------------------------------------------------------------- gemma4 bare numbers
+
+
+@pytest.mark.parametrize("raw,want", [
+    ("1e999", "1e999"),  # json.dumps(inf) is Infinity: not JSON
+    ("-2.5e400", "-2.5e400"),
+    ("9" * 5000, "9" * 5000),  # int() refuses more than 4300 digits: it raised, mid-stream too
+    ("2.5e3", 2500.0),
+    ("-7", -7),
+])
+def test_gemma4_bare_numbers_json_cannot_hold_stay_text(raw, want):
+    from tests.unit.tool_parser_util import shape, sized, stream, whole
+
+    text = "<|tool_call>call:f{a:%s,b:1}<tool_call|>" % raw
+    m = whole("gemma4", text)
+    assert m.content is None and len(m.tool_calls) == 1
+    args = m.tool_calls[0].arguments
+    assert json.loads(args, parse_constant=lambda c: pytest.fail(f"not JSON: {c}")) == {"a": want, "b": 1}
+    for sizes in ([1], [7], [len(text)]):
+        got, _, broken = stream("gemma4", sized(text, sizes))
+        assert not broken and shape(got) == shape(m)

@@ -10,13 +10,15 @@ one another; text around them is content. The tokens are special, so they are ke
 
 The arguments are translated to JSON as they stream: ``{"city": "Paris", "days": 3, ...}``,
 with ``json.dumps``' separators and escaping. A bare value is written once it ended (``3`` may
-still become ``3.5``): as a number when it is one, ``true``/``false``/``null`` (``None`` and
-``nil`` too, as vLLM reads them), else as a string.
+still become ``3.5``): as a number when it is one (and JSON can hold it: ``1e999`` and ints
+longer than ``int()`` reads stay text, as vLLM's parser leaves them), ``true``/``false``/``null``
+(``None`` and ``nil`` too, as vLLM reads them), else as a string.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from tokenizer_proc.tool_parsers.base import CallSyntaxError
@@ -35,10 +37,13 @@ def bare_json(token: str) -> str:
     if token.lower() in _NULLS:
         return "null"
     if _INT.fullmatch(token):
-        return json.dumps(int(token))
-    if _FLOAT.fullmatch(token):
+        try:
+            return json.dumps(int(token))
+        except ValueError:  # more digits than int() reads (sys.get_int_max_str_digits): text, as vLLM
+            return json.dumps(token)
+    if _FLOAT.fullmatch(token) and math.isfinite(float(token)):
         return json.dumps(float(token))
-    return json.dumps(token, ensure_ascii=False)
+    return json.dumps(token, ensure_ascii=False)  # 1e999 too: json.dumps would write Infinity
 
 
 class GemmaCallBody:
