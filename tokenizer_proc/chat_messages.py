@@ -7,7 +7,8 @@ Per role (OpenAI's chat-completions reference):
   is given; its parts may also be ``{"type": "refusal", "refusal": str}`` (rendered as text);
 - ``tool``: ``content`` and ``tool_call_id`` required;
 - ``function`` (deprecated): ``name`` required, ``content`` may be null.
-An assistant's ``tool_calls`` items need ``function.name`` and JSON ``function.arguments``.
+An assistant's ``tool_calls`` items need ``function.name`` and JSON ``function.arguments``;
+each of the request's ``tools`` needs ``function.name`` (``validate_tools``: vLLM's tool model).
 Any other role is refused. Every failure is a 400 whose ``param`` is the path, e.g.
 ``messages[0].content``, never a 422. Keys we do not know pass through to the template.
 """
@@ -140,3 +141,22 @@ def _check_tool_call(call: Any, path: str) -> None:
             raise bad_request(f"Invalid '{where}': not valid JSON ({exc}).", where) from None
         except RecursionError:
             raise bad_request(f"Invalid '{where}': not valid JSON (nested too deeply).", where) from None
+
+
+def validate_tools(tools: list | None) -> None:
+    """``tools`` as vLLM's request model reads them (``ChatCompletionToolsParam``): ``type``
+    "function" (the default), ``function`` an object with a string ``name``, ``description`` a
+    string and ``parameters`` an object when given. Each tool is already an object (protocol.py)."""
+    for i, tool in enumerate(tools or ()):
+        path = f"tools[{i}]"
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise bad_request(f"Invalid value for '{path}.type': expected 'function', got {kind!r}.", f"{path}.type")
+        function = tool.get("function")
+        _check_object(function, f"{path}.function")
+        _check_string(function, "name", f"{path}.function", required=True)
+        _check_string(function, "description", f"{path}.function", required=False)
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"Invalid type for '{path}.function.parameters': expected an object, but got "
+                              f"{_type_name(params)} instead.", f"{path}.function.parameters")

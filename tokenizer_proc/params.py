@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from proto.messages import SamplingParams
-from tokenizer_proc.chat_messages import validate_messages
+from tokenizer_proc.chat_messages import validate_messages, validate_tools
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_proc.errors import APIError, bad_request
 from tokenizer_proc.protocol import (
@@ -328,6 +328,7 @@ def plan_chat(
 ) -> GenPlan:
     """``server_tool_parser``: the parser name when the server has both tool-calling flags."""
     _unsupported(req)
+    validate_tools(req.tools)
     tool_parser = resolve_tool_choice(req.tool_choice, req.tools, server_tool_parser)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")

@@ -139,3 +139,36 @@ def test_gemma4_bare_numbers_json_cannot_hold_stay_text(raw, want):
     for sizes in ([1], [7], [len(text)]):
         got, _, broken = stream("gemma4", sized(text, sizes))
         assert not broken and shape(got) == shape(m)
+
+
+# ---------------------------------------------------------------------- malformed tools
+
+
+@pytest.mark.parametrize("tool,param", [
+    ({"type": "function"}, "tools[0].function"),
+    ({"type": "function", "function": "get_weather"}, "tools[0].function"),
+    ({"type": "function", "function": {"parameters": {}}}, "tools[0].function.name"),
+    ({"type": "function", "function": {"name": 5}}, "tools[0].function.name"),
+    ({"type": "function", "function": {"name": "f", "parameters": "a schema"}}, "tools[0].function.parameters"),
+    ({"type": "function", "function": {"name": "f", "description": ["x"]}}, "tools[0].function.description"),
+    ({"type": "code_interpreter"}, "tools[0].type"),
+])
+@pytest.mark.parametrize("tool_choice", [None, "none", "auto"])
+def test_malformed_tools_are_a_400(http, tool, param, tool_choice):
+    """vLLM's request model (ChatCompletionToolsParam / FunctionDefinition) refuses these with
+    a 400; they were accepted and went to the chat template as they were."""
+    body = {"messages": ASK, "tools": [TOOLS[0], tool], "max_tokens": 2}
+    if tool_choice:
+        body["tool_choice"] = tool_choice
+    r = http.post("/v1/chat/completions", json=body)
+    want = param.replace("tools[0]", "tools[1]")
+    assert r.status_code == 400 and r.json()["error"]["param"] == want, r.text
+
+
+def test_well_formed_tool_variants_are_accepted(stack, client):
+    """``type`` defaults to "function"; description, strict and null parameters are fine."""
+    script(stack, "It is sunny.")
+    tools = [{"function": {"name": "a"}}, {"type": "function", "function": {"name": "b", "parameters": None,
+                                                                             "description": "d", "strict": True}}]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=20)
+    assert r.choices[0].message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
