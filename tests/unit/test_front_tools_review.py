@@ -172,3 +172,28 @@ def test_well_formed_tool_variants_are_accepted(stack, client):
                                                                              "description": "d", "strict": True}}]
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=20)
     assert r.choices[0].message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------------- the openai stream helper
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 4])
+def test_openai_stream_helper_rebuilds_the_non_streaming_answer(stack, client, tokens_per_step):
+    """``client.beta.chat.completions.stream`` merges deltas with its own rules (``index`` and
+    ``type`` replaced, other strings concatenated: an ``id`` or ``name`` sent twice would be
+    doubled); its final completion equals the non-streaming answer, for every choice."""
+    stack.fake.tokens_per_step = tokens_per_step
+    script(stack, TWO_CALLS + "\n")
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=300, n=2)
+    full = client.chat.completions.create(**kw)
+    with client.beta.chat.completions.stream(**kw) as s:
+        done_events = [e for e in s if e.type == "tool_calls.function.arguments.done"]
+        final = s.get_final_completion()
+    assert len(done_events) == 4 and {json.loads(e.arguments)["city"] for e in done_events} == {"Paris", "Tokyo"}
+    for got, want in zip(sorted(final.choices, key=lambda c: c.index), full.choices):
+        assert (got.finish_reason, got.message.content) == (want.finish_reason, want.message.content) == (
+            "tool_calls", "Let me check.\n")
+        assert [(c.type, c.function.name, c.function.arguments) for c in got.message.tool_calls] == [
+            (c.type, c.function.name, c.function.arguments) for c in want.message.tool_calls]
+        assert all(c.id.startswith("chatcmpl-tool-") and len(c.id) == len("chatcmpl-tool-") + 32
+                   for c in got.message.tool_calls)
