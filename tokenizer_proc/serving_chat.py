@@ -142,7 +142,8 @@ async def create_chat_completion(front: Front, request: Request) -> Response:
     req = decode_body(await read_body(request), ChatCompletionRequest)
     check_model(req.model, front.args.model_name)
     front.engine.check_accepting()
-    plan = plan_chat(req, front.tok, front.template, front.limits(), front.gen_defaults, front.auto_tool_parser)
+    plan = plan_chat(req, front.tok, front.chat_template_for(req), front.limits(), front.gen_defaults,
+                     front.auto_tool_parser)
     request_id = new_id("chatcmpl")
     group = RequestGroup(front.engine, front.make_states(plan, request_id, t0))
     handler = ChatHandler(front, plan, group, request_id)
