@@ -114,6 +114,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's: needs --trust-request-chat-template
     include_reasoning: bool = True  # vLLM's: false drops the reasoning (with --reasoning-parser)
+    separate_reasoning: bool = True  # SGLang's: false leaves the think block in the content
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     documents: list[dict[str, Any]] | None = None

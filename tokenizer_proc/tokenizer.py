@@ -79,6 +79,12 @@ class TextTokenizer:
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.tok.token_to_id(token)
 
+    def is_special(self, token: str) -> bool:
+        """An added token marked special: decoding with ``skip_special_tokens`` drops its text."""
+        token_id = self.tok.token_to_id(token)
+        added = self.tok.get_added_tokens_decoder().get(token_id) if token_id is not None else None
+        return bool(added is not None and added.special)
+
     def max_text_chars(self, max_tokens: int) -> int:
         """A text longer than this has more than ``max_tokens`` tokens, whatever it says (x4: room
         for normalizers that shrink text, such as NFKC composition)."""
