@@ -17,6 +17,8 @@ BUNDLED_MODEL_DIR = os.path.join(
 
 SPEC_ALGORITHMS = ("FROZEN-KV-MTP",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# vLLM's and SGLang's --dtype also take these torch short names
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # tokenizer_proc/tool_parsers' registry (kept equal by a unit test; proto imports no process package)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "gemma4")
@@ -134,7 +136,8 @@ def _positive(flag: str, value: int | None) -> None:
 def validate(args: ServerArgs) -> ServerArgs:
     """Check what can be checked before any process starts. Raises ArgError."""
     if not os.path.isdir(args.model_path):
-        raise ArgError(f"--model-path: {args.model_path!r} is not a directory")
+        raise ArgError(f"--model-path: {args.model_path!r} is not a directory (a local checkpoint; "
+                       "hub names are not downloaded)")
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):
         raise ArgError(f"--model-path: no config.json in {args.model_path!r}")
     tok = args.tokenizer_dir
@@ -272,6 +275,7 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
     kw["model_path"] = _model_path(ns.model_tag, ns.model_path)
     if kw["reasoning_parser"]:  # SGLang's names use '-' (deepseek-r1), vLLM's '_'
         kw["reasoning_parser"] = kw["reasoning_parser"].replace("-", "_")
+    kw["dtype"] = DTYPE_ALIASES.get(kw["dtype"], kw["dtype"])
     kw["cuda_graph_bs"] = tuple(kw["cuda_graph_bs"]) if kw["cuda_graph_bs"] else None
     if kw["api_key"] is None and os.environ.get("TANDEM_API_KEY"):
         kw["api_key"] = os.environ["TANDEM_API_KEY"]

@@ -48,7 +48,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
     a("--device", default="auto")
-    a("--dtype", default="auto")
+    a("--dtype", default="auto", help="auto, bfloat16, float16 (half), float32 (float)")
     a("--served-model-name", metavar="NAME", default=None)
     a("--load-format", default="auto")
     a("--random-seed", "--seed", metavar="N", type=int, default=0,

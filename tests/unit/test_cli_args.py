@@ -36,6 +36,8 @@ TARGET = os.path.join(BUNDLED_MODEL_DIR, "target")
     (["--disable-prefix-cache", "--enable-prefix-caching"], []),
     (["--enable-prefix-caching", "--no-enable-prefix-caching"], ["--disable-radix-cache"]),
     (["--reasoning-parser", "deepseek-r1"], ["--reasoning-parser", "deepseek_r1"]),
+    (["--dtype", "half"], ["--dtype", "float16"]),
+    (["--dtype", "float"], ["--dtype", "float32"]),
 ])
 def test_vllm_spelling_parses_like_sglang(vllm, sglang):
     assert parse_server_args(vllm) == parse_server_args(sglang)
@@ -52,6 +54,13 @@ def test_aliases_change_what_they_should():
     positional = parse_server_args([TARGET])
     assert positional.model_path == TARGET and positional.served_model_name is None
     assert not positional.spec_enabled  # an explicit model: no bundled assistant
+
+
+def test_hub_name_is_a_clear_error(capsys):
+    assert cli_main(["serve", "Qwen/Qwen3-0.6B"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("tandem serve: error: --model-path: 'Qwen/Qwen3-0.6B' is not a directory (a local checkpoint; "
+                   "hub names are not downloaded)\n")
 
 
 def test_positional_model_and_a_different_flag_conflict():
