@@ -96,10 +96,11 @@ def test_stream_folds_into_the_non_streaming_answer(stack, client, tokens_per_st
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_reasoning_then_tool_calls(stack, client, stream):
+@pytest.mark.parametrize("stream,tokens_per_step", [(False, 1), (True, 1), (True, 3)])
+def test_reasoning_then_tool_calls(stack, client, stream, tokens_per_step):
     """The tool parser reads only what follows the think block; a call written inside the block
     is reasoning, not a call."""
+    stack.fake.tokens_per_step = tokens_per_step
     text = "<think>Mention <tool_call> in passing; call it.</think>\n" + CALL % "Paris" + "\n" + CALL % "東京"
     script(stack, text)
     kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=300)

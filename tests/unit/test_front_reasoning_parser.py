@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from proto.args import REASONING_PARSERS
 from tokenizer_proc.reasoning import CLOSE, OPEN, PARSERS, ReasoningParser, split_reasoning, starts_in_reasoning
+from tokenizer_proc.tool_parsers import accumulate, parse_complete, parser_class
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 QWEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -122,3 +123,28 @@ def test_any_text_any_chunking(text, sizes, in_reasoning):
     assert split_reasoning(ReasoningParser(in_reasoning), text) == (want_r, want_c)
     got_r, got_c, _ = stream(cut_sized(text, sizes), in_reasoning)
     assert (got_r, got_c) == (want_r or "", want_c)
+
+
+COMPOSED = ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"x": 1}}', "{", "}",
+            "\n", " ", "a", "<", "/", "😀"]
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from(COMPOSED), max_size=25).map("".join), chunk_sizes, st.booleans())
+def test_reasoning_then_tool_parser_any_chunking(text, sizes, in_reasoning):
+    """The serving order (reasoning parser, then the tool parser on its content only): the
+    stream, cut anywhere, folds into the non-streaming answer unless a call broke mid-stream."""
+    want_r, want_c = split_reasoning(ReasoningParser(in_reasoning), text)
+    want = parse_complete(parser_class("hermes")(), want_c)
+    reasoner, tools = ReasoningParser(in_reasoning), parser_class("hermes")()
+    reasoning, outs = "", []
+    for piece in [*cut_sized(text, sizes), None]:
+        out = reasoner.feed(piece) if piece is not None else reasoner.finish()
+        reasoning += out.reasoning
+        outs.append(tools.feed(out.content))
+    outs.append(tools.finish())
+    got = accumulate(outs)
+    assert reasoning == (want_r or "")
+    if tools.broken is None:
+        assert (got.content, [(c.name, c.arguments) for c in got.tool_calls]) == \
+            (want.content, [(c.name, c.arguments) for c in want.tool_calls])
