@@ -334,7 +334,7 @@ def plan_chat(
     # HF tokenizes rendered chats without special tokens: the template wrote any BOS itself.
     ids = encode_prompt(text, tok, limits, "messages", add_special_tokens=False)
     reasoning = None
-    if server_reasoning_parser and req.separate_reasoning:
+    if server_reasoning_parser and req.separate_reasoning is not False:
         reasoning = starts_in_reasoning(server_reasoning_parser, text, req.chat_template_kwargs,
                                         req.continue_final_message)
     if not ids:
@@ -358,8 +358,8 @@ def plan_chat(
     return GenPlan(
         prompts=[ids],
         params=params,
-        stop_cfg=_stop_cfg(req, keep_special=bool(tool_parser) and parser_class(tool_parser).keeps_special_tokens
-                           or reasoning is not None and tags_are_special(tok)),
+        stop_cfg=_stop_cfg(req, keep_special=(bool(tool_parser) and parser_class(tool_parser).keeps_special_tokens)
+                           or (reasoning is not None and tags_are_special(tok))),
         n=req.n or 1,
         stream=bool(req.stream),
         include_usage=include_usage(req),
@@ -369,7 +369,7 @@ def plan_chat(
         prompt_texts=[echo_text] if echo_text else [],
         tool_parser=tool_parser,
         reasoning=reasoning,
-        include_reasoning=req.include_reasoning,
+        include_reasoning=req.include_reasoning is not False,
     )
 
 

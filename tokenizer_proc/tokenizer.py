@@ -65,6 +65,7 @@ class TextTokenizer:
         # "<0x..>" forms only overstate it). Bounds the text a number of tokens can hold.
         self.max_token_chars = max((len(t) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
         self._decode_one = lru_cache(maxsize=65536)(self._decode_one_uncached)
+        self._special_added = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
 
     # ------------------------------------------------------------------ facts
     def _special_token_strings(self) -> dict[str, str]:
@@ -81,9 +82,7 @@ class TextTokenizer:
 
     def is_special(self, token: str) -> bool:
         """An added token marked special: decoding with ``skip_special_tokens`` drops its text."""
-        token_id = self.tok.token_to_id(token)
-        added = self.tok.get_added_tokens_decoder().get(token_id) if token_id is not None else None
-        return bool(added is not None and added.special)
+        return token in self._special_added
 
     def max_text_chars(self, max_tokens: int) -> int:
         """A text longer than this has more than ``max_tokens`` tokens, whatever it says (x4: room

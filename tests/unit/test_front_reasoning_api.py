@@ -140,6 +140,8 @@ def test_include_reasoning_false_and_separate_reasoning_false(stack, client):
     assert (got["reasoning"], got["content"]) == ("", "\n\nThe answer is 42.")
     _, choice = message(client, extra_body={"separate_reasoning": False})
     assert choice.message.content == THOUGHT and "reasoning_content" not in choice.message.model_extra
+    _, choice = message(client, extra_body={"include_reasoning": None, "separate_reasoning": None})  # defaults
+    assert fields(choice) == ("\nSix sevens: 42. 日本語 😀\n", "\n\nThe answer is 42.")
 
 
 def test_n_choices_parse_separately(stack, client):
