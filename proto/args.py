@@ -17,9 +17,13 @@ BUNDLED_MODEL_DIR = os.path.join(
 
 SPEC_ALGORITHMS = ("FROZEN-KV-MTP",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# vLLM's and SGLang's --dtype also take these torch short names
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # tokenizer_proc/tool_parsers' registry (kept equal by a unit test; proto imports no process package)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "gemma4")
+# tokenizer_proc/reasoning.py's registry (kept equal by a unit test); SGLang spells deepseek-r1
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 class ArgError(ValueError):
@@ -76,6 +80,10 @@ class ServerArgs:
     # Tool calling (vLLM's flags): parse the model's calls into tool_calls for tool_choice "auto".
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # Chat (vLLM's and SGLang's flags): a template file or inline Jinja; reasoning split.
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    reasoning_parser: str | None = None
     extra: dict = field(default_factory=dict)
 
     # --------------------------------------------------------------- derived values
@@ -128,7 +136,8 @@ def _positive(flag: str, value: int | None) -> None:
 def validate(args: ServerArgs) -> ServerArgs:
     """Check what can be checked before any process starts. Raises ArgError."""
     if not os.path.isdir(args.model_path):
-        raise ArgError(f"--model-path: {args.model_path!r} is not a directory")
+        raise ArgError(f"--model-path: {args.model_path!r} is not a directory (a local checkpoint; "
+                       "hub names are not downloaded)")
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):
         raise ArgError(f"--model-path: no config.json in {args.model_path!r}")
     tok = args.tokenizer_dir
@@ -178,7 +187,22 @@ def validate(args: ServerArgs) -> ServerArgs:
     _validate_ops(args)
     _validate_spec(args)
     _validate_tools(args)
+    _validate_chat(args)
     return args
+
+
+def _validate_chat(args: ServerArgs) -> None:
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise ArgError(f"--reasoning-parser: expected one of {', '.join(REASONING_PARSERS)}, "
+                       f"got {args.reasoning_parser!r}")
+    if args.chat_template is None:
+        return
+    from proto.jinja_env import compile_template, read_template_source  # noqa: PLC0415 - jinja2 only when asked
+
+    try:
+        compile_template(read_template_source(args.chat_template))
+    except ValueError as exc:
+        raise ArgError(f"--chat-template: {exc}") from None
 
 
 def _validate_tools(args: ServerArgs) -> None:
@@ -237,88 +261,21 @@ def _validate_spec(args: ServerArgs) -> None:
         )
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ArgError instead of printing usage and exiting."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise ArgError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tandem serve", description="Serve a model over an OpenAI-compatible API.")
-    a = p.add_argument
-    a("--model-path", "--model", default=None, help="HF checkpoint directory (default: the bundled pair)")
-    a("--tokenizer-path", default=None)
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8000)
-    a("--device", default="auto")
-    a("--dtype", default="auto")
-    a("--served-model-name", default=None)
-    a("--page-size", type=int, default=16)
-    a("--max-running-requests", type=int, default=None)
-    a("--max-total-tokens", type=int, default=None)
-    a("--chunked-prefill-size", type=int, default=None)
-    a("--context-length", type=int, default=None)
-    a("--mem-fraction-static", type=float, default=0.85)
-    a("--load-format", default="auto")
-    a("--attention-backend", default="auto", help="auto (triton, else flashinfer, on CUDA; torch on the CPU), "
-      "torch, triton, flashinfer")
-    a("--disable-cuda-graph", action="store_true", help="run every step eagerly on CUDA (no graphs at all)")
-    a("--disable-piecewise-cuda-graph", action="store_true",
-      help="run prefill steps eagerly (default: piecewise graphs per token bucket, attention eager)")
-    a("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured (default 256)")
-    a("--cuda-graph-bs", type=int, nargs="+", default=None, help="decode batch sizes to capture")
-    a("--log-level", default="info")
-    a("--num-threads", type=int, default=None, help="worker CPU threads (default: all cores but one)")
-    a("--random-seed", type=int, default=0)
-    a("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1,
-      help="tensor parallelism: shard the models over this many GPUs, one worker process each")
-    a("--disable-overlap-schedule", action="store_true")
-    a("--overlap-depth", type=int, default=3,
-      help="steps launched ahead of the last processed result: 3 (default) keeps the scheduler's round "
-      "trip out of the step cycle where the host, not the GPU, bounds a step (small models, MTP); "
-      "2 plans step N+1 while N runs; 1 = --disable-overlap-schedule")
-    a("--disable-prefix-cache", "--disable-radix-cache", action="store_true")
-    a("--max-queued-requests", type=int, default=4096,
-      help="waiting (not yet running) requests beyond which new ones get 503 + Retry-After")
-    a("--speculative-algorithm", default=None)
-    a("--speculative-draft-model-path", default=None)
-    a("--speculative-num-steps", type=int, default=3)
-    a("--speculative-eagle-topk", type=int, default=1)
-    a("--speculative-num-draft-tokens", type=int, default=None)
-    a("--metrics-compat", default=None)
-    a("--transport", default="ipc")
-    a("--tcp-base-port", type=int, default=None)
-    a("--run-dir", default=None)
-    a("--skip-warmup", action="store_true")
-    ops = p.add_argument_group("operations")
-    o = ops.add_argument
-    o("--shutdown-timeout", type=float, default=30.0,
-      help="on SIGTERM, seconds running and queued requests get to finish (default 30)")
-    o("--restart-on-failure", action="store_true",
-      help="restart the engine (scheduler + worker) when one of them dies, instead of exiting")
-    o("--max-engine-restarts", type=int, default=5,
-      help="with --restart-on-failure: give up (exit 1) after this many consecutive engine deaths")
-    o("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set TANDEM_API_KEY)")
-    o("--metrics-require-key", action="store_true", help="require the API key on /health, /metrics, /load too")
-    o("--curve-keys-dir", default=None,
-      help="--transport tcp: CURVE keys from 'tandem keys generate DIR' (default: fresh keys per run)")
-    o("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
-      help="larger request bodies get 413 (default 8 MiB)")
-    tools = p.add_argument_group("tool calling")
-    tools.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="answer tool_choice 'auto' (the default with tools) with parsed tool_calls; "
-                       "needs --tool-call-parser")
-    tools.add_argument("--tool-call-parser", default=None,
-                       help=f"how the model writes tool calls: {', '.join(TOOL_CALL_PARSERS)}")
-    return p
+    from proto.serve_flags import build_parser as build  # noqa: PLC0415 - serve_flags imports this module
+
+    return build()
 
 
 def parse_server_args(argv: list[str]) -> ServerArgs:
     """Parse and validate; with no --model-path, serve the bundled tiny pair with MTP on."""
     ns = build_parser().parse_args(argv)
-    kw = {k: v for k, v in vars(ns).items() if k != "skip_warmup"}
+    kw = {k: v for k, v in vars(ns).items() if k not in ("skip_warmup", "model_tag")}
     kw["warmup"] = not ns.skip_warmup
+    kw["model_path"] = _model_path(ns.model_tag, ns.model_path)
+    if kw["reasoning_parser"]:  # SGLang's names use '-' (deepseek-r1), vLLM's '_'
+        kw["reasoning_parser"] = kw["reasoning_parser"].replace("-", "_")
+    kw["dtype"] = DTYPE_ALIASES.get(kw["dtype"], kw["dtype"])
     kw["cuda_graph_bs"] = tuple(kw["cuda_graph_bs"]) if kw["cuda_graph_bs"] else None
     if kw["api_key"] is None and os.environ.get("TANDEM_API_KEY"):
         kw["api_key"] = os.environ["TANDEM_API_KEY"]
@@ -326,6 +283,13 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
         kw.update(bundled_model_defaults(kw))
     kw["speculative_algorithm"] = (kw["speculative_algorithm"] or None) and kw["speculative_algorithm"].upper()
     return validate(ServerArgs(**kw))
+
+
+def _model_path(positional: str | None, flag: str | None) -> str | None:
+    """vLLM's ``serve MODEL`` and ``--model``/``--model-path`` name one thing: both only if equal."""
+    if positional is not None and flag is not None and positional != flag:
+        raise ArgError(f"--model-path: {flag!r} differs from the positional MODEL {positional!r} (give one)")
+    return positional if positional is not None else flag
 
 
 def bundled_model_defaults(kw: dict) -> dict:

@@ -7,7 +7,7 @@ import sys
 
 from proto.args import BUNDLED_MODEL_DIR, ArgError, parse_server_args
 
-USAGE = ("usage: tandem serve [--model-path DIR] [--dp-size N] [options]   (tandem serve --help for all flags)\n"
+USAGE = ("usage: tandem serve [MODEL | --model-path DIR] [--dp-size N] [options]   (tandem serve --help)\n"
          "       tandem router --worker-urls URL... [--policy cache_aware] [options]   (tandem router --help)\n"
          "       tandem keys generate DIR                      (CURVE keys for --transport tcp)")
 

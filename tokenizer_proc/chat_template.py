@@ -4,9 +4,10 @@ Where the template comes from (first found wins, as in recent ``transformers``):
 ``chat_template.jinja``, then ``chat_template.json`` (``{"chat_template": ...}``), then
 ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: "default").
 
-The environment mirrors HF's: an immutable sandbox, ``trim_blocks``/``lstrip_blocks``, loop
-controls, a non-HTML-escaping ``tojson``, ``raise_exception``, ``strftime_now`` and a no-op
-``{% generation %}`` block. Messages with ``None`` values lose those keys (HF does the same: many
+``--chat-template`` (a file or inline Jinja, ``proto/jinja_env.py``) replaces all of them; a
+request's own ``chat_template`` replaces that, when the server trusts request templates.
+
+The environment (``proto/jinja_env.py``) mirrors HF's. Messages with ``None`` values lose those keys (HF does the same: many
 templates print a literal "None" otherwise).
 
 Without any template we use ``FALLBACK_TEMPLATE``: one ``role: content`` line per message and,
@@ -20,13 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
+from collections import OrderedDict
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from proto.jinja_env import compile_template
 from tokenizer_proc.tokenizer import TextTokenizer, read_json
 
 FALLBACK_TEMPLATE = (
@@ -42,68 +42,6 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 class ChatTemplateError(ValueError):
     """Rendering failed (``raise_exception`` in the template, or a bad message); HTTP 400."""
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` marks assistant spans for training masks in HF;
-    for serving it only renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """A namespace that refuses dunder/underscore names (HF's sandbox hardening)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as jinja's Namespace
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # jinja's own tojson HTML-escapes; templates expect plain JSON.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _Namespace
-    env.globals["dict"] = lambda *a, **k: dict(*a, **k)
-    return env
 
 
 def _pick_template(value: Any) -> str | None:
@@ -166,6 +104,7 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         msg = {k: v for k, v in message.items() if v is not None}
         if isinstance(msg.get("tool_calls"), list):
             msg["tool_calls"] = template_tool_calls(msg["tool_calls"])
+        _mirror_reasoning(msg)
         content = msg.setdefault("content", "")
         if isinstance(content, list):
             texts = []
@@ -179,6 +118,15 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _mirror_reasoning(msg: dict) -> None:
+    """An earlier answer's reasoning comes back as ``reasoning`` (vLLM's current name) or
+    ``reasoning_content`` (DeepSeek's, SGLang's, and what Qwen3's templates read): give the
+    template both."""
+    for have, want in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+        if isinstance(msg.get(have), str) and want not in msg:
+            msg[want] = msg[have]
+
+
 class ChatTemplate:
     """A compiled template plus the variables HF passes besides the messages."""
 
@@ -186,9 +134,10 @@ class ChatTemplate:
         self.is_fallback = source is None
         self.source = FALLBACK_TEMPLATE if source is None else source
         try:
-            self.template = make_environment().from_string(self.source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ValueError(f"chat template does not compile: {exc}") from exc
+            self.template = compile_template(self.source)
+        except ValueError as exc:
+            raise ValueError(f"chat template {exc}") from None
+        self.tokenizer = tokenizer
         # HF passes special_tokens_map (strings) as template variables.
         self.base_vars: dict[str, Any] = dict(tokenizer.special_tokens)
         self.base_vars["add_bos"] = self.is_fallback and self._tokenizer_adds_bos(tokenizer)
@@ -200,8 +149,10 @@ class ChatTemplate:
         return tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_id]
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: TextTokenizer) -> ChatTemplate:
-        return cls(load_chat_template(tokenizer.dir, tokenizer.config), tokenizer)
+    def from_tokenizer(cls, tokenizer: TextTokenizer, override: str | None = None) -> ChatTemplate:
+        """``override``: --chat-template's text, which wins over the tokenizer's files."""
+        source = override if override is not None else load_chat_template(tokenizer.dir, tokenizer.config)
+        return cls(source, tokenizer)
 
     def render(
         self,
@@ -250,3 +201,20 @@ def cut_at_tag(rendered: str) -> str:
     if rendered[loc:loc + len(CONTINUE_TAG)] == CONTINUE_TAG:
         return rendered[:loc]
     return rendered[:loc].rstrip()  # the template trimmed the message: so do we
+
+
+class RequestTemplates:
+    """Templates that requests bring (the ``chat_template`` field), compiled once: a client
+    usually sends the same one with every request. The least recently used is dropped first."""
+
+    def __init__(self, tokenizer: TextTokenizer, size: int = 16):
+        self.tokenizer, self.size = tokenizer, size
+        self._compiled: OrderedDict[str, ChatTemplate] = OrderedDict()
+
+    def get(self, source: str) -> ChatTemplate:
+        """Raises ValueError (the compile error) for a template that does not compile."""
+        template = self._compiled.pop(source, None) or ChatTemplate(source, self.tokenizer)
+        self._compiled[source] = template
+        while len(self._compiled) > self.size:
+            self._compiled.popitem(last=False)
+        return template

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from proto.args import ServerArgs
-from tokenizer_proc.chat_template import ChatTemplate
+from tokenizer_proc.chat_template import ChatTemplate, RequestTemplates
 from tokenizer_proc.engine_client import EngineClient
-from tokenizer_proc.errors import APIError, check_content_type
+from tokenizer_proc.errors import APIError, bad_request, check_content_type
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.params import GenPlan, Limits
 from tokenizer_proc.request_state import RequestState
@@ -27,11 +27,34 @@ class Front:
     engine: EngineClient
     metrics: Metrics
     gen_defaults: dict = field(default_factory=dict)
+    request_templates: RequestTemplates = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.request_templates = RequestTemplates(self.tok)
 
     @property
     def auto_tool_parser(self) -> str | None:
         """The parser for tool_choice "auto": only with --enable-auto-tool-choice and --tool-call-parser."""
         return self.args.tool_call_parser if self.args.enable_auto_tool_choice else None
+
+    def chat_template_for(self, req) -> ChatTemplate:
+        """The template a chat request renders with: the server's, or the request's own
+        (``chat_template``, or ``chat_template_kwargs.chat_template`` as vLLM also reads it), which
+        runs code the client wrote and so needs --trust-request-chat-template (vLLM's rule)."""
+        source = getattr(req, "chat_template", None)
+        if source is None:
+            source = (getattr(req, "chat_template_kwargs", None) or {}).get("chat_template")
+        if source is None:
+            return self.template
+        if not self.args.trust_request_chat_template:
+            raise bad_request("chat_template: request chat templates are refused; start the server with "
+                              "--trust-request-chat-template to allow them", "chat_template")
+        if not isinstance(source, str):
+            raise bad_request("chat_template: expected a string (a Jinja template)", "chat_template")
+        try:
+            return self.request_templates.get(source)
+        except ValueError as exc:
+            raise bad_request(f"chat_template: {exc}", "chat_template") from None
 
     def limits(self) -> Limits:
         info = self.engine.info

@@ -23,6 +23,7 @@ from typing import Callable
 import uvicorn
 
 from proto.args import ServerArgs
+from proto.jinja_env import read_template_source
 from proto.transport import Endpoints
 from tokenizer_proc.app import build_app
 from tokenizer_proc.chat_template import ChatTemplate
@@ -46,9 +47,16 @@ def build_front(args: ServerArgs, endpoints: Endpoints) -> Front:
 
     try:
         tok = TextTokenizer(args.tokenizer_dir)
-        template = ChatTemplate.from_tokenizer(tok)
     except (TokenizerError, ValueError, OSError) as exc:
         raise StartupError(f"tokenizer: {exc}") from exc
+    try:
+        override = read_template_source(args.chat_template) if args.chat_template is not None else None
+        template = ChatTemplate.from_tokenizer(tok, override)
+    except ValueError as exc:  # checked by the CLI already; a file may have changed since
+        raise StartupError(f"--chat-template: {exc}") from exc
+    if template.is_fallback:
+        log.warning("no chat template in %s: chat requests are rendered as plain 'role: content' lines; "
+                    "give the model's template with --chat-template", args.tokenizer_dir)
     metrics = Metrics(args.model_name, args.metrics_compat)
     engine = EngineClient(args, endpoints, metrics)
     return Front(args, tok, template, engine, metrics, load_generation_defaults(args.model_path))

@@ -29,6 +29,7 @@ from tokenizer_proc.protocol import (
     NativeSamplingParams,
     SamplingFields,
 )
+from tokenizer_proc.reasoning import starts_in_reasoning, tags_are_special
 from tokenizer_proc.request_state import StopConfig
 from tokenizer_proc.tokenizer import TextTokenizer, read_json
 from tokenizer_proc.tool_choice import resolve_tool_choice
@@ -69,6 +70,9 @@ class GenPlan:
     prompt_texts: list[str] = field(default_factory=list)
     tool_parser: str | None = None  # chat: the parser that turns the answer into tool_calls
     parallel_tool_calls: bool = True  # false: only a choice's first call is returned
+    # chat with --reasoning-parser: whether the answer starts inside <think> (None: not parsed)
+    reasoning: bool | None = None
+    include_reasoning: bool = True  # vLLM's field: false drops the reasoning from the answer
 
     def choice_params(self, j: int) -> SamplingParams:
         if j == 0 or self.params.seed is None:
@@ -317,22 +321,24 @@ def chat_text(req, template: ChatTemplate) -> str:
         raise bad_request(str(exc), "messages") from None
 
 
-def chat_prompt(req, tok: TextTokenizer, template: ChatTemplate, limits: Limits) -> list[int]:
-    # HF tokenizes rendered chats without special tokens: the template wrote any BOS itself.
-    return encode_prompt(chat_text(req, template), tok, limits, "messages", add_special_tokens=False)
-
-
 def plan_chat(
     req: ChatCompletionRequest, tok: TextTokenizer, template: ChatTemplate, limits: Limits, defaults: dict,
-    server_tool_parser: str | None = None,
+    server_tool_parser: str | None = None, server_reasoning_parser: str | None = None,
 ) -> GenPlan:
-    """``server_tool_parser``: the parser name when the server has both tool-calling flags."""
+    """``server_tool_parser``: the parser name when the server has both tool-calling flags;
+    ``server_reasoning_parser``: --reasoning-parser (SGLang's ``separate_reasoning: false`` skips it)."""
     _unsupported(req)
     validate_tools(req.tools)
     tool_parser = resolve_tool_choice(req.tool_choice, req.tools, server_tool_parser)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = chat_prompt(req, tok, template, limits)
+    text = chat_text(req, template)
+    # HF tokenizes rendered chats without special tokens: the template wrote any BOS itself.
+    ids = encode_prompt(text, tok, limits, "messages", add_special_tokens=False)
+    reasoning = None
+    if server_reasoning_parser and req.separate_reasoning is not False:
+        reasoning = starts_in_reasoning(server_reasoning_parser, text, req.chat_template_kwargs,
+                                        req.continue_final_message)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
     if len(ids) >= limits.max_context:
@@ -354,7 +360,8 @@ def plan_chat(
     return GenPlan(
         prompts=[ids],
         params=params,
-        stop_cfg=_stop_cfg(req, keep_special=bool(tool_parser) and parser_class(tool_parser).keeps_special_tokens),
+        stop_cfg=_stop_cfg(req, keep_special=(bool(tool_parser) and parser_class(tool_parser).keeps_special_tokens)
+                           or (reasoning is not None and tags_are_special(tok))),
         n=req.n or 1,
         stream=bool(req.stream),
         include_usage=include_usage(req),
@@ -364,6 +371,8 @@ def plan_chat(
         prompt_texts=[echo_text] if echo_text else [],
         tool_parser=tool_parser,
         parallel_tool_calls=req.parallel_tool_calls is not False,
+        reasoning=reasoning,
+        include_reasoning=req.include_reasoning is not False,
     )
 
 

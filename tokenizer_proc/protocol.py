@@ -112,6 +112,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False  # continue the last (assistant) message, unclosed
     echo: bool | None = None  # vLLM's: a final assistant message starts the answer
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: needs --trust-request-chat-template
+    include_reasoning: bool | None = None  # vLLM's (default true): false drops the reasoning
+    separate_reasoning: bool | None = None  # SGLang's (default true): false leaves <think> in the content
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: only the first parsed call is returned (vLLM)
@@ -126,6 +129,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool | None = None  # as in ChatCompletionRequest
     continue_final_message: bool = False
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # as in ChatCompletionRequest
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

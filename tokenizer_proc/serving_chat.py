@@ -9,6 +9,12 @@ and a choice that made a call finishes with ``"tool_calls"`` (vLLM's choice, als
 length cap ended it). The non-streaming message has ``tool_calls`` and ``content`` (null when
 only calls were made). ``parallel_tool_calls: false`` keeps only each choice's first call
 (vLLM drops the others the same way, after parsing).
+
+With ``--reasoning-parser`` (reasoning.py) the text goes through the reasoning parser first:
+the think block becomes ``reasoning_content`` (and ``reasoning``, current vLLM's name for it),
+and only the rest reaches the tool-call parser, as in vLLM. Streamed deltas carry reasoning
+until the block ends, then content; the non-streaming message has both, content null when
+empty. Usage counts every generated token, reasoning included.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from tokenizer_proc.errors import decode_body
 from tokenizer_proc.formatting import chat_logprobs, new_id, now_s, state_usage, usage
 from tokenizer_proc.params import GenPlan, check_model, plan_chat
 from tokenizer_proc.protocol import ChatCompletionRequest
+from tokenizer_proc.reasoning import ReasoningParser, split_reasoning
 from tokenizer_proc.request_state import Delta
 from tokenizer_proc.serving_openai import error_event, respond, stop_reason
 from tokenizer_proc.streaming import DONE_EVENT, ChoiceResult, RequestGroup, sse
@@ -36,11 +43,17 @@ def tool_finish_reason(reason: str | None, calls: int) -> str | None:
     return "tool_calls" if calls and reason in ("stop", "length") else reason
 
 
+def reasoning_fields(text: str | None) -> dict:
+    """SGLang and DeepSeek name it ``reasoning_content``, vLLM now ``reasoning``: both, same text."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
 class ChatHandler:
     def __init__(self, front: Front, plan: GenPlan, group: RequestGroup, request_id: str):
         self.front, self.plan, self.group = front, plan, group
         self.id, self.created, self.model = request_id, now_s(), front.args.model_name
         self.parsers: dict[int, ToolParser] = {}  # streaming: one per choice
+        self.reasoners: dict[int, ReasoningParser] = {}
 
     def chunk(self, choices: list[dict], usage_obj: dict | None = None) -> dict:
         out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -64,12 +77,28 @@ class ChatHandler:
             self.parsers[index] = parser_class(self.plan.tool_parser)()
         return self.parsers[index]
 
+    def _split(self, d: Delta) -> tuple[str, str]:
+        """(reasoning, content) of one step's text; all content without a reasoning parser."""
+        if self.plan.reasoning is None:
+            return "", d.text
+        parser = self.reasoners.setdefault(d.state.index, ReasoningParser(self.plan.reasoning))
+        out = parser.feed(d.text)
+        if d.finished:
+            tail = parser.finish()
+            out.reasoning, out.content = out.reasoning + tail.reasoning, out.content + tail.content
+        return (out.reasoning if self.plan.include_reasoning else ""), out.content
+
     def _delta(self, d: Delta) -> tuple[dict, str | None]:
         """One engine step of one choice: the chunk's delta and finish_reason."""
+        reasoning, text = self._split(d)
+        delta, finish = self._content_delta(d, text)
+        return ({**reasoning_fields(reasoning), **delta} if reasoning else delta), finish
+
+    def _content_delta(self, d: Delta, text: str) -> tuple[dict, str | None]:
         parser = self._parser(d.state.index)
         if parser is None:
-            return ({"content": d.text} if d.text else {}), d.finish_reason
-        out = parser.feed(d.text)
+            return ({"content": text} if text else {}), d.finish_reason
+        out = parser.feed(text)
         if d.finished:
             out.extend(parser.finish())
         if not self.plan.parallel_tool_calls:  # vLLM: the deltas of the first call only
@@ -120,6 +149,16 @@ class ChatHandler:
 
     def _message(self, r: ChoiceResult) -> tuple[dict, str | None]:
         text = "".join(r.text)
+        if self.plan.reasoning is None:
+            return self._content_message(text, r)
+        reasoning, text = split_reasoning(ReasoningParser(self.plan.reasoning), text)
+        message, finish = self._content_message(text, r)
+        if reasoning is not None and not message["content"]:
+            message["content"] = None  # vLLM: an answer that is all reasoning has null content
+        message.update(reasoning_fields(reasoning if self.plan.include_reasoning else None))
+        return message, finish
+
+    def _content_message(self, text: str, r: ChoiceResult) -> tuple[dict, str | None]:
         if self.plan.tool_parser is None:
             return {"role": "assistant", "content": self._echo() + text}, r.finish_reason
         parsed = self._parsed(text)
@@ -147,7 +186,8 @@ async def create_chat_completion(front: Front, request: Request) -> Response:
     req = decode_body(await read_body(request), ChatCompletionRequest)
     check_model(req.model, front.args.model_name)
     front.engine.check_accepting()
-    plan = plan_chat(req, front.tok, front.template, front.limits(), front.gen_defaults, front.auto_tool_parser)
+    plan = plan_chat(req, front.tok, front.chat_template_for(req), front.limits(), front.gen_defaults,
+                     front.auto_tool_parser, front.args.reasoning_parser)
     request_id = new_id("chatcmpl")
     group = RequestGroup(front.engine, front.make_states(plan, request_id, t0))
     handler = ChatHandler(front, plan, group, request_id)

@@ -190,7 +190,8 @@ async def tokenize(front: Front, request: Request) -> Response:
     max_context = info.max_context if info else front.args.context_length
     if req.messages is not None:
         # vLLM: special tokens off by default for chats; the template writes them itself.
-        text, add_special, param = chat_text(req, front.template), bool(req.add_special_tokens), "messages"
+        template = front.chat_template_for(req)
+        text, add_special, param = chat_text(req, template), bool(req.add_special_tokens), "messages"
     else:
         text, add_special, param = req.prompt or "", req.add_special_tokens is not False, "prompt"
     if max_context:

@@ -65,6 +65,7 @@ class TextTokenizer:
         # "<0x..>" forms only overstate it). Bounds the text a number of tokens can hold.
         self.max_token_chars = max((len(t) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
         self._decode_one = lru_cache(maxsize=65536)(self._decode_one_uncached)
+        self._special_added = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
 
     # ------------------------------------------------------------------ facts
     def _special_token_strings(self) -> dict[str, str]:
@@ -78,6 +79,10 @@ class TextTokenizer:
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.tok.token_to_id(token)
+
+    def is_special(self, token: str) -> bool:
+        """An added token marked special: decoding with ``skip_special_tokens`` drops its text."""
+        return token in self._special_added
 
     def max_text_chars(self, max_tokens: int) -> int:
         """A text longer than this has more than ``max_tokens`` tokens, whatever it says (x4: room
