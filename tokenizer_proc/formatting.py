@@ -122,6 +122,15 @@ def vllm_prompt_logprobs(tok: TextTokenizer, prompt_ids: Sequence[int], entries:
     return out
 
 
+def chunk_body(kind: str, request_id: str, created: int, model: str, choices: list[dict],
+               usage_obj: dict | None = None) -> dict:
+    """One streamed chunk of either endpoint (``kind``: its ``object``), with usage if given."""
+    out = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage_obj is not None:
+        out["usage"] = usage_obj
+    return out
+
+
 def usage(states: Sequence[RequestState], n: int) -> dict:
     """Prompt tokens once per prompt (choices of one prompt share it); completions summed."""
     per_prompt = states[::n] if n > 0 else states

@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from tokenizer_proc.context import Front, arrival, read_body
 from tokenizer_proc.errors import decode_body
-from tokenizer_proc.formatting import chat_logprobs, new_id, now_s, state_usage, usage
+from tokenizer_proc.formatting import chat_logprobs, chunk_body, new_id, now_s, state_usage, usage
 from tokenizer_proc.params import GenPlan, check_model, plan_chat
 from tokenizer_proc.protocol import ChatCompletionRequest
 from tokenizer_proc.reasoning import ReasoningParser, split_reasoning
@@ -56,11 +56,7 @@ class ChatHandler:
         self.reasoners: dict[int, ReasoningParser] = {}
 
     def chunk(self, choices: list[dict], usage_obj: dict | None = None) -> dict:
-        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "choices": choices}
-        if usage_obj is not None:
-            out["usage"] = usage_obj
-        return out
+        return chunk_body("chat.completion.chunk", self.id, self.created, self.model, choices, usage_obj)
 
     def _echo(self) -> str:
         return self.plan.prompt_texts[0] if self.plan.echo else ""

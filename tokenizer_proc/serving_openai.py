@@ -19,6 +19,7 @@ from tokenizer_proc.context import Front, arrival, read_body
 from tokenizer_proc.errors import APIError, decode_body, error_body
 from tokenizer_proc.formatting import (
     CompletionLogprobs,
+    chunk_body,
     new_id,
     now_s,
     openai_stop_reason,
@@ -117,11 +118,7 @@ class CompletionHandler:
         return {key: value[start:] for key, value in acc.to_dict().items()}
 
     def chunk(self, choices: list[dict], usage_obj: dict | None = None) -> dict:
-        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-               "choices": choices}
-        if usage_obj is not None:
-            out["usage"] = usage_obj
-        return out
+        return chunk_body("text_completion", self.id, self.created, self.model, choices, usage_obj)
 
     async def events(self) -> AsyncIterator[bytes]:
         echoed: set[int] = set()

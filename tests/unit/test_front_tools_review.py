@@ -10,34 +10,13 @@ import json
 import openai
 import pytest
 
-from tests.unit.front_harness import MODEL, start_stack
+from tests.unit.front_harness import MODEL
 from tests.unit.front_tok import shared_tokenizer_dir
+from tests.unit.tool_stack import ASK, CALL, TOOLS, reset_fake, script, stack  # noqa: F401 - fixtures
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_proc.tokenizer import TextTokenizer
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
-ASK = [{"role": "user", "content": "Weather in Paris and Tokyo?"}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
 TWO_CALLS = "Let me check.\n" + CALL % "Paris" + "\n" + CALL % "Tokyo"
-
-
-@pytest.fixture(scope="module")
-def stack():
-    s = start_stack(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    yield s
-    s.close()
-
-
-@pytest.fixture(autouse=True)
-def reset_fake(stack):
-    stack.fake.tokens_per_step, stack.fake.output_fn, stack.fake.eos_after = 1, None, None
-    yield
-
-
-def script(stack, text: str, eos: bool = True) -> None:
-    ids = stack.tok.encode(text, add_special_tokens=False) + ([stack.tok.eos_id] if eos else [])
-    stack.fake.output_fn = lambda req: list(ids)
 
 
 def history(arguments) -> list[dict]:
