@@ -52,8 +52,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     a("--served-model-name", metavar="NAME", default=None)
     a("--load-format", default="auto")
     a("--random-seed", "--seed", metavar="N", type=int, default=0,
-      help="seeds the worker's torch RNG (dummy weights); a request is reproducible through its own "
-      "`seed` field, as in vLLM's online serving")
+      help="seeds the worker's RNG (dummy weights) and the seeds drawn for requests without one: "
+      "restarted with the same N, the same requests in the same order sample the same tokens, "
+      "whatever the batching; a request's own `seed` always wins")
     a("--log-level", default="info")
 
 

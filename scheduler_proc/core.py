@@ -49,6 +49,10 @@ class SchedConfig:
     enable_prefix_cache: bool = True
     max_queued: int = 1 << 30
     vocab_size: int = 0  # 0: unknown (tests); ids are then not range-checked here
+    # --random-seed: seeds the draw of unseeded requests' seeds, so a server started with the same
+    # seed samples the same answers for the same requests in the same arrival order, however
+    # they are batched (every row samples from its own seeded stream). None: fresh entropy.
+    random_seed: int | None = None
 
     @staticmethod
     def from_ready(ready: WorkerReady, args) -> "SchedConfig":
@@ -66,6 +70,7 @@ class SchedConfig:
             enable_prefix_cache=not args.disable_prefix_cache,
             max_queued=args.max_queued_requests,
             vocab_size=ready.vocab_size,
+            random_seed=args.random_seed,
         )
 
 
@@ -120,7 +125,7 @@ class SchedulerCore:
         self.outbox: list[ReqOutput] = []
         self.counters = Counters(per_pos=[0] * max(cfg.spec_steps, 0))
         self._prev_step_reqs: set[int] = set()
-        self._rng = np.random.default_rng()
+        self._rng = np.random.default_rng(cfg.random_seed)
 
     # ------------------------------------------------------------ requests
     def add_request(self, msg: GenerateReq) -> None:

@@ -122,3 +122,25 @@ def test_rid_is_reusable_as_soon_as_its_request_has_finished():
     assert drv.finish["x"] == "stop" and drv.tokens["x"] == reference(p, 20, eos=False)[:3]
     core.alloc.check_all_free()
     assert not core.by_rid
+
+
+def test_random_seed_fixes_the_seeds_of_unseeded_requests():
+    """--random-seed seeds the draw of unseeded requests' seeds: two schedulers started with the
+    same value give the same requests, in the same order, the same seeds (each row then samples
+    from its own stream, so batching cannot change them); a request's own seed always wins, and
+    without a value the draws differ between starts."""
+    from dataclasses import replace
+
+    from scheduler_proc.core import SchedulerCore
+
+    def seeds(random_seed):
+        core, _, _ = make()
+        core = SchedulerCore(replace(core.cfg, random_seed=random_seed))
+        for i, own in enumerate((None, None, 12345, None)):
+            core.add_request(GenerateReq(f"r{i}", pack_i32([1, 2, 3]), SamplingParams(seed=own), time.time()))
+        return [core.by_rid[f"r{i}"].seed for i in range(4)]
+
+    a, b, c = seeds(7), seeds(7), seeds(8)
+    assert a == b and a[2] == c[2] == 12345
+    assert len(set(a)) == 4 and a != c
+    assert seeds(None)[0] != seeds(None)[0]
