@@ -210,7 +210,7 @@ if has sweep; then
   echo "== kernel sweep: ${SWEEP_ONLY:-logits,gemm}"
   timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/kernel_sweep.py --only ${SWEEP_ONLY:-logits,gemm} \
     --json "$OUT/kernel_sweep.json" > "$OUT/kernel_sweep.log" 2>&1 || { echo "kernel sweep failed"; tail -5 "$OUT/kernel_sweep.log"; }
-  grep "^logits\|^gemm\|^gemv\|^attn" "$OUT/kernel_sweep.log"
+  grep "^logits\|^gemm\|^gemv\|^attn " "$OUT/kernel_sweep.log"  # not the per-row attn-row lines
 fi
 if has transient; then
   # The recipe's first round in fresh processes (no warm-up round), every Triton variant the

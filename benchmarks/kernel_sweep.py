@@ -214,6 +214,8 @@ def attn_rows(bw: float, sms: int) -> list[dict]:
                          "splits": sp, "tune": tune or "default", "min_keys": mk,
                          "is_default": tune is None and sp == default and mk == 0,
                          "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
+            print(f"attn-row {model} bs {bs} ctx {ctx} t {t} splits {sp} {tune or 'default'} min_keys {mk}: "
+                  f"{sec * 1e6:.2f} us", flush=True)  # the log keeps each row if the sweep is cut off
         del pool, k, v
         torch.cuda.empty_cache()
     return rows
@@ -247,9 +249,9 @@ def main() -> None:
                 out[part] = fn()
             except Exception:  # noqa: BLE001 - keep the other parts' figures
                 traceback.print_exc()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+            if a.json:  # after every part: a sweep cut off by its time limit keeps what it measured
+                with open(a.json, "w") as f:
+                    json.dump(out, f, indent=1)
     summarize(out)
 
 
