@@ -186,6 +186,9 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template error: {type(exc).__name__}: {exc}") from exc
         except RecursionError:  # e.g. tool call arguments nested too deeply for `tojson`
             raise ChatTemplateError("chat template error: a message is nested too deeply") from None
+        except Exception as exc:  # noqa: BLE001 - template code (--chat-template, a trusted request's own):
+            # whatever it raises ({{ 1/0 }}, a sandbox's range limit) is that template's error, a 400
+            raise ChatTemplateError(f"chat template error: {type(exc).__name__}: {exc}") from exc
         return cut_at_tag(text) if continue_final_message else text
 
 
