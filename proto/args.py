@@ -165,8 +165,9 @@ def validate(args: ServerArgs) -> ServerArgs:
         _positive(flag, val)
     if args.overlap_depth not in (1, 2, 3):
         raise ArgError(f"--overlap-depth: expected 1, 2 or 3, got {args.overlap_depth}")
-    if not 0.0 < args.mem_fraction_static < 1.0:
-        raise ArgError(f"--mem-fraction-static: must be in (0, 1), got {args.mem_fraction_static}")
+    if not 0.0 < args.mem_fraction_static <= 1.0:  # vLLM's --gpu-memory-utilization takes 1.0 too
+        raise ArgError(f"--mem-fraction-static (--gpu-memory-utilization): must be in (0, 1], "
+                       f"got {args.mem_fraction_static}")
     if args.load_format not in ("auto", "dummy"):
         raise ArgError(f"--load-format: expected auto or dummy, got {args.load_format!r}")
     if args.attention_backend not in ATTENTION_BACKENDS:
