@@ -4,7 +4,7 @@ Per role (OpenAI's chat-completions reference):
 - ``system`` / ``developer`` / ``user``: ``content`` required, a string or a non-empty array of
   parts (text parts only here: we serve text models);
 - ``assistant``: ``content`` may be absent or null only when ``tool_calls`` / ``function_call``
-  is given; its parts may also be ``{"type": "refusal", "refusal": str}`` (rendered as text);
+  (or, as vLLM accepts, ``reasoning_content`` / ``reasoning``) is given; its parts may also be ``{"type": "refusal", "refusal": str}`` (rendered as text);
 - ``tool``: ``content`` and ``tool_call_id`` required;
 - ``function`` (deprecated): ``name`` required, ``content`` may be null.
 An assistant's ``tool_calls`` items need ``function.name`` and JSON ``function.arguments``;
@@ -62,8 +62,11 @@ def _check_parts(parts: list, path: str, role: str) -> None:
 
 def _check_content(message: dict, role: str, path: str) -> None:
     content = message.get("content")
-    nullable = role == "function" or (role == "assistant" and bool(message.get("tool_calls")
-                                                                   or message.get("function_call")))
+    # an assistant turn with reasoning and null content is what --reasoning-parser answers when the
+    # block took every token: sent back as history, it renders (vLLM accepts it too)
+    nullable = role == "function" or (role == "assistant" and bool(
+        message.get("tool_calls") or message.get("function_call")
+        or isinstance(message.get("reasoning_content"), str) or isinstance(message.get("reasoning"), str)))
     if content is None:
         if nullable:
             return

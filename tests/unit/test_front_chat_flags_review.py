@@ -53,3 +53,25 @@ def test_server_template_failing_at_render_time_is_400(template):
             assert http.get("/health").status_code == 200
     finally:
         s.close()
+
+
+def test_all_reasoning_answer_sent_back_as_history(stack, client):
+    """--reasoning-parser answers ``content: null`` when the block took every token (a length
+    cut); a client appending that message to the next request's history must not get a 400."""
+    ids = stack.tok.encode("still thinking", add_special_tokens=False)
+    stack.fake.output_fn = lambda req: list(ids)
+    try:
+        first = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=len(ids))
+        answer = first.choices[0].message
+        assert answer.content is None and answer.model_extra["reasoning_content"] == "still thinking"
+        history = [*ASK, answer.model_dump(exclude_none=False), {"role": "user", "content": "go on"}]
+        r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=len(ids))
+        assert r.choices[0].message.model_extra["reasoning_content"] == "still thinking"
+    finally:
+        stack.fake.output_fn = None
+
+
+def test_null_content_without_reasoning_or_calls_is_still_400(stack, http):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+        *ASK, {"role": "assistant", "content": None}, {"role": "user", "content": "go on"}]})
+    assert_openai_400(r)
