@@ -21,6 +21,26 @@ class _Parser(argparse.ArgumentParser):
         raise ArgError(message)
 
 
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def token_count(value: str) -> int:
+    """An integer, or vLLM's human-readable form for token counts: 32k = 32000, 32K = 32768,
+    25.6k = 25600 (decimals only with the decimal suffixes k/m/g/t)."""
+    text = value.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    number, suffix = text[:-1], text[-1:]
+    if suffix in _DECIMAL and number.replace(".", "", 1).isdigit():
+        return int(float(number) * _DECIMAL[suffix])
+    if suffix in _BINARY and number.isdigit():
+        return int(number) * _BINARY[suffix]
+    raise argparse.ArgumentTypeError(f"invalid token count {value!r} (an integer, or e.g. 32k = 32000, 32K = 32768)")
+
+
 def _formatter(prog: str) -> argparse.HelpFormatter:
     return argparse.HelpFormatter(prog, max_help_position=34, width=100)
 
@@ -64,11 +84,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     a("--max-running-requests", "--max-num-seqs", metavar="N", type=int, default=None,
       help="requests (choices) decoded together at most")
     a("--max-total-tokens", metavar="N", type=int, default=None, help="KV-cache size in tokens (default: from memory)")
-    a("--chunked-prefill-size", "--max-num-batched-tokens", metavar="N", type=int, default=None,
+    a("--chunked-prefill-size", "--max-num-batched-tokens", metavar="N", type=token_count, default=None,
       help="token budget of one engine step: decode rows first (1 token each, 1 + draft tokens with MTP), "
       "then prefill chunks (default 8192 on GPU, 2048 on CPU)")
-    a("--context-length", "--max-model-len", metavar="N", type=int, default=None,
-      help="longest prompt + completion (default: the model's, capped by the KV cache)")
+    a("--context-length", "--max-model-len", metavar="N", type=token_count, default=None,
+      help="longest prompt + completion (default: the model's, capped by the KV cache); "
+      "vLLM's 32k (32000) and 32K (32768) forms work too")
     a("--mem-fraction-static", "--gpu-memory-utilization", metavar="F", type=float, default=0.85,
       help="share of the GPU's total memory for weights + KV cache + activations (default 0.85; vLLM's "
       "is 0.9). Unlike vLLM, memory other processes hold on the GPU counts against it, and activations "

@@ -55,3 +55,20 @@ def test_bad_chat_and_vllm_flags_exit_2(argv, capsys):
 def test_prefix_caching_pair_last_wins():
     assert parse_server_args(["--no-enable-prefix-caching", "--enable-prefix-caching"]).disable_prefix_cache is False
     assert parse_server_args(["--enable-prefix-caching", "--no-enable-prefix-caching"]).disable_prefix_cache is True
+
+
+@pytest.mark.parametrize("value,want", [("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1M", 2**20),
+                                        ("4096", 4096)])
+@pytest.mark.parametrize("flag,field", [("--max-model-len", "context_length"),
+                                        ("--max-num-batched-tokens", "chunked_prefill_size")])
+def test_vllm_human_readable_token_counts(flag, field, value, want):
+    assert getattr(parse_server_args([flag, value]), field) == want
+    assert getattr(parse_server_args([f"{flag}={value}"]), field) == want
+
+
+@pytest.mark.parametrize("value", ["abc", "k", "1.5K", "0x10", "1.2.3k"])
+def test_bad_token_counts(value, capsys):
+    with pytest.raises(ArgError, match="max-model-len"):
+        parse_server_args([f"--max-model-len={value}"])
+    assert cli_main(["serve", "--max-model-len", value]) == 2
+    assert "Traceback" not in capsys.readouterr().err
