@@ -109,3 +109,5 @@ def compile_template(source: str) -> jinja2.Template:
         return make_environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"does not compile: {exc.message} (line {exc.lineno})") from None
+    except RecursionError:  # jinja's parser and compiler recurse once per nesting level
+        raise ValueError("does not compile: nested too deeply") from None

@@ -72,3 +72,11 @@ def test_bad_token_counts(value, capsys):
         parse_server_args([f"--max-model-len={value}"])
     assert cli_main(["serve", "--max-model-len", value]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_chat_template_nested_too_deeply_is_a_cli_error(capsys):
+    deep = "{% if x %}" * 500 + "{% endif %}" * 500
+    with pytest.raises(ArgError, match="--chat-template: does not compile: nested too deeply"):
+        parse_server_args(["--chat-template", deep])
+    assert cli_main(["serve", "--chat-template", deep]) == 2
+    assert "Traceback" not in capsys.readouterr().err

@@ -75,3 +75,16 @@ def test_null_content_without_reasoning_or_calls_is_still_400(stack, http):
     r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
         *ASK, {"role": "assistant", "content": None}, {"role": "user", "content": "go on"}]})
     assert_openai_400(r)
+
+
+DEEP = ["{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "{% if x %}" * 500 + "{% endif %}" * 500]
+
+
+@pytest.mark.parametrize("template", DEEP)
+def test_request_template_nested_too_deeply_is_400(stack, http, template):
+    """jinja's parser recurses per nesting level: a RecursionError while compiling was a 500."""
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 2,
+                                                 "chat_template": template})
+    assert_openai_400(r)
+    assert r.json()["error"]["param"] == "chat_template"
+    assert http.get("/health").status_code == 200
