@@ -7,29 +7,13 @@ We do not use ``transformers`` here (it would pull torch-adjacent imports and is
 
 from __future__ import annotations
 
-import json
 import os
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Sequence
 
 from tokenizers import Tokenizer
 
-
-def _token_content(value: Any) -> str | None:
-    """Special tokens are stored either as plain strings or as serialised AddedToken dicts."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
-def read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
+from proto.hf_files import read_json, special_token
 
 
 class TokenizerError(RuntimeError):
@@ -72,7 +56,7 @@ class TextTokenizer:
         out: dict[str, str] = {}
         special_map = read_json(os.path.join(self.dir, "special_tokens_map.json"))
         for key in self.SPECIAL_KEYS:
-            value = _token_content(self.config.get(key)) or _token_content(special_map.get(key))
+            value = special_token(self.config, special_map, key)
             if value is not None:
                 out[key] = value
         return out

@@ -11,10 +11,11 @@ the worker's ``min_tokens`` mask both use it.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from proto.hf_files import read_json, special_token
 
 
 def _as_ids(value: Any) -> list[int]:
@@ -25,28 +26,13 @@ def _as_ids(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
-def _read(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
-
-
-def _token_text(value: Any) -> str | None:
-    """Special tokens are stored as strings or as serialised AddedToken dicts."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def tokenizer_eos_id(tokenizer_dir: str | Path) -> int | None:
     """The tokenizer's EOS token id, or None (no tokenizer.json, no EOS token, or one the
     vocabulary does not hold)."""
     tokenizer_dir = Path(tokenizer_dir)
     path = tokenizer_dir / "tokenizer.json"
-    text = (_token_text(_read(tokenizer_dir / "tokenizer_config.json").get("eos_token"))
-            or _token_text(_read(tokenizer_dir / "special_tokens_map.json").get("eos_token")))
+    text = special_token(read_json(tokenizer_dir / "tokenizer_config.json"),
+                         read_json(tokenizer_dir / "special_tokens_map.json"), "eos_token")
     if text is None or not path.is_file():
         return None
     from tokenizers import Tokenizer  # the worker's only use of it: once, at start-up
@@ -58,8 +44,8 @@ def read_eos_token_ids(model_dir: str | Path, tokenizer_dir: str | Path | None =
     """EOS ids from generation_config.json, then config.json (and its text_config), then the
     tokenizer's EOS (``tokenizer_dir``, default ``model_dir``), deduplicated in that order."""
     model_dir = Path(model_dir)
-    ids = _as_ids(_read(model_dir / "generation_config.json").get("eos_token_id"))
-    cfg = _read(model_dir / "config.json")
+    ids = _as_ids(read_json(model_dir / "generation_config.json").get("eos_token_id"))
+    cfg = read_json(model_dir / "config.json")
     ids += _as_ids(cfg.get("eos_token_id"))
     if isinstance(cfg.get("text_config"), dict):
         ids += _as_ids(cfg["text_config"].get("eos_token_id"))
