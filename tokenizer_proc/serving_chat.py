@@ -77,7 +77,9 @@ class ChatHandler:
         """(reasoning, content) of one step's text; all content without a reasoning parser."""
         if self.plan.reasoning is None:
             return "", d.text
-        parser = self.reasoners.setdefault(d.state.index, ReasoningParser(self.plan.reasoning))
+        parser = self.reasoners.get(d.state.index)
+        if parser is None:  # one per choice, made on its first step (not a new one every step)
+            parser = self.reasoners[d.state.index] = ReasoningParser(self.plan.reasoning)
         out = parser.feed(d.text)
         if d.finished:
             tail = parser.finish()
