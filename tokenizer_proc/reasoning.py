@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from tokenizer_proc.stops import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -62,14 +64,6 @@ def tags_are_special(tok) -> bool:
     special tokens kept for the parser to see it (as the hermes tool parser does for its tags).
     Qwen3's and DeepSeek-R1's tags are plain added tokens."""
     return tok.is_special(OPEN) or tok.is_special(CLOSE)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass
@@ -115,7 +109,7 @@ class ReasoningParser:
             out.reasoning += buf[:end]
             self.in_reasoning = False
             return buf[end + len(CLOSE):]
-        keep = _partial_suffix(buf, CLOSE)
+        keep = partial_suffix(buf, CLOSE)
         out.reasoning += buf[:len(buf) - keep]
         self._held = buf[len(buf) - keep:]
         return ""

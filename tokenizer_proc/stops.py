@@ -28,6 +28,16 @@ class StopMatch:
     emit: str  # text to emit with this feed (already trimmed)
 
 
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``: the text a
+    streaming reader must hold back because it may still become ``tag`` (tool-call and reasoning
+    tags; ``StopMatcher`` does the same over several stop strings)."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
 def find_earliest_stop(text: str, stops: Sequence[str], search_from: int = 0) -> tuple[int, int, str] | None:
     """The match (start, end, stop) with the smallest end in ``text``; only matches ending after
     ``search_from`` are considered (earlier text was already checked)."""

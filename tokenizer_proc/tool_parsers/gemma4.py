@@ -21,8 +21,9 @@ import json
 import math
 import re
 
+from tokenizer_proc.stops import partial_suffix
 from tokenizer_proc.tool_parsers.base import CallSyntaxError
-from tokenizer_proc.tool_parsers.tagged import CallBody, TaggedCallParser, partial_suffix
+from tokenizer_proc.tool_parsers.tagged import CallBody, TaggedCallParser
 
 QUOTE = '<|"|>'
 _INT = re.compile(r"-?\d+")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import ClassVar, Protocol
 
+from tokenizer_proc.stops import partial_suffix
 from tokenizer_proc.tool_parsers.base import CallSyntaxError, ToolParser
 
 
@@ -30,14 +31,6 @@ class CallBody(Protocol):
 
     def push(self, c: str) -> bool:
         """True when this character closed the call."""
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 class TaggedCallParser(ToolParser):
