@@ -39,6 +39,7 @@ class ServerArgs:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     served_model_name: str | None = None
+    served_model_aliases: tuple[str, ...] = ()  # further names requests may use (--served-model-name a b)
     page_size: int = 16
     max_running_requests: int | None = None
     max_total_tokens: int | None = None
@@ -90,6 +91,11 @@ class ServerArgs:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request's ``model`` may carry; the first is the one responses show."""
+        return (self.model_name, *self.served_model_aliases)
 
     @property
     def tokenizer_dir(self) -> str:
@@ -278,6 +284,8 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
         kw["reasoning_parser"] = kw["reasoning_parser"].replace("-", "_")
     kw["dtype"] = DTYPE_ALIASES.get(kw["dtype"], kw["dtype"])
     kw["cuda_graph_bs"] = tuple(kw["cuda_graph_bs"]) if kw["cuda_graph_bs"] else None
+    names = kw.pop("served_model_name") or [None]
+    kw["served_model_name"], kw["served_model_aliases"] = names[0], tuple(n for n in dict.fromkeys(names[1:]) if n != names[0])
     if kw["api_key"] is None and os.environ.get("TANDEM_API_KEY"):
         kw["api_key"] = os.environ["TANDEM_API_KEY"]
     if kw["model_path"] is None:

@@ -69,7 +69,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     a("--port", type=int, default=8000)
     a("--device", default="auto")
     a("--dtype", default="auto", help="auto, bfloat16, float16 (half), float32 (float)")
-    a("--served-model-name", metavar="NAME", default=None)
+    a("--served-model-name", metavar="NAME", nargs="+", default=None,
+      help="the model name(s) requests may use; responses and metrics carry the first (as in vLLM)")
     a("--load-format", default="auto")
     a("--random-seed", "--seed", metavar="N", type=int, default=0,
       help="seeds the worker's RNG (dummy weights) and the seeds drawn for requests without one: "

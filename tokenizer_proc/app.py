@@ -156,11 +156,13 @@ def server_info(front: Front) -> dict:
 
 
 def models_body(front: Front) -> dict:
+    """One card per served name (vLLM lists each ``--served-model-name``), the response name first."""
     info = front.engine.info
-    card = {"id": front.args.model_name, "object": "model", "created": int(front.engine.started_at),
-            "owned_by": "tandem", "root": front.args.model_path, "parent": None,
-            "max_model_len": info.max_context if info else front.args.context_length, "permission": []}
-    return {"object": "list", "data": [card]}
+    cards = [{"id": name, "object": "model", "created": int(front.engine.started_at),
+              "owned_by": "tandem", "root": front.args.model_path, "parent": None,
+              "max_model_len": info.max_context if info else front.args.context_length, "permission": []}
+             for name in front.args.model_names]
+    return {"object": "list", "data": cards}
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -255,8 +257,9 @@ def build_app(front: Front) -> FastAPI:
 
     @app.get("/v1/models/{model:path}", responses={404: ERRORS[404]}, openapi_extra={"parameters": [model_param]})
     async def retrieve_model(request: Request) -> dict:
-        check_model(request.path_params["model"], front.args.model_name)
-        return models_body(front)["data"][0]
+        name = request.path_params["model"]
+        check_model(name, front.args.model_names)
+        return next(card for card in models_body(front)["data"] if card["id"] == name)
 
     @app.get("/server_info")
     async def get_server_info() -> Response:

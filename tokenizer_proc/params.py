@@ -83,8 +83,9 @@ class GenPlan:
 # ---------------------------------------------------------------------- small checks
 
 
-def check_model(model: str | None, served_name: str) -> None:
-    if model is not None and model != served_name:
+def check_model(model: str | None, served_names: tuple[str, ...]) -> None:
+    """``model`` may be omitted or any served name (``--served-model-name a b``)."""
+    if model is not None and model not in served_names:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 
 

@@ -182,7 +182,7 @@ class ChatHandler:
 async def create_chat_completion(front: Front, request: Request) -> Response:
     t0 = arrival()
     req = decode_body(await read_body(request), ChatCompletionRequest)
-    check_model(req.model, front.args.model_name)
+    check_model(req.model, front.args.model_names)
     front.engine.check_accepting()
     plan = plan_chat(req, front.tok, front.chat_template_for(req), front.limits(), front.gen_defaults,
                      front.auto_tool_parser, front.args.reasoning_parser)

@@ -183,7 +183,7 @@ async def generate(front: Front, request: Request) -> Response:
 
 async def tokenize(front: Front, request: Request) -> Response:
     req = decode_body(await read_body(request), TokenizeRequest)
-    check_model(req.model, front.args.model_name)
+    check_model(req.model, front.args.model_names)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("exactly one of 'prompt' or 'messages' is required", "prompt")
     info = front.engine.info
@@ -206,7 +206,7 @@ async def tokenize(front: Front, request: Request) -> Response:
 
 async def detokenize(front: Front, request: Request) -> Response:
     req = decode_body(await read_body(request), DetokenizeRequest)
-    check_model(req.model, front.args.model_name)
+    check_model(req.model, front.args.model_names)
     info = front.engine.info
     vocab = info.vocab_size if info else front.tok.vocab_size
     check_token_ids(req.tokens, Limits(max_context=0, vocab_size=vocab), "tokens")

@@ -168,7 +168,7 @@ class CompletionHandler:
 async def create_completion(front: Front, request: Request) -> Response:
     t0 = arrival()
     req = decode_body(await read_body(request), CompletionRequest)
-    check_model(req.model, front.args.model_name)
+    check_model(req.model, front.args.model_names)
     front.engine.check_accepting()
     plan = plan_completion(req, front.tok, front.limits(), front.gen_defaults)
     request_id = new_id("cmpl")

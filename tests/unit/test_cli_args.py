@@ -116,3 +116,13 @@ def test_help_shows_aliases_next_to_the_flag(capsys):
         assert pair in out, pair
     assert out.startswith("usage: tandem serve [MODEL] [--model-path DIR] [options]\n")
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_several_served_model_names():
+    """vLLM's ``--served-model-name a b``: responses carry the first, requests may use any."""
+    one = parse_server_args([TARGET, "--served-model-name", "qwen3"])
+    assert one.model_names == ("qwen3",) and one.served_model_aliases == ()
+    many = parse_server_args([TARGET, "--served-model-name", "qwen3", "org/qwen3-8b", "qwen3", "q"])
+    assert many.model_name == "qwen3" and many.model_names == ("qwen3", "org/qwen3-8b", "q")
+    assert parse_server_args([TARGET]).model_names == (TARGET,)
+    assert parse_server_args(["--served-model-name", "a", "b"]).model_names == ("a", "b")  # the bundled pair
