@@ -20,6 +20,21 @@ import msgspec
 PROTOCOL_VERSION = 1
 
 
+GRAMMAR_KINDS = ("json", "regex", "ebnf", "choice")
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
+    """A constraint on the generated text, compiled by the worker (xgrammar).
+
+    ``kind`` is one of GRAMMAR_KINDS; ``text`` is a JSON Schema (``json``; OpenAI's
+    ``json_object`` is ``{"type": "object"}``), a regular expression (``regex``), a GBNF/EBNF
+    grammar with a ``root`` rule (``ebnf``), or a JSON array of the allowed strings (``choice``).
+    """
+
+    kind: str
+    text: str
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """Per-request sampling and stopping rules the engine itself applies.
 
@@ -44,6 +59,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # (greedy included); logprobs stay the raw model's
     logit_bias_ids: tuple[int, ...] = ()
     logit_bias: tuple[float, ...] = ()
+    # Structured output: only tokens that keep the text inside this grammar are sampled; once
+    # the grammar is complete only end ids may follow (docs/architecture.md, "Structured output")
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
