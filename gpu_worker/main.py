@@ -78,7 +78,7 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     # An EOS id outside the vocabulary (a broken config) could never be sampled; dropping it
     # keeps the min_tokens mask from indexing out of range.
     eos = tuple(i for i in read_eos_token_ids(args.model_path, args.tokenizer_dir) if 0 <= i < target.vocab_size)
-    runner = ModelRunner(target, assistant, backend, state, t, device, eos)
+    runner = ModelRunner(target, assistant, backend, state, t, device, eos, args.tokenizer_dir)
     # On the CPU, --attention-backend triton runs every kernel (norms, RoPE too) in the interpreter.
     runner.cpu_kernels = name in ("triton", "flashinfer") and device.type != "cuda"  # flashinfer: tests' fake
     if device.type == "cuda":  # the CPU has no lazy kernel loading to pay ahead (and CI starts many engines)
@@ -180,6 +180,8 @@ class Worker:
             if isinstance(plan, Shutdown):
                 break
             if plan is not None:
+                while inflight and self.runner.needs_sync(plan):  # structured output: masks need tokens
+                    self.results.send(inflight.popleft().result())
                 inflight.append(self.runner.launch(plan))
                 clock.tick("launch", step=True)
             # No plan: the oldest step is done (``_next_plan``), send it; a later one still

@@ -8,13 +8,15 @@ before step N's event (it reads N's outputs from slot state, ordered by the stre
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, stage_target_batch
 from gpu_worker.cuda_graphs import DecodeBody, DecodeGraphs, greedy_tail_enabled
+from gpu_worker.grammar import GrammarRows
 from gpu_worker.kernels import enable_cpu_kernels
 from gpu_worker.prefill_graphs import PrefillGraphs
 from gpu_worker.processors import LogitProcessors
@@ -23,7 +25,7 @@ from gpu_worker.sampling import RowSampling, sample, token_logprobs
 from gpu_worker.slots import SlotState
 from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain, verify
 from gpu_worker.staging import StageBatch, Staging
-from proto.messages import Logprobs, StepPlan, StepResult
+from proto.messages import Logprobs, SlotError, StepPlan, StepResult
 
 
 @dataclass
@@ -36,6 +38,8 @@ class Pending:
     prompt_lps: list
     event: object
     timer: "StepTimer"
+    errors: list[SlotError] = field(default_factory=list)
+    on_tokens: Callable | None = None  # GrammarRows.observe, for steps with constrained rows
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -50,8 +54,10 @@ class Pending:
             lp = Logprobs(chosen.tobytes(), b"" if ids is None else ids.tobytes(),
                           b"" if vals is None else vals.tobytes(), top)
         fwd, drf, busy, gap = self.timer.elapsed()
+        if self.on_tokens is not None:  # called once per step, in step order (the worker loop)
+            self.on_tokens(self.slots, self.tokens.numpy(), self.accept.numpy())
         return StepResult(self.step_id, self.slots.astype(np.int32).tobytes(), self.tokens.numpy().tobytes(),
-                          self.accept.numpy().tobytes(), lp, self.prompt_lps, fwd, drf, busy, gap)
+                          self.accept.numpy().tobytes(), lp, self.prompt_lps, fwd, drf, busy, gap, self.errors)
 
 
 class StepTimer:
@@ -98,9 +104,10 @@ class ModelRunner:
     data crosses to the device in one staged copy (``staging.py``)."""
 
     def __init__(self, target, assistant, backend, state: SlotState, tokens_per_step: int, device,
-                 eos_ids: tuple[int, ...] = ()):
+                 eos_ids: tuple[int, ...] = (), tokenizer_dir: str | None = None):
         self.target = target
         self.proc = LogitProcessors(state.seq_len.shape[0], target.vocab_size, device, eos_ids)
+        self.grammar = GrammarRows(tokenizer_dir, target.vocab_size, eos_ids, device)
         self.assistant = assistant
         self.backend = backend
         self.state = state
@@ -150,6 +157,7 @@ class ModelRunner:
         if bucket is not None:
             self.backend.prepare_graph(bucket, b)  # plan()-style host work, outside the graph
         self.proc.observe_extend(rows)
+        self.grammar.observe_extend(rows)
         if bucket is not None and self._greedy_tail(rows, b):
             n = len(rows.dec_slots)
             self.graphs.run(n, b.extras["dec_pad"], b.get("dec_pad"), timer.mark)
@@ -187,6 +195,7 @@ class ModelRunner:
         On a host-bound step this is a third of the worker's time (benchmarks/host_step_bench.py)."""
         st = self.state
         st.free(plan.free)
+        self.grammar.stage(plan)  # compiles admitted requests' grammars
         rows = PlanRows.from_plan(plan)
         b = self.staging.batch()
         st.stage_admit(plan.admit, b)
@@ -202,7 +211,7 @@ class ModelRunner:
         """A graph step whose rows are all greedy, with no logit processors and no logprobs,
         selects its tokens and updates slot state inside the graphs (``DecodeGraphs.run_tail``)."""
         return (greedy_tail_enabled() and "lp_idx" not in b and bool(self.state.greedy[rows.dec_slots].all())
-                and not self.proc.active(rows.dec_slots))
+                and not self.proc.active(rows.dec_slots) and not self.grammar.active(rows.dec_slots))
 
     def _target_forward(self, fb) -> torch.Tensor:
         if self.prefill is not None and self.prefill.bucket(fb.num_tokens) is not None:
@@ -270,6 +279,8 @@ class ModelRunner:
             lg = logits[:e]
             if self.proc.active(ext_slots):
                 lg = self.proc.apply(lg, ext_slots, ext_slots_t, pos)
+            if self.grammar.active(ext_slots):
+                lg = self.grammar.apply(lg, logits[:e], ext_slots)
             tok = sample(lg, self._row_sampling(ext_slots, ext_slots_t), pos)
             parts_out.append(torch.cat([tok[:, None], tok.new_zeros(e, t - 1)], dim=1))
             parts_acc.append(torch.ones(e, dtype=torch.int64, device=self.device))
@@ -283,6 +294,9 @@ class ModelRunner:
                 pos = (seq[:, None] + 1 + torch.arange(t, device=self.device)[None, :]).reshape(-1)
                 drafts = dec_tokens[:, 1:] if self.assistant is not None else None
                 lg = self.proc.apply(lg, rows.dec_slots, dec_slots_t, pos, drafts)
+            if self.grammar.active(rows.dec_slots):
+                lg = self.grammar.apply(lg, logits[e:], rows.dec_slots,
+                                        dec_tokens[:, 1:] if self.assistant is not None else None)
             if self.assistant is None:
                 tok = sample(lg, rs, seq + 1)
                 out, acc = tok[:, None], torch.ones_like(tok)
@@ -352,9 +366,19 @@ class ModelRunner:
     def _copy_out(self, step_id, rows, out, accept, lps, prompt_lps, timer) -> Pending:
         hosts, event = self._copy_home([out.to(torch.int32), accept.to(torch.int32), *(lps or ())], timer)
         lp = tuple(hosts[2:]) if lps is not None else None
-        return Pending(step_id, rows.result_slots(), hosts[0], hosts[1], lp, prompt_lps, event, timer)
+        return self._pending(step_id, rows, hosts[0], hosts[1], lp, prompt_lps, event, timer)
+
+    def _pending(self, step_id, rows, tokens, accept, lp, prompt_lps, event, timer) -> Pending:
+        res = rows.result_slots()
+        observe = self.grammar.observe if self.grammar.active(res) else None
+        return Pending(step_id, res, tokens, accept, lp, prompt_lps, event, timer, self.grammar.take_errors(), observe)
+
+    def needs_sync(self, plan: StepPlan) -> bool:
+        """Must the steps in flight return before ``plan`` launches? (a constrained row's mask
+        needs its previous tokens on the host: ``grammar.py``)"""
+        return self.grammar.needs_sync(plan)
 
     def _copy_out_result(self, step_id, rows, result: torch.Tensor, timer) -> Pending:
         """The greedy tail's [n, T + 1] int32 (tokens, accept) home in one copy."""
         (host,), event = self._copy_home([result], timer)
-        return Pending(step_id, rows.result_slots(), host[:, : self.t], host[:, self.t], None, [], event, timer)
+        return self._pending(step_id, rows, host[:, : self.t], host[:, self.t], None, [], event, timer)

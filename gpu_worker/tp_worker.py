@@ -112,6 +112,8 @@ class Follower:
             msg = self.decoder.decode(self.sock.recv(copy=False).buffer)  # rank 0 decoded it already
             if isinstance(msg, Shutdown):
                 break
+            while inflight and self.runner.needs_sync(msg):  # as the leader does (structured output)
+                _retire(inflight.popleft())
             inflight.append(self.runner.launch(msg))
             # Same depth as the leader: at most that many steps launched, retire the oldest in
             # order (its copy buffers stay alive until its event has fired).
@@ -128,7 +130,10 @@ class Follower:
 
 
 def _retire(pending) -> None:
-    if pending.event is not None:
+    """Wait for the step; its tokens advance this rank's grammar matchers as on the leader."""
+    if pending.on_tokens is not None:
+        pending.result()
+    elif pending.event is not None:
         pending.event.synchronize()
 
 

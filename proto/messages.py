@@ -259,6 +259,14 @@ class PromptLogprobRows(msgspec.Struct, frozen=True, array_like=True):
     logprobs: Logprobs
 
 
+class SlotError(msgspec.Struct, frozen=True, array_like=True):
+    """A request the worker cannot serve (a grammar that does not compile): the scheduler ends
+    the request in ``slot`` with an HTTP 400 error; tokens its rows carry are dropped."""
+
+    slot: int
+    message: str
+
+
 class StepResult(msgspec.Struct, tag="result", frozen=True):
     """Outputs of one step, rows in plan order (sampled extend rows, then decode rows).
 
@@ -275,6 +283,7 @@ class StepResult(msgspec.Struct, tag="result", frozen=True):
     draft_s: float = 0.0
     busy_s: float = 0.0  # device time from the step's first to its last queued work
     gap_s: float = 0.0  # device idle between the previous step's end and this step's start
+    errors: list[SlotError] = []
 
 
 class WorkerError(msgspec.Struct, tag="worker_error", frozen=True):

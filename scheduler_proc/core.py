@@ -204,6 +204,10 @@ class SchedulerCore:
             req = self.by_slot[plr.slot]
             if not req.finished and req.fill_tokens is None:  # a re-prefill does not resend them
                 self.outbox.append(ReqOutput(req.rid, b"", prompt_logprobs=plr.logprobs))
+        for err in res.errors:  # before the rows: the failed request's tokens are dropped
+            req = self.by_slot[err.slot]
+            if not req.finished:
+                self._finish(req, "error", error=err.message)
         for row, slot in enumerate(slots):
             req = self.by_slot[slot]
             n = accept[row]
@@ -257,14 +261,16 @@ class SchedulerCore:
             **kw,
         )
 
-    def _finish(self, req: Req, reason: str, kept=(), lp=None, matched=None) -> None:
+    def _finish(self, req: Req, reason: str, kept=(), lp=None, matched=None, error: str | None = None) -> None:
+        """``error``: a request the worker refused (a bad grammar), HTTP 400 before any token."""
         req.finish_reason = reason
         # The front frees the rid on this output: it may come back at once (user rids on
         # /generate) while this request still drains; only by_slot/running track it from now.
         if self.by_rid.get(req.rid) is req:
             del self.by_rid[req.rid]
+        err = {} if error is None else {"error": error, "error_code": 400}
         self.outbox.append(self._output(req, list(kept), lp, finish_reason=reason, matched_stop=matched,
-                                        timings=_timings(req)))
+                                        timings=_timings(req), **err))
         if req.phase is Phase.WAITING:
             req.phase = Phase.DONE
             return

@@ -50,7 +50,10 @@ class InProcEngine:
         pending = self.pending
         for _ in range(limit):
             while len(self.core.inflight) < self.depth and (plan := self.planner.plan()) is not None:
-                pending.append(self.runner.launch(_dec_plan.decode(_enc.encode(plan))))
+                plan = _dec_plan.decode(_enc.encode(plan))
+                while pending and self.runner.needs_sync(plan):  # as the worker loop: grammar rows
+                    self.core.on_result(_dec_result.decode(_enc.encode(pending.popleft().result())))
+                pending.append(self.runner.launch(plan))
             if pending:
                 self.core.on_result(_dec_result.decode(_enc.encode(pending.popleft().result())))
                 if until is not None and until():

@@ -1,0 +1,211 @@
+"""Structured output on the worker: an xgrammar matcher per slot, a token mask per sampled position.
+
+Why the worker: it holds the tokens first (on the device), MTP's drafts exist only here, and the
+masks apply in the eager selection path beside logit_bias and penalties (never inside a graph).
+
+Life of a constrained request (``SamplingParams.grammar``):
+- admission: the spec is compiled (xgrammar caches compiled specs) and the slot gets a fresh
+  matcher. A spec that does not compile gives the slot an error, reported in that step's result
+  (``StepResult.errors``); the scheduler ends the request with HTTP 400 before any token, and
+  the slot samples unconstrained until it is freed (those tokens are dropped).
+- a re-prefill after preemption feeds the outputs it re-reads (positions >= prompt_len) to the
+  new matcher (``observe_extend``), so the grammar resumes where it was.
+- a step with a constrained row is launched only after every step in flight has returned
+  (``needs_sync``; the worker loop retires them): the host must know a row's last token to
+  mask its next one. Such steps lose overlap; steps without one keep it.
+- masks: position 0 from the matcher's state; with MTP, verify position i from the state after
+  the row's drafts d1..di (the drafts are read back first), rolled back afterwards. A draft the
+  grammar refuses ends the row's masks there: verify rejects it, since position i-1 masks it out.
+- the step's result: the accepted tokens advance the matcher (``observe``, from
+  ``Pending.result``, in step order). Once the grammar is complete only end ids stay allowed.
+- free: the matcher goes with the slot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import numpy as np
+import torch
+
+from proto.messages import AdmitRow, GrammarSpec, SlotError, StepPlan
+
+log = logging.getLogger("tandem.worker")
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[10:33:22] /path/file.cc:94: "
+
+
+def tokenizer_info(tokenizer_dir: str, vocab_size: int, eos_ids: tuple[int, ...]):
+    """xgrammar's view of the vocabulary, from ``tokenizer.json`` (the model's vocab size: rows
+    past the tokenizer's are never allowed)."""
+    import xgrammar as xgr  # noqa: PLC0415 - heavy (torch, tvm-ffi): only once a request asks
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    encoded = [""] * vocab_size
+    for text, i in tok.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size:
+            encoded[i] = text
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tok.to_str())  # what from_huggingface reads
+    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=list(eos_ids) or None, add_prefix_space=meta["add_prefix_space"])
+
+
+def choice_grammar(text: str) -> str:
+    """A ``choice`` spec (a JSON array of strings) as EBNF: root ::= "a" | "b" | ..."""
+    choices = json.loads(text)
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("choice must be a non-empty list of strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def compile_spec(compiler, spec: GrammarSpec):
+    if spec.kind == "json":
+        return compiler.compile_json_schema(spec.text, any_whitespace=True)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.text)
+    if spec.kind == "ebnf":
+        return compiler.compile_grammar(spec.text)
+    if spec.kind == "choice":
+        return compiler.compile_grammar(choice_grammar(spec.text))
+    raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+class GrammarRows:
+    """Per-slot matchers and the masks they give; host state only, plus one small upload a step."""
+
+    def __init__(self, tokenizer_dir: str | None, vocab_size: int, eos_ids: tuple[int, ...], device):
+        self.tokenizer_dir, self.vocab, self.eos, self.device = tokenizer_dir, vocab_size, tuple(eos_ids), device
+        self.words = (vocab_size + 31) // 32
+        self.matchers: dict[int, object] = {}  # slot -> xgrammar GrammarMatcher
+        self.prompt_len: dict[int, int] = {}
+        self.errors: list[SlotError] = []  # this step's compile errors (``take_errors``)
+        self._compiler = None
+
+    # ------------------------------------------------------------ per-request state
+    def stage(self, plan: StepPlan) -> None:
+        """Freed slots drop their matchers; admitted constrained requests get one."""
+        for s in plan.free:
+            self.matchers.pop(s, None)
+        for row in plan.admit:
+            self.matchers.pop(row.slot, None)  # a reused slot starts clean
+            if row.params.grammar is not None:
+                self._admit(row)
+
+    def _admit(self, row: AdmitRow) -> None:
+        import xgrammar as xgr  # noqa: PLC0415
+
+        try:
+            compiled = compile_spec(self._get_compiler(), row.params.grammar)
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError for a bad spec
+            first = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
+            self.errors.append(SlotError(row.slot, f"invalid {row.params.grammar.kind} grammar: {first}"))
+            return
+        self.matchers[row.slot] = xgr.GrammarMatcher(compiled)
+        self.prompt_len[row.slot] = row.prompt_len
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr  # noqa: PLC0415
+
+            if self.tokenizer_dir is None:
+                raise ValueError("structured output needs the model's tokenizer.json")
+            self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer_dir, self.vocab, self.eos))
+            log.info("structured output: xgrammar %s ready", xgr.__version__ if hasattr(xgr, "__version__") else "")
+        return self._compiler
+
+    def take_errors(self) -> list[SlotError]:
+        out, self.errors = self.errors, []
+        return out
+
+    # ------------------------------------------------------------ which steps
+    def active(self, slots: np.ndarray) -> bool:
+        return bool(self.matchers) and any(int(s) in self.matchers for s in slots)
+
+    def needs_sync(self, plan: StepPlan) -> bool:
+        """Does ``plan`` sample for a constrained slot whose matcher may lag the steps in flight?
+        (A slot admitted by this plan starts fresh: nothing in flight concerns it.)"""
+        if not self.matchers:
+            return False
+        new = {r.slot for r in plan.admit}
+        rows = np.frombuffer(plan.decode_slots, dtype=np.int32).tolist() + [e.slot for e in plan.extend if e.sample]
+        return any(s in self.matchers and s not in new for s in rows)
+
+    # ------------------------------------------------------------ tokens in
+    def observe_extend(self, rows) -> None:
+        """A re-prefill's generated tokens (positions >= prompt_len) advance its fresh matcher."""
+        if not self.matchers or not len(rows.ext_slots):
+            return
+        offsets = np.cumsum(rows.ext_len) - rows.ext_len
+        for i, slot in enumerate(rows.ext_slots.tolist()):
+            m = self.matchers.get(slot)
+            if m is None:
+                continue
+            start, n = int(rows.ext_start[i]), int(rows.ext_len[i])
+            toks = rows.ext_tokens[offsets[i]: offsets[i] + n]
+            for tok in toks[max(0, self.prompt_len[slot] - start):].tolist():
+                m.accept_token(tok)
+
+    def observe(self, slots: np.ndarray, tokens: np.ndarray, accept: np.ndarray) -> None:
+        """A returned step's new tokens, rows in result order (tokens [R, T], accept [R]).
+        A token the matcher refuses (after the grammar ended, or for a row whose request
+        already finished) is dropped by the scheduler too."""
+        for r, slot in enumerate(slots.tolist()):
+            m = self.matchers.get(slot)
+            if m is not None:
+                for tok in tokens[r, : accept[r]].tolist():
+                    if m.is_terminated() or not m.accept_token(tok):
+                        break
+
+    # ------------------------------------------------------------ masks out
+    def apply(self, logits: torch.Tensor, raw: torch.Tensor, slots: np.ndarray,
+              drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` [R*N, V] (float, the processed copy) with -inf on the tokens the grammar
+        refuses at the constrained rows' positions; N = 1 + the rows' drafts [R, N-1]. ``raw``:
+        the model's logits, for a position the processors left with no token."""
+        n = 1 if drafts is None else drafts.shape[1] + 1
+        d_host = drafts.cpu().numpy() if drafts is not None else None  # the step's one read-back
+        mask = torch.full((len(slots) * n, self.words), -1, dtype=torch.int32)  # -1: all allowed
+        rows = []
+        for r, slot in enumerate(slots.tolist()):
+            m = self.matchers.get(slot)
+            if m is not None:
+                rows.extend(range(r * n, r * n + n))
+                self._fill(m, mask, r * n, None if d_host is None else d_host[r])
+        if not rows:
+            return logits
+        idx = torch.as_tensor(rows, device=logits.device)
+        refused = ~_unpack(mask[rows].to(logits.device), logits.shape[-1])
+        masked = logits[idx].masked_fill(refused, float("-inf"))
+        # A position left with no token (min_tokens masked the end ids that a complete grammar
+        # allows alone) takes the grammar's mask over the raw logits: the grammar wins.
+        dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
+        fallback = raw[idx].float().masked_fill(refused, float("-inf"))
+        out = logits.clone()
+        out[idx] = torch.where(dead, fallback, masked)
+        return out
+
+    def _fill(self, m, mask: torch.Tensor, base: int, drafts: np.ndarray | None) -> None:
+        """Masks for one row: position 0 from ``m``'s state; later positions after each draft,
+        while the grammar accepts them (rolled back after)."""
+        if m.is_terminated():
+            return  # the request ended here; its remaining rows' tokens are dropped
+        m.fill_next_token_bitmask(mask, base)
+        taken = 0
+        for i, tok in enumerate(() if drafts is None else drafts.tolist()):
+            if not m.accept_token(int(tok)):
+                break
+            taken += 1
+            if m.is_terminated():
+                break
+            m.fill_next_token_bitmask(mask, base + i + 1)
+        if taken:
+            m.rollback(taken)
+
+
+def _unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bit masks [rows, ceil(V/32)] int32 -> allowed [rows, V] bool (bit j of word w: token 32w + j)."""
+    bits = torch.arange(32, device=words.device, dtype=torch.int32)
+    return ((words[:, :, None] >> bits) & 1).bool().reshape(words.shape[0], -1)[:, :vocab]
