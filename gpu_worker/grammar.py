@@ -188,21 +188,32 @@ class GrammarRows:
         return out
 
     def _fill(self, m, mask: torch.Tensor, base: int, drafts: np.ndarray | None) -> None:
-        """Masks for one row: position 0 from ``m``'s state; later positions after each draft,
-        while the grammar accepts them (rolled back after)."""
-        if m.is_terminated():
-            return  # the request ended here; its remaining rows' tokens are dropped
-        m.fill_next_token_bitmask(mask, base)
+        """Masks for one row: position 0 from ``m``'s state, later positions after each draft
+        while the grammar accepts them (rolled back after). Past the grammar's end only end ids
+        stay allowed (``ignore_eos`` / ``min_tokens`` rows go on emitting them)."""
+        n = 1 if drafts is None else len(drafts) + 1
         taken = 0
-        for i, tok in enumerate(() if drafts is None else drafts.tolist()):
-            if not m.accept_token(int(tok)):
-                break
-            taken += 1
+        for i in range(n):
+            if i and not m.accept_token(int(drafts[i - 1])):
+                break  # verify rejects this draft: position i - 1 masks it out
+            taken += i > 0
             if m.is_terminated():
+                mask[base + i: base + n] = self._stop_row()
                 break
-            m.fill_next_token_bitmask(mask, base + i + 1)
+            m.fill_next_token_bitmask(mask, base + i)
         if taken:
             m.rollback(taken)
+
+    def _stop_row(self) -> torch.Tensor:
+        row = torch.zeros(self.words, dtype=torch.int32)
+        for t in self.eos:
+            row[t // 32] |= _bit(t % 32)
+        return row
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int32 word, as a signed value (bit 31 is the sign)."""
+    return (1 << j) - (1 << 32 if j == 31 else 0)
 
 
 def _unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:

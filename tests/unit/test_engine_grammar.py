@@ -1,0 +1,187 @@
+"""Structured output through the scheduler + worker (overlap depth 3), against a reference loop
+that masks HF transformers' logits with xgrammar's own matcher and mask kernel, plain and MTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+import xgrammar as xgr  # a core dependency: if it is missing this file fails loudly
+
+from proto.messages import GrammarSpec
+from tests.helpers.checkpoints import EOS, VOCAB, build_assistant, build_gemma4, build_llama, hf_greedy, hf_model
+from tests.helpers.inproc import InProcEngine
+from tests.helpers.oracle_draft import BigramDraft, bigram_table
+
+ENDS = (EOS, 5)  # the test checkpoints' generation_config end ids
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "c": {"enum": ["red", "green"]}},
+          "required": ["n", "c"]}
+SPECS = {
+    "json": GrammarSpec("json", json.dumps(SCHEMA)),
+    "regex": GrammarSpec("regex", r"[0-9]{2,4}-(ab|cd)+\."),
+    "choice": GrammarSpec("choice", json.dumps(["yes", "no", "maybe so", "l'été \"x\""])),
+    "ebnf": GrammarSpec("ebnf", 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+'),
+}
+PROMPTS = [[(7 * i + 3 * j) % 300 + 6 for j in range(3 + 5 * i)] for i in range(3)]
+
+
+def _compiler(model_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(model_dir, "tokenizer.json"))
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=list(ENDS))
+    return xgr.GrammarCompiler(info)
+
+
+def _compiled(compiler, spec: GrammarSpec):
+    if spec.kind == "json":
+        return compiler.compile_json_schema(spec.text, any_whitespace=True)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.text)
+    if spec.kind == "choice":  # written independently of the worker's EBNF: a regex alternation
+        return compiler.compile_regex("|".join(re.escape(c) for c in json.loads(spec.text)))
+    return compiler.compile_grammar(spec.text)
+
+
+def reference(model, compiler, spec, prompt, n) -> list[int]:
+    """Greedy decoding of HF logits masked by xgrammar (its CPU mask kernel); ends on an end id."""
+    matcher = xgr.GrammarMatcher(_compiled(compiler, spec))
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
+    seq, out = list(prompt), []
+    while len(out) < n:
+        with torch.no_grad():
+            logits = model(torch.tensor([seq], device=model.device)).logits[0, -1:].float().cpu()
+        matcher.fill_next_token_bitmask(mask)
+        xgr.apply_token_bitmask_inplace(logits, mask)
+        tok = int(logits.argmax())
+        out.append(tok)
+        seq.append(tok)
+        assert matcher.accept_token(tok)
+        if tok in ENDS:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grammar")
+    llama = build_llama(os.path.join(root, "l"))
+    g = build_gemma4(os.path.join(root, "g"))
+    return llama, g, build_assistant(os.path.join(root, "a"), g)
+
+
+def _submit_all(eng, model_dir, n=24, prompts=3, model=None):
+    model, compiler, refs = model or hf_model(model_dir), _compiler(model_dir), {}
+    for name, spec in SPECS.items():
+        for i, p in enumerate(PROMPTS[:prompts]):
+            rid = f"{name}{i}"
+            eng.submit(rid, p, max_new_tokens=n, grammar=spec)
+            refs[rid] = reference(model, compiler, spec, p, n)
+    return refs
+
+
+@pytest.mark.parametrize("mtp,graphs", [(False, False), (True, False), (True, True)])
+def test_greedy_matches_the_masked_reference(models, mtp, graphs, monkeypatch):
+    """``graphs``: the triton backend with CUDA graphs emulated (decode steps replay the bucket
+    buffers, so constrained rows take the graph step's eager selection, not the greedy tail)."""
+    llama, g, a = models
+    target = g if mtp else llama
+    kw = {}
+    if graphs:
+        monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
+        kw = dict(attention_backend="triton", cuda_graph_bs=(1, 2, 4, 8, 16))
+    eng = InProcEngine(target, draft=a if mtp else None, steps=3, page_size=4, **kw)
+    refs = _submit_all(eng, target, n=16 if graphs else 24, prompts=2 if graphs else 3)  # (the interpreter is slow)
+    if mtp:  # an oracle draft from the references: multi-token steps through the masks happen
+        eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([PROMPTS[int(r[-1])] + t
+                                                                            for r, t in refs.items()]))
+        if graphs:  # capture again with the oracle draft inside
+            eng.runner.enable_graphs(list(kw["cuda_graph_bs"]), emulate=True)
+    eng.submit("plain", PROMPTS[1], max_new_tokens=12, ignore_eos=True)  # unconstrained, same batches
+    eng.run()
+    for rid, ref in refs.items():
+        assert eng.tokens[rid] == ref, rid
+        assert eng.finish[rid] == ("stop" if ref[-1] in ENDS else "length"), rid
+    assert eng.tokens["plain"] == hf_greedy(target, PROMPTS[1], 12, ignore_eos=True)
+    assert any(eng.finish[r] == "stop" for r in refs)  # some grammars complete within the budget
+    if mtp:
+        assert eng.core.counters.accepted > 0
+
+
+def _text(model_dir, ids):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).decode(ids)
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_sampled_rows_stay_inside_the_grammar(models, mtp):
+    llama, g, a = models
+    target = g if mtp else llama
+    eng = InProcEngine(target, draft=a if mtp else None, steps=3, page_size=4)
+    choices = json.loads(SPECS["choice"].text)
+    for i in range(6):
+        eng.submit(f"c{i}", PROMPTS[i % 3], max_new_tokens=30, temperature=1.0, seed=i, grammar=SPECS["choice"])
+        eng.submit(f"r{i}", PROMPTS[i % 3], max_new_tokens=30, temperature=1.3, top_p=0.9, seed=i,
+                   grammar=SPECS["regex"])
+    eng.run()
+    for i in range(6):
+        assert eng.finish[f"c{i}"] == "stop" and eng.tokens[f"c{i}"][-1] in ENDS
+        assert _text(target, eng.tokens[f"c{i}"]) in choices
+        text = _text(target, eng.tokens[f"r{i}"])
+        if eng.finish[f"r{i}"] == "stop":
+            assert re.fullmatch(SPECS["regex"].text, text), text
+        else:  # cut by max_tokens: still a prefix the regex allows
+            assert re.fullmatch(r"[0-9]{0,4}(-((ab|cd)+\.?|a|c)?)?", text), text
+
+
+def test_a_grammar_that_does_not_compile_fails_its_request_alone(models):
+    llama, _, _ = models
+    eng = InProcEngine(llama, page_size=4)
+    eng.submit("bad", PROMPTS[0], max_new_tokens=8, grammar=GrammarSpec("regex", "[a-"))
+    eng.submit("badjson", PROMPTS[1], max_new_tokens=8, grammar=GrammarSpec("json", '{"type": "nonsense"}'))
+    eng.submit("good", PROMPTS[2], max_new_tokens=8, grammar=SPECS["choice"])
+    eng.run()
+    for rid in ("bad", "badjson"):
+        (out,) = eng.outputs[rid]
+        assert out.finish_reason == "error" and out.error_code == 400 and eng.tokens[rid] == []
+        assert out.error.startswith(f"invalid {'regex' if rid == 'bad' else 'json'} grammar: "), out.error
+        assert "/project/" not in out.error  # xgrammar's source path is not the user's business
+    assert _text(llama, eng.tokens["good"]) in json.loads(SPECS["choice"].text)
+
+
+def test_after_the_grammar_ends_only_end_ids_follow(models):
+    """min_tokens masks the end ids a complete grammar allows alone: the grammar wins (no NaN,
+    no token outside it); with ignore_eos the row goes on with end ids up to max_tokens."""
+    llama, _, _ = models
+    eng = InProcEngine(llama, page_size=4)
+    eng.submit("min", PROMPTS[0], max_new_tokens=20, min_new_tokens=9, grammar=SPECS["choice"])
+    eng.submit("ign", PROMPTS[1], max_new_tokens=12, ignore_eos=True, grammar=SPECS["choice"])
+    eng.run()
+    choices = json.loads(SPECS["choice"].text)
+    for rid, n in (("min", None), ("ign", 12)):
+        toks = eng.tokens[rid]
+        k = next(i for i, t in enumerate(toks) if t in ENDS)
+        assert _text(llama, toks[:k]) in choices and all(t in ENDS for t in toks[k:]), toks
+        assert n is None or len(toks) == n
+    assert len(eng.tokens["min"]) >= 9 and eng.finish["min"] == "stop"
+
+
+def test_a_preempted_request_resumes_its_grammar(models):
+    """A re-prefill folds the outputs so far into the prompt: the new matcher replays them."""
+    llama, _, _ = models
+    eng = InProcEngine(llama, page_size=4, max_total_tokens=96, max_running_requests=8)
+    model, compiler = hf_model(llama), _compiler(llama)
+    refs = {}
+    for i in range(6):
+        p = PROMPTS[i % 3] + [40 + i]
+        eng.submit(f"j{i}", p, max_new_tokens=24, grammar=SPECS["json"])
+        refs[f"j{i}"] = reference(model, compiler, SPECS["json"], p, 24)
+    eng.run()
+    assert eng.core.counters.preemptions > 0
+    for rid, ref in refs.items():
+        assert eng.tokens[rid] == ref, rid
