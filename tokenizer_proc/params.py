@@ -32,8 +32,8 @@ from tokenizer_proc.protocol import (
 )
 from tokenizer_proc.reasoning import starts_in_reasoning, tags_are_special
 from tokenizer_proc.request_state import StopConfig
+from tokenizer_proc.structured import chat_grammar, request_grammar
 from tokenizer_proc.tokenizer import TextTokenizer, read_json
-from tokenizer_proc.structured import conflict, find_constraint, request_grammar
 from tokenizer_proc.tool_choice import resolve_tool_choice
 from tokenizer_proc.tool_parsers import ToolParser
 
@@ -336,10 +336,7 @@ def plan_chat(
     _unsupported(req)
     validate_tools(req.tools)
     tools = resolve_tool_choice(req.tool_choice, req.tools, server_tool_parser, req.parallel_tool_calls is not False)
-    constraint = find_constraint(req)
-    if constraint and tools.grammar:
-        raise conflict(constraint[0], "tool_choice")
-    grammar = tools.grammar or (constraint[1] if constraint else None)
+    grammar = chat_grammar(req, tools.grammar)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     text = chat_text(req, template)

@@ -85,11 +85,11 @@ def _response_format(rf: Any) -> GrammarSpec | None:
     if rf.type == "json_object":
         return GrammarSpec("json", JSON_OBJECT)
     if rf.type == "json_schema":
-        js = rf.json_schema
-        schema = js.schema if js is not None else rf.schema  # SGLang also reads response_format.schema
-        if schema is None:
-            return GrammarSpec("json", JSON_OBJECT)
-        return json_grammar(schema, "response_format.json_schema.schema" if js is not None else "response_format.schema")
+        if rf.json_schema is None:  # SGLang also reads the schema at response_format.schema
+            schema, param = rf.schema, "response_format.schema"
+        else:
+            schema, param = rf.json_schema.schema, "response_format.json_schema.schema"
+        return GrammarSpec("json", JSON_OBJECT) if schema is None else json_grammar(schema, param)
     if rf.type == "structural_tag":
         _unsupported("response_format.structural_tag")
     return None
@@ -132,6 +132,15 @@ def find_constraint(req: Any, prefix: str = "") -> tuple[str, GrammarSpec] | Non
 def request_grammar(req: Any, prefix: str = "") -> GrammarSpec | None:
     found = find_constraint(req, prefix)
     return found[1] if found else None
+
+
+def chat_grammar(req: Any, forced: GrammarSpec | None) -> GrammarSpec | None:
+    """A chat request's grammar: its constraint, or the one a forced ``tool_choice`` brings
+    (tool_choice.py), read last: both is a 400 naming ``tool_choice``."""
+    found = find_constraint(req)
+    if found and forced:
+        raise conflict(found[0], "tool_choice")
+    return forced or (found[1] if found else None)
 
 
 def conflict(first: str, second: str) -> APIError:

@@ -22,7 +22,8 @@ TIME = {"name": "get_time", "description": "Local time", "parameters": {
     "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}
 TWO_TOOLS = [*TOOLS, {"type": "function", "function": TIME}]
 NO_PARAMS = [{"type": "function", "function": {"name": "ping"}}]
-ANSWER = '[{"name": "get_weather", "parameters": {"city": "東京 😀"}}, {"name": "get_time", "parameters": {"tz": "CET"}}]'
+ANSWER = ('[{"name": "get_weather", "parameters": {"city": "東京 😀"}}, '
+          '{"name": "get_time", "parameters": {"tz": "CET"}}]')
 
 
 def item(function: dict) -> dict:
@@ -176,7 +177,8 @@ def test_bad_forced_choices_are_a_400(http, body, param, message):
 
 REQUIRED_TEXTS = [
     ANSWER,
-    ' [\n  {"name": "f", "parameters": {"a": [1, {"b": null}], "s": "x, ]} y"}} ,\n {"name": "g", "parameters": {}}\n] ',
+    ' [\n  {"name": "f", "parameters": {"a": [1, {"b": null}], "s": "x, ]} y"}} ,\n'
+    ' {"name": "g", "parameters": {}}\n] ',
     '[{"parameters": {"k": -0.5e+2}, "name": "h"}]',
 ]
 
