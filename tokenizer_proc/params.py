@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgspec
 
-from proto.messages import SamplingParams
+from proto.messages import GrammarSpec, SamplingParams
 from tokenizer_proc.chat_messages import validate_messages, validate_tools
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_proc.errors import APIError, bad_request
@@ -31,9 +32,10 @@ from tokenizer_proc.protocol import (
 )
 from tokenizer_proc.reasoning import starts_in_reasoning, tags_are_special
 from tokenizer_proc.request_state import StopConfig
+from tokenizer_proc.structured import chat_grammar, request_grammar
 from tokenizer_proc.tokenizer import TextTokenizer, read_json
 from tokenizer_proc.tool_choice import resolve_tool_choice
-from tokenizer_proc.tool_parsers import parser_class
+from tokenizer_proc.tool_parsers import ToolParser
 
 DEFAULT_COMPLETION_TOKENS = 16
 GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -68,7 +70,7 @@ class GenPlan:
     top_logprobs: int | None = None  # None: no logprobs in the response
     return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field (non-streaming only)
     prompt_texts: list[str] = field(default_factory=list)
-    tool_parser: str | None = None  # chat: the parser that turns the answer into tool_calls
+    tool_parser: Callable[[], ToolParser] | None = None  # chat: makes a choice's tool_calls parser
     parallel_tool_calls: bool = True  # false: only a choice's first call is returned
     # chat with --reasoning-parser: whether the answer starts inside <think> (None: not parsed)
     reasoning: bool | None = None
@@ -174,7 +176,7 @@ def continuous_usage(req: SamplingFields) -> bool:
 
 
 def _unsupported(req: SamplingFields) -> None:
-    # suffix and response_format are limited to their no-op values by protocol.py.
+    # suffix is limited to its no-op value by protocol.py.
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
 
@@ -187,6 +189,7 @@ def sampling_params(
     prompt_logprobs: int = -1,
     min_tokens: int | None = None,
     seed: int | None = None,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     def pick(name: str, fallback):
         value = getattr(req, name, None)
@@ -211,6 +214,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         logit_bias_ids=bias_ids,
         logit_bias=bias,
+        grammar=grammar,
     )
 
 
@@ -275,7 +279,8 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
     check_logit_bias(req.logit_bias, limits)
     logprobs = -1 if req.logprobs is None else req.logprobs
     prompt_lp = req.prompt_logprobs if req.prompt_logprobs is not None else (logprobs if echo else -1)
-    params = sampling_params(req, max(1, max_tokens), defaults, logprobs, prompt_lp, req.min_tokens, req.seed)
+    params = sampling_params(req, max(1, max_tokens), defaults, logprobs, prompt_lp, req.min_tokens, req.seed,
+                             request_grammar(req))
     return GenPlan(
         prompts=prompts,
         params=params,
@@ -330,14 +335,16 @@ def plan_chat(
     ``server_reasoning_parser``: --reasoning-parser (SGLang's ``separate_reasoning: false`` skips it)."""
     _unsupported(req)
     validate_tools(req.tools)
-    tool_parser = resolve_tool_choice(req.tool_choice, req.tools, server_tool_parser)
+    tools = resolve_tool_choice(req.tool_choice, req.tools, server_tool_parser, req.parallel_tool_calls is not False)
+    grammar = chat_grammar(req, tools.grammar)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     text = chat_text(req, template)
     # HF tokenizes rendered chats without special tokens: the template wrote any BOS itself.
     ids = encode_prompt(text, tok, limits, "messages", add_special_tokens=False)
     reasoning = None
-    if server_reasoning_parser and req.separate_reasoning is not False:
+    # a grammar binds from the first token (vLLM waits for the reasoning to end): no reasoning to split
+    if server_reasoning_parser and req.separate_reasoning is not False and grammar is None:
         reasoning = starts_in_reasoning(server_reasoning_parser, text, req.chat_template_kwargs,
                                         req.continue_final_message)
     if not ids:
@@ -356,12 +363,13 @@ def plan_chat(
         check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
     check_logit_bias(req.logit_bias, limits)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, defaults, -1 if top is None else top, -1, req.min_tokens, req.seed)
+    params = sampling_params(req, max_tokens, defaults, -1 if top is None else top, -1, req.min_tokens, req.seed,
+                             grammar)
     echo_text = chat_echo_text(req.messages) if req.echo else ""
     return GenPlan(
         prompts=[ids],
         params=params,
-        stop_cfg=_stop_cfg(req, keep_special=(bool(tool_parser) and parser_class(tool_parser).keeps_special_tokens)
+        stop_cfg=_stop_cfg(req, keep_special=tools.keeps_special_tokens
                            or (reasoning is not None and tags_are_special(tok))),
         n=req.n or 1,
         stream=bool(req.stream),
@@ -370,7 +378,7 @@ def plan_chat(
         top_logprobs=top,
         echo=bool(echo_text),
         prompt_texts=[echo_text] if echo_text else [],
-        tool_parser=tool_parser,
+        tool_parser=tools.parser,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         reasoning=reasoning,
         include_reasoning=req.include_reasoning is not False,

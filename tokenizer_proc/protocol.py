@@ -43,13 +43,47 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct):
-    """Structured output is not implemented: plain text only."""
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format.json_schema``; a missing ``schema`` means any JSON object."""
 
-    type: Literal["text"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema: Any = None  # an object or a boolean (structured.py checks it)
+    strict: bool | None = None
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+    schema: Any = None  # SGLang: a json_schema format may carry its schema here instead
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs``: at most one constraint (structured.py). Its whitespace
+    options are ignored; ``structural_tag`` is refused."""
+
+    json: Any = None  # a JSON Schema, or its text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+
+
+class ConstraintFields(msgspec.Struct, kw_only=True):
+    """The constraint fields outside ``response_format`` (structured.py reads them all)."""
+
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: Any = None  # SGLang's: schema text (an object is accepted too)
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+class SamplingFields(ConstraintFields, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extensions)."""
 
     model: str | None = None
@@ -159,6 +193,10 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True):
     logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None  # as SamplingFields
     sampling_seed: Seed | None = None
     seed: Seed | None = None
+    json_schema: Any = None  # structured output (structured.py): SGLang's three constraints
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: Any = None  # refused
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):

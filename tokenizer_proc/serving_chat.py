@@ -1,7 +1,8 @@
 """POST /v1/chat/completions, streaming and not.
 
 With a tool-call parser for the request (``tool_choice`` "auto" on a server started with
-``--enable-auto-tool-choice --tool-call-parser NAME``, see tool_choice.py), each choice's text
+``--enable-auto-tool-choice --tool-call-parser NAME``, or a forced ``"required"`` / named
+function whose grammar shaped the answer, see tool_choice.py), each choice's text
 goes through its own parser: content deltas carry the text outside the calls, ``tool_calls``
 deltas the calls (the first one of a call its ``index``, ``id``, ``type`` and ``function.name``,
 later ones ``function.arguments`` fragments), text that may still become a call is held back,
@@ -34,13 +35,15 @@ from tokenizer_proc.reasoning import ReasoningParser, split_reasoning
 from tokenizer_proc.request_state import Delta
 from tokenizer_proc.serving_openai import error_event, respond, stop_reason
 from tokenizer_proc.streaming import DONE_EVENT, ChoiceResult, RequestGroup, sse
-from tokenizer_proc.tool_parsers import ParsedMessage, ToolParser, parse_complete, parser_class
+from tokenizer_proc.tool_parsers import ParsedMessage, ToolParser, parse_complete
 
 log = logging.getLogger("tandem.front")
 
 
-def tool_finish_reason(reason: str | None, calls: int) -> str | None:
-    return "tool_calls" if calls and reason in ("stop", "length") else reason
+def tool_finish_reason(reason: str | None, calls: int, parser: ToolParser) -> str | None:
+    """vLLM's: "tool_calls" once a call was parsed, also when the length cap ended the answer; a
+    named tool_choice keeps its reason (``calls_finish``), as OpenAI and vLLM do."""
+    return "tool_calls" if calls and parser.calls_finish and reason in ("stop", "length") else reason
 
 
 def reasoning_fields(text: str | None) -> dict:
@@ -70,7 +73,7 @@ class ChatHandler:
         if self.plan.tool_parser is None:
             return None
         if index not in self.parsers:
-            self.parsers[index] = parser_class(self.plan.tool_parser)()
+            self.parsers[index] = self.plan.tool_parser()
         return self.parsers[index]
 
     def _split(self, d: Delta) -> tuple[str, str]:
@@ -104,7 +107,7 @@ class ChatHandler:
         delta: dict = {"content": out.content} if out.content else {}
         if out.calls:
             delta["tool_calls"] = out.to_openai_calls()
-        return delta, tool_finish_reason(d.finish_reason, parser.completed)
+        return delta, tool_finish_reason(d.finish_reason, parser.completed, parser)
 
     def _head(self) -> list[dict]:
         """The role chunk of every choice (as vLLM sends them), then the echoed prefill."""
@@ -138,11 +141,11 @@ class ChatHandler:
         yield DONE_EVENT
 
     # ------------------------------------------------------------------ whole answers
-    def _parsed(self, text: str) -> ParsedMessage:
+    def _parsed(self, parser: ToolParser, text: str) -> ParsedMessage:
         try:
-            return parse_complete(parser_class(self.plan.tool_parser)(), text)
+            return parse_complete(parser, text)
         except Exception:  # noqa: BLE001 - a parser bug must not cost the answer: plain text
-            log.exception("tool-call parser %s failed; answering with plain text", self.plan.tool_parser)
+            log.exception("tool-call parser %s failed; answering with plain text", parser.name)
             return ParsedMessage(text, [])
 
     def _message(self, r: ChoiceResult) -> tuple[dict, str | None]:
@@ -159,14 +162,15 @@ class ChatHandler:
     def _content_message(self, text: str, r: ChoiceResult) -> tuple[dict, str | None]:
         if self.plan.tool_parser is None:
             return {"role": "assistant", "content": self._echo() + text}, r.finish_reason
-        parsed = self._parsed(text)
+        parser = self.plan.tool_parser()
+        parsed = self._parsed(parser, text)
         if not self.plan.parallel_tool_calls:  # vLLM keeps the first call
             parsed.tool_calls = parsed.tool_calls[:1]
         content = self._echo() + (parsed.content or "")
         message = {"role": "assistant", "content": content if content or not parsed.tool_calls else None}
         if parsed.tool_calls:
             message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
-        return message, tool_finish_reason(r.finish_reason, len(parsed.tool_calls))
+        return message, tool_finish_reason(r.finish_reason, len(parsed.tool_calls), parser)
 
     def body(self, results: list[ChoiceResult]) -> dict:
         choices = []

@@ -37,6 +37,7 @@ from tokenizer_proc.params import (
 )
 from tokenizer_proc.protocol import DetokenizeRequest, GenerateRequest, NativeSamplingParams, TokenizeRequest
 from tokenizer_proc.request_state import RequestState, StopConfig, TokenLogprob
+from tokenizer_proc.structured import request_grammar
 from tokenizer_proc.streaming import (
     DONE_EVENT,
     ChoiceResult,
@@ -96,7 +97,8 @@ def _native_state(front: Front, req: GenerateRequest, limits: Limits, t0: float)
     # logprob_start_len -1 (SGLang's default): output logprobs only; >= 0 adds the prompt's.
     prompt_k = k if lp.enabled and lp.prompt_start >= 0 else -1
     seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
-    params = sampling_params(sp, max(1, max_new), front.gen_defaults, k, prompt_k, sp.min_new_tokens, seed)
+    params = sampling_params(sp, max(1, max_new), front.gen_defaults, k, prompt_k, sp.min_new_tokens, seed,
+                             request_grammar(sp, "sampling_params."))
     cfg = StopConfig(stop_strings(sp.stop), bool(sp.no_stop_trim), sp.skip_special_tokens is not False,
                      discard_generation=max_new == 0)
     return RequestState(req.rid or new_id("gen"), 0, ids, params, cfg, front.tok, arrival_mono=t0)

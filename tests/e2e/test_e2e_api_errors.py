@@ -197,7 +197,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 def test_tools_request_without_a_call_is_the_models_text(srv):
     """With the tool-call flags, a tools request the tiny model answers without a call gets the
     model's text as content (hermes decodes with special tokens kept: so does the plain request
-    compared with), the same finish_reason, no tool_calls; streamed the same. required is a 400."""
+    compared with), the same finish_reason, no tool_calls; streamed the same. required is constrained
+    decoding (a JSON array of calls, here cut by max_tokens: its text is the content)."""
     path, s = srv
     client = OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=30)
     kw = dict(model=path, messages=MSG, max_tokens=8, temperature=0)
@@ -210,9 +211,8 @@ def test_tools_request_without_a_call_is_the_models_text(srv):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.message.content
     assert chunks[-1].choices[0].finish_reason == plain.finish_reason
     assert not any(c.choices[0].delta.tool_calls for c in chunks)
-    with pytest.raises(BadRequestError) as exc:
-        client.chat.completions.create(**kw, tools=TOOLS, tool_choice="required")
-    assert exc.value.body["param"] == "tool_choice"
+    forced = client.chat.completions.create(**kw, tools=TOOLS, tool_choice="required").choices[0]
+    assert forced.message.tool_calls or forced.message.content.lstrip().startswith("[")
 
 
 def _cap_schema(node) -> None:

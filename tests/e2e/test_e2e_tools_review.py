@@ -54,10 +54,12 @@ OK = [
     {"tool_choice": "none"}, {"tools": []}, {"tools": TOOLS, "n": 2}, {"tools": TOOLS, "parallel_tool_calls": False},
     {"messages": history('{"city": "Paris"}'), "tools": TOOLS}, {"messages": history({"city": "Paris"}), "tools": TOOLS},
     {"messages": history(""), "tools": TOOLS},
+    {"tools": TOOLS, "tool_choice": "required"}, {"tools": TOOLS, "tool_choice": "required", "n": 2},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
 ]
 BAD = [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools[0].function"),

@@ -7,6 +7,8 @@ GenerateReq with deterministic tokens: by default the prompt's own tokens, cycle
 - ``tokens_per_step``: tokens per ReqOutput (speculative decoding), reported as spec stats;
 - ``step_s``: time between steps; ``paused``: stop stepping (requests stay running);
 - ``error_token``: a prompt containing this id is rejected with error_code 400;
+- ``grammar_error``: a request with a grammar (``params.grammar``) is rejected with this text and
+  error_code 400 before any token, as the worker answers a grammar that does not compile;
 - ``eos_after``: emit EOS as the N-th token (finish "stop", matched_stop = EOS);
 - ``extra_eos``: more ids that end a request like EOS (a generation_config's second EOS);
 - ``max_running``: only the oldest N requests step; the rest are reported as waiting.
@@ -70,6 +72,7 @@ class FakeEngine:
         self.step_s = 0.002
         self.paused = False
         self.error_token: int | None = None
+        self.grammar_error: str | None = None
         self.eos_after: int | None = None
         self.extra_eos: tuple[int, ...] = ()
         self.max_running = 32
@@ -156,6 +159,10 @@ class FakeEngine:
         if (self.error_token is not None and self.error_token in prompt) or len(prompt) >= self.max_context:
             self._send([ReqOutput(msg.rid, b"", finish_reason="error", error="fake engine rejects this prompt",
                                   error_code=400, prompt_tokens=len(prompt))])
+            return
+        if self.grammar_error is not None and msg.params.grammar is not None:
+            self._send([ReqOutput(msg.rid, b"", finish_reason="error", error=self.grammar_error, error_code=400,
+                                  prompt_tokens=len(prompt))])
             return
         tokens = self.output_fn(msg) if self.output_fn else list(itertools.islice(itertools.cycle(prompt), 4096))
         if self.eos_after is not None:

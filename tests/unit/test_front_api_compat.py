@@ -51,12 +51,12 @@ def test_continue_final_message_with_generation_prompt_is_400(http):
         assert r.json()["error"]["param"] == "continue_final_message"
 
 
-def test_tool_choice_that_demands_a_call_is_400(stack, client, http):
+def test_tool_choice_that_demands_a_call_needs_no_server_flags(stack, client, http):
+    """Forced calls are constrained decoding, not a parser (test_front_structured_tools.py)."""
     msgs = [{"role": "user", "content": "Hi"}]
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
-        with pytest.raises(openai.BadRequestError) as exc:
-            client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=2)
-        assert exc.value.body["param"] == "tool_choice"
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=2)
+        assert stack.fake.of_type(GenerateReq)[-1].params.grammar.kind == "json"
     r = http.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "tool_choice": "sometimes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 

@@ -62,7 +62,7 @@ COMPLETION_CASES = [
     ({"prompt": "x", "logit_bias": {"-1": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": "high"}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
     ({}, "prompt"),
     ({"prompt": ""}, "prompt"),

@@ -15,28 +15,9 @@ from proto.messages import GenerateReq
 from tandem.cli import main as cli_main
 from tests.unit.front_harness import MODEL, start_stack
 from tests.unit.front_tok import write_tokenizer_dir
-from tests.unit.tool_stack import ASK, CALL, TOOLS, reset_fake, script, stack  # noqa: F401 - fixtures
+from tests.unit.tool_stack import ASK, CALL, TOOLS, accumulate_stream, reset_fake, script, stack  # noqa: F401 - fixtures
 
 TWO_CALLS = "Let me check.\n" + CALL % "Paris" + "\n" + CALL % "東京 😀"
-
-
-def accumulate_stream(chunks) -> tuple[str | None, list[dict], str | None]:
-    """A stream folded the way clients fold it: content joined, tool calls by index."""
-    content, calls, finish = None, {}, None
-    for chunk in chunks:
-        for choice in chunk.choices:
-            delta = choice.delta
-            if delta.content:
-                content = (content or "") + delta.content
-            for tc in delta.tool_calls or []:
-                if tc.index not in calls:
-                    assert tc.id.startswith("chatcmpl-tool-") and tc.type == "function" and tc.function.name
-                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
-                else:
-                    assert tc.id is None and tc.function.name is None
-                calls[tc.index]["arguments"] += tc.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return content, [calls[i] for i in sorted(calls)], finish
 
 
 def test_non_streaming_tool_calls(stack, client):
@@ -96,13 +77,14 @@ def test_answers_without_a_call_are_text(stack, client, stream):
         assert (content, calls, got_finish) == (want, [], finish)
 
 
-def test_tool_choice_none_and_required(stack, client):
+def test_tool_choice_none_and_auto(stack, client):
+    """("required" and named choices: test_front_structured_tools.py)"""
     script(stack, CALL % "Paris")
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=200)
     assert r.choices[0].message.content == CALL % "Paris" and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="sometimes")
     assert exc.value.body["param"] == "tool_choice"
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=200)
     assert r.choices[0].finish_reason == "tool_calls"

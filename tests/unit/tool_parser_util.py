@@ -4,17 +4,32 @@ detokenizer would, and compare answers without their random call ids."""
 from __future__ import annotations
 
 import itertools
+from typing import Callable, Union
 
-from tokenizer_proc.tool_parsers import ParsedMessage, ParserOutput, accumulate, parse_complete, parser_class
+from tokenizer_proc.tool_parsers import (
+    ParsedMessage,
+    ParserOutput,
+    ToolParser,
+    accumulate,
+    parse_complete,
+    parser_class,
+)
+
+# a --tool-call-parser name, or a factory (the forced tool_choice parsers take arguments)
+ParserSpec = Union[str, Callable[[], ToolParser]]
 
 
-def whole(name: str, text: str) -> ParsedMessage:
-    return parse_complete(parser_class(name)(), text)
+def make(name: ParserSpec) -> ToolParser:
+    return parser_class(name)() if isinstance(name, str) else name()
 
 
-def stream(name: str, pieces: list[str]) -> tuple[ParsedMessage, list[ParserOutput], bool]:
+def whole(name: ParserSpec, text: str) -> ParsedMessage:
+    return parse_complete(make(name), text)
+
+
+def stream(name: ParserSpec, pieces: list[str]) -> tuple[ParsedMessage, list[ParserOutput], bool]:
     """(the accumulated stream, the outputs in order, whether a call broke mid-stream)."""
-    parser = parser_class(name)()
+    parser = make(name)
     outputs = [parser.feed(p) for p in pieces] + [parser.finish()]
     return accumulate(outputs), outputs, parser.broken is not None
 
@@ -37,7 +52,7 @@ def sized(text: str, sizes: list[int]) -> list[str]:
     return out
 
 
-def assert_split_invariant(name: str, text: str, three_way: bool = False) -> ParsedMessage:
+def assert_split_invariant(name: ParserSpec, text: str, three_way: bool = False) -> ParsedMessage:
     """Every split of ``text`` into two pieces (and three, if asked) and one character at a time
     streams to the non-streaming answer; returns that answer."""
     want = shape(whole(name, text))

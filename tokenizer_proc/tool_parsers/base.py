@@ -117,6 +117,8 @@ class ToolParser(ABC):
     name: ClassVar[str]
     # vLLM decodes with special tokens kept for parsers whose call tags are special tokens.
     keeps_special_tokens: ClassVar[bool] = True
+    # a choice that made a call finishes with "tool_calls" (serving_chat.tool_finish_reason)
+    calls_finish: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._out = ParserOutput()

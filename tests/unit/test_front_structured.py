@@ -1,0 +1,227 @@
+"""Structured output through the HTTP front (tokenizer_proc/structured.py): every spelling a
+vLLM / SGLang / OpenAI client sends reaches the engine as one exact GrammarSpec, bad input is a
+400 naming the field, and a grammar the worker cannot compile comes back as a 400 (or a stream's
+error event). Forced tool calls: test_front_structured_tools.py."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from proto.messages import GenerateReq, GrammarSpec
+from tests.unit.front_harness import MODEL, start_stack
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+SCHEMA_TEXT = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+OBJECT = GrammarSpec("json", '{"type": "object"}')
+ASK = [{"role": "user", "content": "Weather?"}]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = start_stack()
+    yield s
+    s.close()
+
+
+@pytest.fixture(autouse=True)
+def reset_fake(stack):
+    stack.fake.output_fn, stack.fake.grammar_error, stack.fake.tokens_per_step = None, None, 1
+    yield
+
+
+def sent(stack, count: int = 1) -> list[GenerateReq]:
+    return stack.fake.of_type(GenerateReq)[-count:]
+
+
+def post(client, endpoint: str, body: dict, **kw):
+    """``body``'s fields through the official client: chat's response_format as its own argument,
+    the rest (and the completions' response_format, a vLLM extension) in ``extra_body``."""
+    body = dict(body)
+    if endpoint == "chat" and "response_format" in body:
+        kw["response_format"] = body.pop("response_format")
+    if endpoint == "chat":
+        return client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body=body, **kw)
+    return client.completions.create(model=MODEL, prompt="Weather?", max_tokens=2, extra_body=body, **kw)
+
+
+SPELLINGS = [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, OBJECT),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}},
+     GrammarSpec("json", SCHEMA_TEXT)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w"}}}, OBJECT),  # vLLM: any object
+    ({"response_format": {"type": "json_schema", "schema": SCHEMA}}, GrammarSpec("json", SCHEMA_TEXT)),  # SGLang
+    ({"structured_outputs": {"json": SCHEMA}}, GrammarSpec("json", SCHEMA_TEXT)),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA, indent=2)}}, GrammarSpec("json", SCHEMA_TEXT)),
+    ({"structured_outputs": {"regex": r"\d{3}-[a-z]+"}}, GrammarSpec("regex", r"\d{3}-[a-z]+")),
+    ({"structured_outputs": {"choice": ["yes", "no", "東京"]}}, GrammarSpec("choice", '["yes", "no", "東京"]')),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, GrammarSpec("ebnf", 'root ::= "a" | "b"')),
+    ({"structured_outputs": {"json_object": True}}, OBJECT),
+    ({"structured_outputs": {"json_object": False}}, None),
+    ({"structured_outputs": {}}, None),
+    ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}, GrammarSpec("regex", "a+")),
+    ({"guided_json": SCHEMA}, GrammarSpec("json", SCHEMA_TEXT)),
+    ({"guided_json": json.dumps(SCHEMA)}, GrammarSpec("json", SCHEMA_TEXT)),
+    ({"guided_json": True}, GrammarSpec("json", "true")),
+    ({"guided_regex": "(yes|no)"}, GrammarSpec("regex", "(yes|no)")),
+    ({"guided_choice": ["a", "b"]}, GrammarSpec("choice", '["a", "b"]')),
+    ({"guided_grammar": "root ::= [0-9]+"}, GrammarSpec("ebnf", "root ::= [0-9]+")),
+    ({"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"}, GrammarSpec("json", SCHEMA_TEXT)),
+    ({"json_schema": json.dumps(SCHEMA)}, GrammarSpec("json", SCHEMA_TEXT)),  # SGLang
+    ({"regex": "[A-Z]+"}, GrammarSpec("regex", "[A-Z]+")),
+    ({"ebnf": 'root ::= "x"'}, GrammarSpec("ebnf", 'root ::= "x"')),
+    ({}, None),
+]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("body,want", SPELLINGS, ids=[str(b)[:70] for b, _ in SPELLINGS])
+def test_every_spelling_reaches_the_engine(stack, client, endpoint, body, want):
+    post(client, endpoint, body)
+    assert sent(stack)[0].params.grammar == want
+
+
+def test_generate_sampling_params(stack, http):
+    for sp, want in (({"json_schema": json.dumps(SCHEMA)}, GrammarSpec("json", SCHEMA_TEXT)),
+                     ({"regex": "a|b"}, GrammarSpec("regex", "a|b")),
+                     ({"ebnf": 'root ::= "x"'}, GrammarSpec("ebnf", 'root ::= "x"')),
+                     ({}, None)):
+        r = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2, **sp}})
+        assert r.status_code == 200, r.text
+        assert sent(stack)[0].params.grammar == want
+
+
+def test_every_choice_gets_the_grammar(stack, client):
+    """n > 1 (and best_of, which is ignored) : each engine request carries the same grammar."""
+    client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, n=3, seed=7,
+                                   extra_body={"guided_regex": "x+", "best_of": 3})
+    reqs = sent(stack, 3)
+    assert [r.params.grammar for r in reqs] == [GrammarSpec("regex", "x+")] * 3
+    assert [r.params.seed for r in reqs] == [7, 8, 9]
+    client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, n=2, extra_body={"guided_choice": ["a"]})
+    assert {r.params.grammar for r in sent(stack, 4)} == {GrammarSpec("choice", '["a"]')}
+
+
+def error_of(response) -> dict:
+    assert response.status_code == 400, response.text
+    return response.json()["error"]
+
+
+CONFLICT = "Only one structured-output constraint may be set per request, but both '{}' and '{}' constrain the output."
+ERRORS = [
+    ({"guided_json": "{not json"}, "guided_json", "Invalid 'guided_json': not valid JSON ("),
+    ({"guided_json": '{"a": NaN}'}, "guided_json", "Invalid 'guided_json': not valid JSON ("),
+    ({"guided_json": [1, 2]}, "guided_json",
+     "Invalid 'guided_json': a JSON Schema must be an object or a boolean, got list."),
+    ({"structured_outputs": {"json": "5"}}, "structured_outputs.json",
+     "Invalid 'structured_outputs.json': a JSON Schema must be an object or a boolean, got int."),
+    ({"json_schema": "[1"}, "json_schema", "Invalid 'json_schema': not valid JSON ("),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": 3}}},
+     "response_format.json_schema.schema",
+     "Invalid 'response_format.json_schema.schema': a JSON Schema must be an object or a boolean, got int."),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice",
+     "Invalid 'structured_outputs.choice': empty array. Expected at least one choice."),
+    ({"guided_choice": []}, "guided_choice", "Invalid 'guided_choice': empty array. Expected at least one choice."),
+    ({"guided_regex": ""}, "guided_regex", "Invalid 'guided_regex': must not be empty."),
+    ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar",
+     "Invalid 'structured_outputs.grammar': must not be empty."),
+    ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs.regex",
+     CONFLICT.format("structured_outputs.json", "structured_outputs.regex")),
+    ({"structured_outputs": {"choice": ["a"], "json_object": True}}, "structured_outputs.json_object",
+     CONFLICT.format("structured_outputs.choice", "structured_outputs.json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}},
+      "guided_regex": "a"}, "guided_regex", CONFLICT.format("response_format", "guided_regex")),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"json": SCHEMA}},
+     "structured_outputs.json", CONFLICT.format("response_format", "structured_outputs.json")),
+    ({"guided_json": SCHEMA, "regex": "a"}, "regex", CONFLICT.format("guided_json", "regex")),
+    ({"guided_choice": ["a"], "ebnf": "root ::= x"}, "ebnf", CONFLICT.format("guided_choice", "ebnf")),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.structural_tag",
+     "'response_format.structural_tag' is not supported by this server; use a JSON schema, regex, choice or "
+     "grammar constraint."),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag",
+     "'structured_outputs.structural_tag' is not supported by this server; use a JSON schema, regex, choice or "
+     "grammar constraint."),
+]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("body,param,message", ERRORS, ids=[str(b)[:70] for b, _, _ in ERRORS])
+def test_bad_constraints_are_a_400(stack, http, endpoint, body, param, message):
+    before = len(sent(stack, 10**6))
+    base = {"messages": ASK} if endpoint.endswith("chat/completions") else {"prompt": "Hi"}
+    err = error_of(http.post(endpoint, json={**base, "max_tokens": 2, **body}))
+    assert err["param"] == param and err["type"] == "BadRequestError" and err["code"] == 400
+    assert err["message"].startswith(message) if message.endswith("(") else err["message"] == message
+    assert len(sent(stack, 10**6)) == before  # nothing reached the engine
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_choice": ["a", 1]}, "guided_choice[1]"),
+    ({"guided_regex": 5}, "guided_regex"),
+    ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
+    ({"structured_outputs": "json"}, "structured_outputs"),
+])
+def test_wrong_types_name_the_field(http, body, param):
+    assert error_of(http.post("/v1/chat/completions", json={"messages": ASK, **body}))["param"] == param
+
+
+def test_generate_errors_name_sampling_params(http):
+    for sp, param in (({"json_schema": "{", "max_new_tokens": 2}, "sampling_params.json_schema"),
+                      ({"json_schema": "{}", "regex": "a"}, "sampling_params.regex"),
+                      ({"ebnf": ""}, "sampling_params.ebnf"),
+                      ({"structural_tag": "{}"}, "sampling_params.structural_tag")):
+        assert error_of(http.post("/generate", json={"text": "Hi", "sampling_params": sp}))["param"] == param
+
+
+GRAMMAR_ERROR = "Invalid regex '(': missing ), unterminated subpattern at position 0"
+
+
+def test_a_grammar_the_worker_cannot_compile_is_a_400(stack, client, http):
+    """The worker answers an uncompilable grammar with an error output (error_code 400) before any
+    token: non-streaming requests get that 400, streams an error event then [DONE]."""
+    stack.fake.grammar_error = GRAMMAR_ERROR
+    for endpoint in ("chat", "completions"):
+        with pytest.raises(openai.BadRequestError) as exc:
+            post(client, endpoint, {"guided_regex": "("})
+        assert exc.value.status_code == 400
+        assert exc.value.body == {"message": GRAMMAR_ERROR, "type": "BadRequestError", "param": None, "code": 400}
+    r = http.post("/generate", json={"text": "Hi", "sampling_params": {"regex": "("}})
+    assert error_of(r)["message"] == GRAMMAR_ERROR
+    for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "Hi"}),
+                       ("/generate", {"text": "Hi", "sampling_params": {"regex": "("}})):
+        r = http.post(path, json={**body, "guided_regex": "(", "stream": True})
+        assert r.status_code == 200
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+        assert errors == [{"message": GRAMMAR_ERROR, "type": "BadRequestError", "param": None, "code": 400}]
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+    # the same request without a grammar is served
+    assert post(client, "chat", {}).choices[0].finish_reason == "length"
+
+
+def test_reasoning_parser_with_a_grammar_answers_in_content(tmp_path):
+    """vLLM starts the grammar after the reasoning ends; here it binds from the first token, so a
+    constrained answer has no reasoning to split: it is all content (docs/http_api.md)."""
+    s = start_stack(reasoning_parser="qwen3")
+    try:
+        ids = s.tok.encode('{"city": "Paris"}', add_special_tokens=False) + [s.tok.eos_id]
+        s.fake.output_fn = lambda req: list(ids)
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0, timeout=20)
+        plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20).choices[0].message
+        assert plain.content is None and plain.model_extra["reasoning_content"] == '{"city": "Paris"}'
+        for stream in (False, True):
+            r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, stream=stream,
+                                               response_format={"type": "json_object"})
+            if stream:
+                content = "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            else:
+                content = r.choices[0].message.content
+                assert r.choices[0].message.model_extra.get("reasoning_content") is None
+            assert content == '{"city": "Paris"}'
+        assert s.fake.of_type(GenerateReq)[-1].params.grammar == OBJECT
+    finally:
+        s.close()

@@ -1,0 +1,148 @@
+"""Structured output: every spelling of a constraint on the generated text, turned into the one
+``GrammarSpec`` the worker compiles (``SamplingParams.grammar``, proto/messages.py).
+
+Spellings, in the order they are read (at most one per request: a second is a 400 naming it):
+- OpenAI ``response_format``: ``text`` (none), ``json_object`` (``{"type": "object"}``),
+  ``json_schema`` (``json_schema.schema``; missing: any object, as vLLM; SGLang's spelling with
+  the schema at ``response_format.schema`` too); ``structural_tag`` is refused;
+- vLLM's ``structured_outputs``: ``json`` (a schema, or its text), ``regex``, ``choice`` (a list
+  of strings), ``grammar`` (GBNF/EBNF), ``json_object: true``; ``structural_tag`` is refused and
+  its other keys (whitespace options) are ignored;
+- vLLM's older top-level ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
+- SGLang's top-level ``json_schema`` (schema text), ``regex``, ``ebnf``, and the same three in
+  ``/generate``'s ``sampling_params`` (params named ``sampling_params.<field>``).
+A chat request's forced ``tool_choice`` is one more constraint (tool_choice.py), read last.
+
+Checked here with the standard library only (the front never imports xgrammar): a schema parses
+as JSON and is an object or a boolean; a choice list has at least one string; a regex or grammar
+is a non-empty string. Whether a regex, grammar or schema compiles is the worker's to say: its
+error comes back as a 400 before any token. Schemas are re-serialised (``json.dumps``), so the
+worker sees one canonical text per schema.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterator, NoReturn
+
+from proto.messages import GrammarSpec
+from tokenizer_proc.errors import APIError, bad_request
+
+JSON_OBJECT = '{"type": "object"}'
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_grammar(schema: Any, param: str) -> GrammarSpec:
+    """A JSON Schema (an object, a boolean, or the text of one) -> GrammarSpec("json", text)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema, parse_constant=_reject_constant)
+        except ValueError as exc:
+            raise bad_request(f"Invalid '{param}': not valid JSON ({exc}).", param) from None
+        except RecursionError:
+            raise bad_request(f"Invalid '{param}': nested too deeply.", param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"Invalid '{param}': a JSON Schema must be an object or a boolean, got "
+                          f"{type(schema).__name__}.", param)
+    try:
+        return GrammarSpec("json", json.dumps(schema, ensure_ascii=False))
+    except RecursionError:
+        raise bad_request(f"Invalid '{param}': nested too deeply.", param) from None
+
+
+def _pattern(kind: str) -> Callable[[Any, str], GrammarSpec]:
+    def make(text: str, param: str) -> GrammarSpec:
+        if not text:
+            raise bad_request(f"Invalid '{param}': must not be empty.", param)
+        return GrammarSpec(kind, text)
+
+    return make
+
+
+def choice_grammar(choices: list[str], param: str) -> GrammarSpec:
+    if not choices:
+        raise bad_request(f"Invalid '{param}': empty array. Expected at least one choice.", param)
+    return GrammarSpec("choice", json.dumps(choices, ensure_ascii=False))
+
+
+def _unsupported(param: str) -> NoReturn:
+    raise bad_request(f"'{param}' is not supported by this server; use a JSON schema, regex, choice or grammar "
+                      "constraint.", param)
+
+
+MAKERS = {"json": json_grammar, "regex": _pattern("regex"), "ebnf": _pattern("ebnf"), "choice": choice_grammar}
+# Top-level request fields -> the kind of constraint they spell (vLLM's older names, then SGLang's).
+TOP_LEVEL = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+             ("guided_grammar", "ebnf"), ("json_schema", "json"), ("regex", "regex"), ("ebnf", "ebnf"))
+# vLLM's structured_outputs keys -> kinds
+STRUCTURED_OUTPUTS = (("json", "json"), ("regex", "regex"), ("choice", "choice"), ("grammar", "ebnf"))
+
+
+def _response_format(rf: Any) -> GrammarSpec | None:
+    if rf.type == "json_object":
+        return GrammarSpec("json", JSON_OBJECT)
+    if rf.type == "json_schema":
+        if rf.json_schema is None:  # SGLang also reads the schema at response_format.schema
+            schema, param = rf.schema, "response_format.schema"
+        else:
+            schema, param = rf.json_schema.schema, "response_format.json_schema.schema"
+        return GrammarSpec("json", JSON_OBJECT) if schema is None else json_grammar(schema, param)
+    if rf.type == "structural_tag":
+        _unsupported("response_format.structural_tag")
+    return None
+
+
+def _candidates(req: Any, prefix: str) -> Iterator[tuple[str, GrammarSpec]]:
+    rf = getattr(req, "response_format", None)
+    if rf is not None:
+        spec = _response_format(rf)
+        if spec is not None:
+            yield "response_format", spec
+    so = getattr(req, "structured_outputs", None)
+    if so is not None:
+        for key, kind in STRUCTURED_OUTPUTS:
+            if getattr(so, key) is not None:
+                yield f"structured_outputs.{key}", MAKERS[kind](getattr(so, key), f"structured_outputs.{key}")
+        if so.json_object:
+            yield "structured_outputs.json_object", GrammarSpec("json", JSON_OBJECT)
+        if so.structural_tag is not None:
+            _unsupported("structured_outputs.structural_tag")
+    for field, kind in TOP_LEVEL:
+        value = getattr(req, field, None)
+        if value is not None:
+            yield prefix + field, MAKERS[kind](value, prefix + field)
+    if getattr(req, "structural_tag", None) is not None:
+        _unsupported(prefix + "structural_tag")
+
+
+def find_constraint(req: Any, prefix: str = "") -> tuple[str, GrammarSpec] | None:
+    """(the field that set it, the grammar) of a request body or /generate's ``sampling_params``
+    (``prefix`` "sampling_params."); None without a constraint. APIError(400) on bad input."""
+    found = None
+    for param, spec in _candidates(req, prefix):
+        if found is not None:
+            raise conflict(found[0], param)
+        found = (param, spec)
+    return found
+
+
+def request_grammar(req: Any, prefix: str = "") -> GrammarSpec | None:
+    found = find_constraint(req, prefix)
+    return found[1] if found else None
+
+
+def chat_grammar(req: Any, forced: GrammarSpec | None) -> GrammarSpec | None:
+    """A chat request's grammar: its constraint, or the one a forced ``tool_choice`` brings
+    (tool_choice.py), read last: both is a 400 naming ``tool_choice``."""
+    found = find_constraint(req)
+    if found and forced:
+        raise conflict(found[0], "tool_choice")
+    return forced or (found[1] if found else None)
+
+
+def conflict(first: str, second: str) -> APIError:
+    return bad_request(f"Only one structured-output constraint may be set per request, but both '{first}' and "
+                       f"'{second}' constrain the output.", second)
