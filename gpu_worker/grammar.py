@@ -61,9 +61,9 @@ def choice_grammar(text: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def compile_spec(compiler, spec: GrammarSpec):
+def compile_spec(compiler, spec: GrammarSpec, any_whitespace: bool = True):
     if spec.kind == "json":
-        return compiler.compile_json_schema(spec.text, any_whitespace=True)
+        return compiler.compile_json_schema(spec.text, any_whitespace=any_whitespace)
     if spec.kind == "regex":
         return compiler.compile_regex(spec.text)
     if spec.kind == "ebnf":
@@ -76,8 +76,10 @@ def compile_spec(compiler, spec: GrammarSpec):
 class GrammarRows:
     """Per-slot matchers and the masks they give; host state only, plus one small upload a step."""
 
-    def __init__(self, tokenizer_dir: str | None, vocab_size: int, eos_ids: tuple[int, ...], device):
+    def __init__(self, tokenizer_dir: str | None, vocab_size: int, eos_ids: tuple[int, ...], device,
+                 any_whitespace: bool = True):
         self.tokenizer_dir, self.vocab, self.eos, self.device = tokenizer_dir, vocab_size, tuple(eos_ids), device
+        self.any_whitespace = any_whitespace  # False: --constrained-json-disable-any-whitespace
         self.words = (vocab_size + 31) // 32
         self.matchers: dict[int, object] = {}  # slot -> xgrammar GrammarMatcher
         self.prompt_len: dict[int, int] = {}
@@ -98,7 +100,7 @@ class GrammarRows:
         import xgrammar as xgr  # noqa: PLC0415
 
         try:
-            compiled = compile_spec(self._get_compiler(), row.params.grammar)
+            compiled = compile_spec(self._get_compiler(), row.params.grammar, self.any_whitespace)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError for a bad spec
             first = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
             self.errors.append(SlotError(row.slot, f"invalid {row.params.grammar.kind} grammar: {first}"))

@@ -78,7 +78,8 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     # An EOS id outside the vocabulary (a broken config) could never be sampled; dropping it
     # keeps the min_tokens mask from indexing out of range.
     eos = tuple(i for i in read_eos_token_ids(args.model_path, args.tokenizer_dir) if 0 <= i < target.vocab_size)
-    runner = ModelRunner(target, assistant, backend, state, t, device, eos, args.tokenizer_dir)
+    runner = ModelRunner(target, assistant, backend, state, t, device, eos, args.tokenizer_dir,
+                         not args.constrained_json_disable_any_whitespace)
     # On the CPU, --attention-backend triton runs every kernel (norms, RoPE too) in the interpreter.
     runner.cpu_kernels = name in ("triton", "flashinfer") and device.type != "cuda"  # flashinfer: tests' fake
     if device.type == "cuda":  # the CPU has no lazy kernel loading to pay ahead (and CI starts many engines)

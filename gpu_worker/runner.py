@@ -104,10 +104,10 @@ class ModelRunner:
     data crosses to the device in one staged copy (``staging.py``)."""
 
     def __init__(self, target, assistant, backend, state: SlotState, tokens_per_step: int, device,
-                 eos_ids: tuple[int, ...] = (), tokenizer_dir: str | None = None):
+                 eos_ids: tuple[int, ...] = (), tokenizer_dir: str | None = None, json_any_whitespace: bool = True):
         self.target = target
         self.proc = LogitProcessors(state.seq_len.shape[0], target.vocab_size, device, eos_ids)
-        self.grammar = GrammarRows(tokenizer_dir, target.vocab_size, eos_ids, device)
+        self.grammar = GrammarRows(tokenizer_dir, target.vocab_size, eos_ids, device, json_any_whitespace)
         self.assistant = assistant
         self.backend = backend
         self.state = state

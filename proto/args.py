@@ -85,6 +85,7 @@ class ServerArgs:
     chat_template: str | None = None
     trust_request_chat_template: bool = False
     reasoning_parser: str | None = None
+    constrained_json_disable_any_whitespace: bool = False  # JSON grammars: fixed separators
     extra: dict = field(default_factory=dict)
 
     # --------------------------------------------------------------- derived values

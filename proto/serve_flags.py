@@ -163,3 +163,7 @@ def _chat_flags(chat: argparse._ArgumentGroup) -> None:
       help=f"how the model writes tool calls: {', '.join(TOOL_CALL_PARSERS)}")
     c("--reasoning-parser", metavar="NAME", default=None,
       help=f"split <think> reasoning out of chat answers into reasoning_content: {', '.join(REASONING_PARSERS)}")
+    c("--constrained-json-disable-any-whitespace", action="store_true",
+      help="JSON-schema outputs (response_format, tool_choice required / named) use fixed separators instead "
+      "of allowing any whitespace between tokens, for models that run away on whitespace (vLLM's "
+      "disable_any_whitespace)")
