@@ -222,9 +222,10 @@ def test_prompt_logprobs_of_a_long_prompt_are_computed_in_blocks(pair, monkeypat
     assert np.allclose(whole[0], blocked[0], atol=1e-5) and (whole[1] == blocked[1]).all()
 
 
-def _worker_loop(depth: int, recv, ready=lambda step, done, log: done) -> tuple[list, list]:
+def _worker_loop(depth: int, recv, ready=lambda step, done, log: done, sync_plans=()) -> tuple[list, list]:
     """``Worker.run`` against fakes: ``recv(timeout_ms, log, sent)`` answers the plan socket,
-    ``ready(step, waited, log)`` says whether a step's copy has landed. -> (log of ("launch", step)
+    ``ready(step, waited, log)`` says whether a step's copy has landed; ``sync_plans``: step ids
+    whose plans need every step in flight returned first. -> (log of ("launch", step)
     and ("wait", step, finished when waited for), step ids of the results sent)."""
     from gpu_worker.main import Worker
     from proto.messages import StepResult
@@ -247,6 +248,9 @@ def _worker_loop(depth: int, recv, ready=lambda step, done, log: done) -> tuple[
         def launch(self, plan):
             log.append(("launch", plan.step_id))
             return Pending(plan.step_id)
+
+        def needs_sync(self, plan):  # structured output: plans listed in ``sync_plans``
+            return plan.step_id in sync_plans
 
     class Plans:
         def recv(self, timeout_ms=None):
@@ -326,3 +330,20 @@ def test_worker_without_a_plan_sends_the_done_step_but_does_not_drain():
     log, _ = _worker_loop(3, recv, ready)
     assert _first(log, ("launch", 4)) < _first(log, ("wait", 3)), log
     assert all(e[2] for e in log if e[0] == "wait" and e[1] in (1, 2)), log  # never blocked on them
+
+
+def test_a_plan_with_a_constrained_row_launches_after_every_step_in_flight():
+    """Structured output: plan 4 samples for a grammar row (``needs_sync``), so steps 2 and 3 are
+    waited for and their results sent before it launches; plans without one keep the overlap."""
+    from proto.messages import Shutdown, StepPlan
+
+    queue = [StepPlan(i) for i in range(1, 7)]
+
+    def recv(timeout_ms, log, sent):
+        return queue.pop(0) if queue else Shutdown("test")
+
+    log, sent = _worker_loop(3, recv, sync_plans=(4,))
+    assert sent == [1, 2, 3, 4, 5, 6]
+    launch4 = _first(log, ("launch", 4))
+    assert _first(log, ("wait", 2)) < launch4 and _first(log, ("wait", 3)) < launch4, log
+    assert _first(log, ("launch", 6)) < _first(log, ("wait", 5)), log  # overlap again after it

@@ -53,7 +53,10 @@ class _Runner:
 
     def launch(self, plan):
         self.launched.append(plan.step_id)
-        return type("P", (), {"event": None, "ready": lambda self: True})()
+        return type("P", (), {"event": None, "on_tokens": None, "ready": lambda self: True})()
+
+    def needs_sync(self, plan):
+        return False
 
 
 def test_follower_launches_in_order_and_stops_on_shutdown():
