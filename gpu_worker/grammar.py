@@ -4,10 +4,11 @@ Why the worker: it holds the tokens first (on the device), MTP's drafts exist on
 masks apply in the eager selection path beside logit_bias and penalties (never inside a graph).
 
 Life of a constrained request (``SamplingParams.grammar``):
-- admission: the spec is compiled (xgrammar caches compiled specs) and the slot gets a fresh
-  matcher. A spec that does not compile gives the slot an error, reported in that step's result
-  (``StepResult.errors``); the scheduler ends the request with HTTP 400 before any token, and
-  the slot samples unconstrained until it is freed (those tokens are dropped).
+- admission: the spec starts compiling on a side thread (xgrammar caches compiled specs) while
+  the prompt prefills; the row's first sample waits for it if needed and the slot gets a fresh
+  matcher. A spec that does not compile gives the slot an error, reported in the result of the
+  step that would have sampled (``StepResult.errors``); the scheduler ends the request with HTTP
+  400 before any token, and the slot samples unconstrained until freed (tokens dropped).
 - a re-prefill after preemption feeds the outputs it re-reads (positions >= prompt_len) to the
   new matcher (``observe_extend``), so the grammar resumes where it was.
 - a step with a constrained row is launched only after every step in flight has returned
@@ -27,11 +28,12 @@ import json
 import logging
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from proto.messages import AdmitRow, GrammarSpec, SlotError, StepPlan
+from proto.messages import GrammarSpec, SlotError, StepPlan
 
 log = logging.getLogger("tandem.worker")
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[10:33:22] /path/file.cc:94: "
@@ -82,40 +84,64 @@ class GrammarRows:
         self.any_whitespace = any_whitespace  # False: --constrained-json-disable-any-whitespace
         self.words = (vocab_size + 31) // 32
         self.matchers: dict[int, object] = {}  # slot -> xgrammar GrammarMatcher
+        self.compiling: dict[int, Future] = {}  # slot -> its grammar's compile (-> a matcher)
         self.prompt_len: dict[int, int] = {}
-        self.errors: list[SlotError] = []  # this step's compile errors (``take_errors``)
+        self.errors: list[SlotError] = []  # compile errors for the next step's result (``take_errors``)
         self._compiler = None
+        self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------ per-request state
     def stage(self, plan: StepPlan) -> None:
-        """Freed slots drop their matchers; admitted constrained requests get one."""
-        for s in plan.free:
+        """Freed slots drop their matchers; admitted constrained requests start compiling."""
+        for s in (*plan.free, *(r.slot for r in plan.admit)):  # a reused slot starts clean
             self.matchers.pop(s, None)
+            self.compiling.pop(s, None)  # (a compile still running finishes unread)
         for row in plan.admit:
-            self.matchers.pop(row.slot, None)  # a reused slot starts clean
             if row.params.grammar is not None:
-                self._admit(row)
+                self.prompt_len[row.slot] = row.prompt_len
+                self.compiling[row.slot] = self._executor().submit(self._compile, row.params.grammar)
 
-    def _admit(self, row: AdmitRow) -> None:
-        import xgrammar as xgr  # noqa: PLC0415
+    def _executor(self) -> ThreadPoolExecutor:
+        """One compile thread: xgrammar releases the GIL while it compiles, so the prompt's
+        prefill steps go on meanwhile (a 40-field schema over a 150k vocabulary: ~0.2 s); the
+        row's first sample waits for it only if it is not done yet (``_resolve``)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+        return self._pool
+
+    def _compile(self, spec: GrammarSpec):
+        """-> a fresh matcher, or the error message for the request (on the compile thread)."""
+        import xgrammar as xgr  # noqa: PLC0415 - heavy (torch, tvm-ffi): only once a request asks
 
         try:
-            compiled = compile_spec(self._get_compiler(), row.params.grammar, self.any_whitespace)
+            compiler = self._get_compiler()
+        except Exception as exc:  # no tokenizer.json, an unreadable one: every constrained request
+            return f"structured output is unavailable: {_first_line(exc)}"
+        try:
+            return xgr.GrammarMatcher(compile_spec(compiler, spec, self.any_whitespace))
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError for a bad spec
-            first = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
-            self.errors.append(SlotError(row.slot, f"invalid {row.params.grammar.kind} grammar: {first}"))
-            return
-        self.matchers[row.slot] = xgr.GrammarMatcher(compiled)
-        self.prompt_len[row.slot] = row.prompt_len
+            return f"invalid {spec.kind} grammar: {_first_line(exc)}"
+
+    def _resolve(self, slots) -> None:
+        """Compiles of these slots finished (waiting for them): matchers in, errors queued."""
+        for s in slots:
+            fut = self.compiling.pop(int(s), None)
+            if fut is None:
+                continue
+            got = fut.result()
+            if isinstance(got, str):
+                self.errors.append(SlotError(int(s), got))
+            else:
+                self.matchers[int(s)] = got
 
     def _get_compiler(self):
         if self._compiler is None:
             import xgrammar as xgr  # noqa: PLC0415
 
             if self.tokenizer_dir is None:
-                raise ValueError("structured output needs the model's tokenizer.json")
+                raise ValueError("the model's tokenizer.json is needed")
             self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer_dir, self.vocab, self.eos))
-            log.info("structured output: xgrammar %s ready", xgr.__version__ if hasattr(xgr, "__version__") else "")
+            log.info("structured output: xgrammar %s ready", getattr(xgr, "__version__", ""))
         return self._compiler
 
     def take_errors(self) -> list[SlotError]:
@@ -124,11 +150,15 @@ class GrammarRows:
 
     # ------------------------------------------------------------ which steps
     def active(self, slots: np.ndarray) -> bool:
-        return bool(self.matchers) and any(int(s) in self.matchers for s in slots)
+        """Is any of these slots constrained (its grammar compiled or compiling)?"""
+        if not self.matchers and not self.compiling:
+            return False
+        return any(int(s) in self.matchers or int(s) in self.compiling for s in slots)
 
     def needs_sync(self, plan: StepPlan) -> bool:
         """Does ``plan`` sample for a constrained slot whose matcher may lag the steps in flight?
-        (A slot admitted by this plan starts fresh: nothing in flight concerns it.)"""
+        (A slot admitted by this plan starts fresh, and one still compiling has sampled nothing:
+        nothing in flight concerns them.)"""
         if not self.matchers:
             return False
         new = {r.slot for r in plan.admit}
@@ -138,17 +168,20 @@ class GrammarRows:
     # ------------------------------------------------------------ tokens in
     def observe_extend(self, rows) -> None:
         """A re-prefill's generated tokens (positions >= prompt_len) advance its fresh matcher."""
-        if not self.matchers or not len(rows.ext_slots):
+        if not (self.matchers or self.compiling) or not len(rows.ext_slots):
             return
         offsets = np.cumsum(rows.ext_len) - rows.ext_len
         for i, slot in enumerate(rows.ext_slots.tolist()):
+            if slot in self.compiling and rows.ext_start[i] + rows.ext_len[i] > self.prompt_len[slot]:
+                self._resolve([slot])  # outputs to replay: the matcher is needed now
             m = self.matchers.get(slot)
             if m is None:
                 continue
             start, n = int(rows.ext_start[i]), int(rows.ext_len[i])
             toks = rows.ext_tokens[offsets[i]: offsets[i] + n]
             for tok in toks[max(0, self.prompt_len[slot] - start):].tolist():
-                m.accept_token(tok)
+                if m.is_terminated() or not m.accept_token(tok):
+                    break  # (ignore_eos / min_tokens rows re-read end ids past the grammar's end)
 
     def observe(self, slots: np.ndarray, tokens: np.ndarray, accept: np.ndarray) -> None:
         """A returned step's new tokens, rows in result order (tokens [R, T], accept [R]).
@@ -167,6 +200,7 @@ class GrammarRows:
         """``logits`` [R*N, V] (float, the processed copy) with -inf on the tokens the grammar
         refuses at the constrained rows' positions; N = 1 + the rows' drafts [R, N-1]. ``raw``:
         the model's logits, for a position the processors left with no token."""
+        self._resolve(slots)  # a row's first sample: its grammar must be compiled by now
         n = 1 if drafts is None else drafts.shape[1] + 1
         d_host = drafts.cpu().numpy() if drafts is not None else None  # the step's one read-back
         mask = torch.full((len(slots) * n, self.words), -1, dtype=torch.int32)  # -1: all allowed
@@ -216,6 +250,11 @@ class GrammarRows:
 def _bit(j: int) -> int:
     """Bit j of an int32 word, as a signed value (bit 31 is the sign)."""
     return (1 << j) - (1 << 32 if j == 31 else 0)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return _LOG_PREFIX.sub("", text.splitlines()[0]) if text else type(exc).__name__
 
 
 def _unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:

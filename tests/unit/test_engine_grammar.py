@@ -185,3 +185,34 @@ def test_a_preempted_request_resumes_its_grammar(models):
     assert eng.core.counters.preemptions > 0
     for rid, ref in refs.items():
         assert eng.tokens[rid] == ref, rid
+
+
+def test_the_compile_runs_while_the_prompt_prefills(models, monkeypatch):
+    """The grammar compiles on a side thread: the prompt's chunks keep launching meanwhile (the
+    compile here finishes only once three steps have launched), and the first sample waits."""
+    import threading
+
+    from gpu_worker.grammar import GrammarRows
+
+    llama, _, _ = models
+    eng = InProcEngine(llama, page_size=4, chunked_prefill_size=8)
+    go, real_compile, real_launch, launched = threading.Event(), GrammarRows._compile, eng.runner.launch, []
+
+    def slow_compile(self, spec):
+        assert go.wait(30), "the prefill stopped while the grammar compiled"
+        return real_compile(self, spec)
+
+    def launch(plan):
+        launched.append(plan.step_id)
+        if len(launched) == 3:
+            go.set()
+        return real_launch(plan)
+
+    monkeypatch.setattr(GrammarRows, "_compile", slow_compile)
+    eng.runner.launch = launch
+    prompt = [(5 * j) % 300 + 6 for j in range(40)]  # 5 chunks of 8
+    eng.submit("j", prompt, max_new_tokens=16, grammar=SPECS["json"])
+    eng.submit("bad", prompt[:20], max_new_tokens=4, grammar=GrammarSpec("ebnf", "root ::= nothing"))
+    eng.run()
+    assert eng.tokens["j"] == reference(hf_model(llama), _compiler(llama), SPECS["json"], prompt, 16)
+    assert eng.finish["bad"] == "error" and eng.tokens["bad"] == []
