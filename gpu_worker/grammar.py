@@ -10,7 +10,8 @@ Life of a constrained request (``SamplingParams.grammar``):
   step that would have sampled (``StepResult.errors``); the scheduler ends the request with HTTP
   400 before any token, and the slot samples unconstrained until freed (tokens dropped).
 - a re-prefill after preemption feeds the outputs it re-reads (positions >= prompt_len) to the
-  new matcher (``observe_extend``), so the grammar resumes where it was.
+  new matcher (``observe_extend``), so the grammar resumes where it was; the scheduler keeps its
+  prefix-cache hit inside the prompt (``planner._usable_pages``), so it re-reads every output.
 - a step with a constrained row is launched only after every step in flight has returned
   (``needs_sync``; the worker loop retires them): the host must know a row's last token to
   mask its next one. Such steps lose overlap; steps without one keep it.

@@ -36,6 +36,18 @@ def _needs_every_token(req: Req) -> bool:
             or (req.fill_tokens is not None and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)))
 
 
+def _usable_pages(req: Req, page_size: int) -> int:
+    """Full pages of ``req.fill`` a prefix hit may skip. At least one token is left to compute
+    (its logits give the first sample). A constrained re-prefill stops at its prompt: its fresh
+    matcher replays the outputs only as the worker computes them (gpu_worker/grammar.py)."""
+    if _needs_every_token(req):
+        return 0
+    usable = (len(req.fill) - 1) // page_size
+    if req.fill_tokens is not None and req.params.grammar is not None:
+        usable = min(usable, len(req.prompt) // page_size)
+    return usable
+
+
 class Planner:
     def __init__(self, core: SchedulerCore):
         self.core = core
@@ -133,11 +145,9 @@ class Planner:
         core, ps = self.core, self.cfg.page_size
         fill = req.fill
         hashes = page_hashes(fill, ps, len(fill) // ps)
-        # Leave at least one token to compute: its logits give the first sample. Prompt
-        # logprobs need the whole prompt computed, so they take no cache hit; nor do penalties
-        # whose worker state is built from the tokens it computes (see _needs_every_token).
-        usable = 0 if _needs_every_token(req) else (len(fill) - 1) // ps
-        matched = core.alloc.match_prefix(hashes[:usable])
+        # Prompt logprobs need the whole prompt computed, so they take no cache hit; nor do
+        # penalties whose worker state is built from the tokens it computes (_needs_every_token).
+        matched = core.alloc.match_prefix(hashes[:_usable_pages(req, ps)])
         first = len(fill) if req.params.prompt_logprobs >= 0 else min(budget, len(fill) - len(matched) * ps)
         need = _cdiv(len(matched) * ps + first, ps) - len(matched)
         if need + self._decode_reserve() > core.alloc.available:

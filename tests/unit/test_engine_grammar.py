@@ -12,6 +12,7 @@ import torch
 import xgrammar as xgr  # a core dependency: if it is missing this file fails loudly
 
 from proto.messages import GrammarSpec
+from scheduler_proc.pages import page_hashes
 from tests.helpers.checkpoints import EOS, VOCAB, build_assistant, build_gemma4, build_llama, hf_greedy, hf_model
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
@@ -216,3 +217,34 @@ def test_the_compile_runs_while_the_prompt_prefills(models, monkeypatch):
     eng.run()
     assert eng.tokens["j"] == reference(hf_model(llama), _compiler(llama), SPECS["json"], prompt, 16)
     assert eng.finish["bad"] == "error" and eng.tokens["bad"] == []
+
+
+def test_a_re_prefill_that_hits_its_own_outputs_in_the_cache_replays_them(models):
+    """A preempted request publishes its output pages; its re-prefill would find them in the
+    prefix cache and start past ``prompt_len``. Its matcher is fresh: it must still see every
+    output token (else its state lags the text and the masks follow another grammar state)."""
+    llama, _, _ = models
+    eng = InProcEngine(llama, page_size=4)
+    prompt = PROMPTS[0]
+    ref = reference(hf_model(llama), _compiler(llama), SPECS["json"], prompt, 28)
+    eng.submit("j", prompt, max_new_tokens=28, grammar=SPECS["json"])
+    req, on_result = eng.core.waiting[0], eng.core.on_result
+
+    def preempt_once(res):  # as when pages run out: drain, release (publishing its pages), requeue
+        on_result(res)
+        if len(req.output_ids) >= 10 and not req.finished and eng.core.counters.preemptions == 0:
+            eng.core.preempt(req)
+
+    eng.core.on_result = preempt_once
+    cached, admit = [], eng.planner._admit_one
+
+    def admit_one(r, budget):  # how far the cache holds the re-prefill's fill: into its outputs?
+        if r.fill_tokens is not None:
+            hashes = page_hashes(r.fill, 4, len(r.fill) // 4)
+            cached.append(4 * next((i for i, h in enumerate(hashes) if h not in eng.core.alloc._page_of), len(hashes)))
+        return admit(r, budget)
+
+    eng.planner._admit_one = admit_one
+    eng.run()
+    assert eng.core.counters.preemptions == 1 and cached[0] > len(prompt)
+    assert eng.tokens["j"] == ref
