@@ -197,10 +197,11 @@ class GrammarRows:
 
     # ------------------------------------------------------------ masks out
     def apply(self, logits: torch.Tensor, raw: torch.Tensor, slots: np.ndarray,
-              drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """``logits`` [R*N, V] (float, the processed copy) with -inf on the tokens the grammar
-        refuses at the constrained rows' positions; N = 1 + the rows' drafts [R, N-1]. ``raw``:
-        the model's logits, for a position the processors left with no token."""
+              drafts: torch.Tensor | None = None, min_tokens: bool = False) -> torch.Tensor:
+        """``logits`` [R*N, V] (the processed copy, or the raw logits) with -inf on the tokens
+        the grammar refuses at the constrained rows' positions; N = 1 + the rows' drafts
+        [R, N-1]. ``min_tokens``: some row masks its end ids now, so a position may be left
+        with no token; it then takes the grammar's mask over ``raw`` (the grammar wins)."""
         self._resolve(slots)  # a row's first sample: its grammar must be compiled by now
         n = 1 if drafts is None else drafts.shape[1] + 1
         d_host = drafts.cpu().numpy() if drafts is not None else None  # the step's one read-back
@@ -213,15 +214,18 @@ class GrammarRows:
                 self._fill(m, mask, r * n, None if d_host is None else d_host[r])
         if not rows:
             return logits
-        idx = torch.as_tensor(rows, device=logits.device)
-        refused = ~_unpack(mask[rows].to(logits.device), logits.shape[-1])
-        masked = logits[idx].masked_fill(refused, float("-inf"))
-        # A position left with no token (min_tokens masked the end ids that a complete grammar
-        # allows alone) takes the grammar's mask over the raw logits: the grammar wins.
-        dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
-        fallback = raw[idx].float().masked_fill(refused, float("-inf"))
+        every = len(rows) == logits.shape[0]  # (the usual case: no unconstrained row to skip)
+        idx = None if every else torch.as_tensor(rows, device=logits.device)
+        refused = ~_unpack((mask if every else mask[rows]).to(logits.device), logits.shape[-1])
+        masked = (logits if every else logits[idx]).masked_fill(refused, float("-inf"))
+        if min_tokens:
+            dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
+            fallback = (raw if every else raw[idx]).float().masked_fill(refused, float("-inf"))
+            masked = torch.where(dead, fallback, masked)
+        if every:
+            return masked
         out = logits.clone()
-        out[idx] = torch.where(dead, fallback, masked)
+        out[idx] = masked
         return out
 
     def _fill(self, m, mask: torch.Tensor, base: int, drafts: np.ndarray | None) -> None:

@@ -280,7 +280,7 @@ class ModelRunner:
             if self.proc.active(ext_slots):
                 lg = self.proc.apply(lg, ext_slots, ext_slots_t, pos)
             if self.grammar.active(ext_slots):
-                lg = self.grammar.apply(lg, logits[:e], ext_slots)
+                lg = self.grammar.apply(lg, logits[:e], ext_slots, min_tokens=self.proc.has_min[ext_slots].any())
             tok = sample(lg, self._row_sampling(ext_slots, ext_slots_t), pos)
             parts_out.append(torch.cat([tok[:, None], tok.new_zeros(e, t - 1)], dim=1))
             parts_acc.append(torch.ones(e, dtype=torch.int64, device=self.device))
@@ -296,7 +296,8 @@ class ModelRunner:
                 lg = self.proc.apply(lg, rows.dec_slots, dec_slots_t, pos, drafts)
             if self.grammar.active(rows.dec_slots):
                 lg = self.grammar.apply(lg, logits[e:], rows.dec_slots,
-                                        dec_tokens[:, 1:] if self.assistant is not None else None)
+                                        dec_tokens[:, 1:] if self.assistant is not None else None,
+                                        min_tokens=self.proc.has_min[rows.dec_slots].any())
             if self.assistant is None:
                 tok = sample(lg, rs, seq + 1)
                 out, acc = tok[:, None], torch.ones_like(tok)
