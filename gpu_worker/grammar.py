@@ -66,7 +66,7 @@ def choice_grammar(text: str) -> str:
 
 def compile_spec(compiler, spec: GrammarSpec, any_whitespace: bool = True):
     if spec.kind == "json":
-        return compiler.compile_json_schema(spec.text, any_whitespace=any_whitespace)
+        return compiler.compile_json_schema(spec.text, any_whitespace=any_whitespace and spec.any_whitespace)
     if spec.kind == "regex":
         return compiler.compile_regex(spec.text)
     if spec.kind == "ebnf":

@@ -29,10 +29,12 @@ class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
     ``kind`` is one of GRAMMAR_KINDS; ``text`` is a JSON Schema (``json``; OpenAI's
     ``json_object`` is ``{"type": "object"}``), a regular expression (``regex``), a GBNF/EBNF
     grammar with a ``root`` rule (``ebnf``), or a JSON array of the allowed strings (``choice``).
+    ``any_whitespace=False`` (vLLM's ``disable_any_whitespace``) gives JSON fixed separators.
     """
 
     kind: str
     text: str
+    any_whitespace: bool = True  # json: any whitespace between tokens (False: fixed separators)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):

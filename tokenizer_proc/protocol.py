@@ -59,8 +59,9 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 
 
 class StructuredOutputs(msgspec.Struct, kw_only=True):
-    """vLLM's ``structured_outputs``: at most one constraint (structured.py). Its whitespace
-    options are ignored; ``structural_tag`` is refused."""
+    """vLLM's ``structured_outputs``: at most one constraint (structured.py).
+    ``disable_any_whitespace`` gives JSON fixed separators; its other whitespace options are
+    ignored; ``structural_tag`` is refused."""
 
     json: Any = None  # a JSON Schema, or its text
     regex: str | None = None
@@ -68,6 +69,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: Any = None
+    disable_any_whitespace: bool = False
 
 
 class ConstraintFields(msgspec.Struct, kw_only=True):

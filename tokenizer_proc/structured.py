@@ -6,8 +6,8 @@ Spellings, in the order they are read (at most one per request: a second is a 40
   ``json_schema`` (``json_schema.schema``; missing: any object, as vLLM; SGLang's spelling with
   the schema at ``response_format.schema`` too); ``structural_tag`` is refused;
 - vLLM's ``structured_outputs``: ``json`` (a schema, or its text), ``regex``, ``choice`` (a list
-  of strings), ``grammar`` (GBNF/EBNF), ``json_object: true``; ``structural_tag`` is refused and
-  its other keys (whitespace options) are ignored;
+  of strings), ``grammar`` (GBNF/EBNF), ``json_object: true``; ``disable_any_whitespace`` gives
+  JSON fixed separators; ``structural_tag`` is refused and its other keys are ignored;
 - vLLM's older top-level ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
 - SGLang's top-level ``json_schema`` (schema text), ``regex``, ``ebnf``, and the same three in
   ``/generate``'s ``sampling_params`` (params named ``sampling_params.<field>``).
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 from typing import Any, Callable, Iterator, NoReturn
+
+import msgspec
 
 from proto.messages import GrammarSpec
 from tokenizer_proc.errors import APIError, bad_request
@@ -103,11 +105,13 @@ def _candidates(req: Any, prefix: str) -> Iterator[tuple[str, GrammarSpec]]:
             yield "response_format", spec
     so = getattr(req, "structured_outputs", None)
     if so is not None:
+        fixed = {"any_whitespace": False} if so.disable_any_whitespace else {}
         for key, kind in STRUCTURED_OUTPUTS:
             if getattr(so, key) is not None:
-                yield f"structured_outputs.{key}", MAKERS[kind](getattr(so, key), f"structured_outputs.{key}")
+                spec = MAKERS[kind](getattr(so, key), f"structured_outputs.{key}")
+                yield f"structured_outputs.{key}", msgspec.structs.replace(spec, **fixed) if kind == "json" else spec
         if so.json_object:
-            yield "structured_outputs.json_object", GrammarSpec("json", JSON_OBJECT)
+            yield "structured_outputs.json_object", GrammarSpec("json", JSON_OBJECT, **fixed)
         if so.structural_tag is not None:
             _unsupported("structured_outputs.structural_tag")
     for field, kind in TOP_LEVEL:

@@ -40,7 +40,7 @@ def _compiler(model_dir):
 
 def _compiled(compiler, spec: GrammarSpec):
     if spec.kind == "json":
-        return compiler.compile_json_schema(spec.text, any_whitespace=True)
+        return compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
     if spec.kind == "regex":
         return compiler.compile_regex(spec.text)
     if spec.kind == "choice":  # written independently of the worker's EBNF: a regex alternation
@@ -248,3 +248,17 @@ def test_a_re_prefill_that_hits_its_own_outputs_in_the_cache_replays_them(models
     eng.run()
     assert eng.core.counters.preemptions == 1 and cached[0] > len(prompt)
     assert eng.tokens["j"] == ref
+
+
+def test_fixed_separators_when_any_whitespace_is_off(models):
+    """``GrammarSpec.any_whitespace=False`` (vLLM's disable_any_whitespace): the reference
+    compiled the same way gives the same tokens, and differs from the any-whitespace grammar."""
+    llama, _, _ = models
+    eng = InProcEngine(llama, page_size=4)
+    spec = GrammarSpec("json", SPECS["json"].text, any_whitespace=False)
+    eng.submit("fixed", PROMPTS[2], max_new_tokens=24, grammar=spec)
+    eng.run()
+    model, compiler = hf_model(llama), _compiler(llama)
+    ref = reference(model, compiler, spec, PROMPTS[2], 24)
+    assert eng.tokens["fixed"] == ref
+    assert ref != reference(model, compiler, SPECS["json"], PROMPTS[2], 24)

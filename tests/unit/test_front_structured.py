@@ -56,6 +56,11 @@ SPELLINGS = [
     ({"response_format": {"type": "json_schema", "schema": SCHEMA}}, GrammarSpec("json", SCHEMA_TEXT)),  # SGLang
     ({"structured_outputs": {"json": SCHEMA}}, GrammarSpec("json", SCHEMA_TEXT)),
     ({"structured_outputs": {"json": json.dumps(SCHEMA, indent=2)}}, GrammarSpec("json", SCHEMA_TEXT)),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+     GrammarSpec("json", SCHEMA_TEXT, any_whitespace=False)),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+     GrammarSpec("json", '{"type": "object"}', any_whitespace=False)),
+    ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}, GrammarSpec("regex", "a+")),
     ({"structured_outputs": {"regex": r"\d{3}-[a-z]+"}}, GrammarSpec("regex", r"\d{3}-[a-z]+")),
     ({"structured_outputs": {"choice": ["yes", "no", "東京"]}}, GrammarSpec("choice", '["yes", "no", "東京"]')),
     ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, GrammarSpec("ebnf", 'root ::= "a" | "b"')),
