@@ -12,9 +12,11 @@ Life of a constrained request (``SamplingParams.grammar``):
 - a re-prefill after preemption feeds the outputs it re-reads (positions >= prompt_len) to the
   new matcher (``observe_extend``), so the grammar resumes where it was; the scheduler keeps its
   prefix-cache hit inside the prompt (``planner._usable_pages``), so it re-reads every output.
-- a step with a constrained row is launched only after every step in flight has returned
-  (``needs_sync``; the worker loop retires them): the host must know a row's last token to
-  mask its next one. Such steps lose overlap; steps without one keep it.
+- a step that samples for a constrained row queues its forward (draft chain, target forward),
+  then has every step in flight return (``needs_sync`` → the caller's ``retire``, from
+  ``ModelRunner.launch``), then builds its masks: the host must know a row's last token to mask
+  its next one, and the device runs this step's forward meanwhile. Steps without one keep the
+  full overlap.
 - masks: position 0 from the matcher's state; with MTP, verify position i from the state after
   the row's drafts d1..di (the drafts are read back first), rolled back afterwards. A draft the
   grammar refuses ends the row's masks there: verify rejects it, since position i-1 masks it out.

@@ -181,9 +181,7 @@ class Worker:
             if isinstance(plan, Shutdown):
                 break
             if plan is not None:
-                while inflight and self.runner.needs_sync(plan):  # structured output: masks need tokens
-                    self.results.send(inflight.popleft().result())
-                inflight.append(self.runner.launch(plan))
+                inflight.append(self.runner.launch(plan, retire=lambda: self._send_all(inflight)))
                 clock.tick("launch", step=True)
             # No plan: the oldest step is done (``_next_plan``), send it; a later one still
             # running is not waited for here (at depth 3 the next plan may come first).
@@ -194,6 +192,10 @@ class Worker:
                 clock.tick("wait")
                 self.results.send(res)
                 clock.tick("send")
+        self._send_all(inflight)
+
+    def _send_all(self, inflight: deque) -> None:
+        """Every step in flight returns, oldest first (also a constrained step's ``retire``)."""
         while inflight:
             self.results.send(inflight.popleft().result())
 

@@ -121,6 +121,7 @@ class ModelRunner:
         self.prefill: PrefillGraphs | None = None
         self._last_timer: StepTimer | None = None
         self.tick = _no_tick  # HostClock.tick when TANDEM_HOST_TIMING=1 (worker main)
+        self._retire: Callable[[], None] | None = None  # this step's ``retire`` (``launch``)
         self.cpu_kernels = False  # CPU tensors through the Triton kernels (interpreter)
         backend.host_decode_lens = assistant is None  # see SlotState.seq_host
         backend.decode_q_lens = frozenset({1, tokens_per_step})
@@ -143,7 +144,12 @@ class ModelRunner:
         return self.prefill
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> Pending:
+    def launch(self, plan: StepPlan, retire: Callable[[], None] | None = None) -> Pending:
+        """``retire``: returns every step in flight (the caller's loop sends their results). A step
+        that samples for a constrained row calls it after its forward is queued and before its
+        masks are built: the masks need those steps' tokens, and the device runs this step's
+        forward while the host waits (``grammar.py``)."""
+        self._retire = retire if retire is not None and self.grammar.needs_sync(plan) else None
         # Process-wide switch, set per step: several runners share one test process.
         enable_cpu_kernels(self.cpu_kernels)
         st = self.state
@@ -280,6 +286,7 @@ class ModelRunner:
             if self.proc.active(ext_slots):
                 lg = self.proc.apply(lg, ext_slots, ext_slots_t, pos)
             if self.grammar.active(ext_slots):
+                self._retire_in_flight()
                 lg = self.grammar.apply(lg, logits[:e], ext_slots, min_tokens=self.proc.has_min[ext_slots].any())
             tok = sample(lg, self._row_sampling(ext_slots, ext_slots_t), pos)
             parts_out.append(torch.cat([tok[:, None], tok.new_zeros(e, t - 1)], dim=1))
@@ -295,6 +302,7 @@ class ModelRunner:
                 drafts = dec_tokens[:, 1:] if self.assistant is not None else None
                 lg = self.proc.apply(lg, rows.dec_slots, dec_slots_t, pos, drafts)
             if self.grammar.active(rows.dec_slots):
+                self._retire_in_flight()
                 lg = self.grammar.apply(lg, logits[e:], rows.dec_slots,
                                         dec_tokens[:, 1:] if self.assistant is not None else None,
                                         min_tokens=self.proc.has_min[rows.dec_slots].any())
@@ -374,10 +382,11 @@ class ModelRunner:
         observe = self.grammar.observe if self.grammar.active(res) else None
         return Pending(step_id, res, tokens, accept, lp, prompt_lps, event, timer, self.grammar.take_errors(), observe)
 
-    def needs_sync(self, plan: StepPlan) -> bool:
-        """Must the steps in flight return before ``plan`` launches? (a constrained row's mask
-        needs its previous tokens on the host: ``grammar.py``)"""
-        return self.grammar.needs_sync(plan)
+    def _retire_in_flight(self) -> None:
+        """Once per step, before its first mask: the steps in flight return (``launch``)."""
+        if self._retire is not None:
+            retire, self._retire = self._retire, None
+            retire()
 
     def _copy_out_result(self, step_id, rows, result: torch.Tensor, timer) -> Pending:
         """The greedy tail's [n, T + 1] int32 (tokens, accept) home in one copy."""

@@ -112,21 +112,24 @@ class Follower:
             msg = self.decoder.decode(self.sock.recv(copy=False).buffer)  # rank 0 decoded it already
             if isinstance(msg, Shutdown):
                 break
-            while inflight and self.runner.needs_sync(msg):  # as the leader does (structured output)
-                _retire(inflight.popleft())
-            inflight.append(self.runner.launch(msg))
+            inflight.append(self.runner.launch(msg, retire=lambda: _retire_all(inflight)))
             # Same depth as the leader: at most that many steps launched, retire the oldest in
             # order (its copy buffers stay alive until its event has fired).
             while inflight and (inflight[0].ready() or len(inflight) >= self.depth):
                 _retire(inflight.popleft())
-        while inflight:
-            _retire(inflight.popleft())
+        _retire_all(inflight)
 
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)
         destroy_tp()
+
+
+def _retire_all(inflight: deque) -> None:
+    """Every step in flight, oldest first (also a constrained step's ``retire``, as on the leader)."""
+    while inflight:
+        _retire(inflight.popleft())
 
 
 def _retire(pending) -> None:

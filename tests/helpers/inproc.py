@@ -50,10 +50,7 @@ class InProcEngine:
         pending = self.pending
         for _ in range(limit):
             while len(self.core.inflight) < self.depth and (plan := self.planner.plan()) is not None:
-                plan = _dec_plan.decode(_enc.encode(plan))
-                while pending and self.runner.needs_sync(plan):  # as the worker loop: grammar rows
-                    self.core.on_result(_dec_result.decode(_enc.encode(pending.popleft().result())))
-                pending.append(self.runner.launch(plan))
+                pending.append(self.runner.launch(_dec_plan.decode(_enc.encode(plan)), retire=self._retire_all))
             if pending:
                 self.core.on_result(_dec_result.decode(_enc.encode(pending.popleft().result())))
                 if until is not None and until():
@@ -63,6 +60,11 @@ class InProcEngine:
             if self.core.idle():
                 return
         raise AssertionError("engine did not drain")
+
+    def _retire_all(self) -> None:
+        """Every launched step's result, oldest first (a constrained step's ``retire``)."""
+        while self.pending:
+            self.core.on_result(_dec_result.decode(_enc.encode(self.pending.popleft().result())))
 
     def _take(self) -> None:
         for out in self.core.take_outputs():

@@ -203,11 +203,11 @@ def test_the_compile_runs_while_the_prompt_prefills(models, monkeypatch):
         assert go.wait(30), "the prefill stopped while the grammar compiled"
         return real_compile(self, spec)
 
-    def launch(plan):
+    def launch(plan, retire=None):
         launched.append(plan.step_id)
         if len(launched) == 3:
             go.set()
-        return real_launch(plan)
+        return real_launch(plan, retire)
 
     monkeypatch.setattr(GrammarRows, "_compile", slow_compile)
     eng.runner.launch = launch

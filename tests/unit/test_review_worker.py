@@ -245,12 +245,12 @@ def _worker_loop(depth: int, recv, ready=lambda step, done, log: done, sync_plan
             return StepResult(self.step, b"", b"", b"")
 
     class Runner:
-        def launch(self, plan):
+        def launch(self, plan, retire=None):
             log.append(("launch", plan.step_id))
+            if plan.step_id in sync_plans:  # structured output: its masks need the steps in flight
+                retire()
+                log.append(("masked", plan.step_id))
             return Pending(plan.step_id)
-
-        def needs_sync(self, plan):  # structured output: plans listed in ``sync_plans``
-            return plan.step_id in sync_plans
 
     class Plans:
         def recv(self, timeout_ms=None):
@@ -332,9 +332,10 @@ def test_worker_without_a_plan_sends_the_done_step_but_does_not_drain():
     assert all(e[2] for e in log if e[0] == "wait" and e[1] in (1, 2)), log  # never blocked on them
 
 
-def test_a_plan_with_a_constrained_row_launches_after_every_step_in_flight():
-    """Structured output: plan 4 samples for a grammar row (``needs_sync``), so steps 2 and 3 are
-    waited for and their results sent before it launches; plans without one keep the overlap."""
+def test_a_constrained_step_retires_the_steps_in_flight_before_its_masks():
+    """Structured output: step 4 samples for a grammar row. Its launch queues the forward, then
+    (``retire``) steps 2 and 3 return and their results go out, then the masks are built; the
+    steps after it keep the overlap."""
     from proto.messages import Shutdown, StepPlan
 
     queue = [StepPlan(i) for i in range(1, 7)]
@@ -345,5 +346,5 @@ def test_a_plan_with_a_constrained_row_launches_after_every_step_in_flight():
     log, sent = _worker_loop(3, recv, sync_plans=(4,))
     assert sent == [1, 2, 3, 4, 5, 6]
     launch4 = _first(log, ("launch", 4))
-    assert _first(log, ("wait", 2)) < launch4 and _first(log, ("wait", 3)) < launch4, log
+    assert launch4 < _first(log, ("wait", 2)) < _first(log, ("wait", 3)) < _first(log, ("masked", 4)), log
     assert _first(log, ("launch", 6)) < _first(log, ("wait", 5)), log  # overlap again after it

@@ -51,12 +51,9 @@ class _Runner:
     def __init__(self):
         self.launched: list[int] = []
 
-    def launch(self, plan):
+    def launch(self, plan, retire=None):
         self.launched.append(plan.step_id)
         return type("P", (), {"event": None, "on_tokens": None, "ready": lambda self: True})()
-
-    def needs_sync(self, plan):
-        return False
 
 
 def test_follower_launches_in_order_and_stops_on_shutdown():
