@@ -114,11 +114,11 @@ class GrammarRows:
 
     def _compile(self, spec: GrammarSpec):
         """-> a fresh matcher, or the error message for the request (on the compile thread)."""
-        import xgrammar as xgr  # noqa: PLC0415 - heavy (torch, tvm-ffi): only once a request asks
-
         try:
+            import xgrammar as xgr  # noqa: PLC0415 - heavy (torch, tvm-ffi): only once a request asks
+
             compiler = self._get_compiler()
-        except Exception as exc:  # no tokenizer.json, an unreadable one: every constrained request
+        except Exception as exc:  # xgrammar missing, no tokenizer.json: every constrained request
             return f"structured output is unavailable: {_first_line(exc)}"
         try:
             return xgr.GrammarMatcher(compile_spec(compiler, spec, self.any_whitespace))

@@ -262,3 +262,27 @@ def test_fixed_separators_when_any_whitespace_is_off(models):
     ref = reference(model, compiler, spec, PROMPTS[2], 24)
     assert eng.tokens["fixed"] == ref
     assert ref != reference(model, compiler, SPECS["json"], PROMPTS[2], 24)
+
+
+def test_without_xgrammar_a_constrained_request_fails_alone(models, monkeypatch):
+    """An install without xgrammar (or a model without tokenizer.json): each constrained request
+    is a 400 naming the cause, and the engine goes on serving the others."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_xgrammar(name, *args, **kw):
+        if name == "xgrammar":
+            raise ModuleNotFoundError("No module named 'xgrammar'")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    llama, _, _ = models
+    eng = InProcEngine(llama, page_size=4)
+    eng.submit("c", PROMPTS[0], max_new_tokens=8, grammar=SPECS["choice"])
+    eng.submit("free", PROMPTS[1], max_new_tokens=6, ignore_eos=True)
+    eng.run()
+    (out,) = eng.outputs["c"]
+    assert out.finish_reason == "error" and out.error_code == 400
+    assert out.error == "structured output is unavailable: No module named 'xgrammar'"
+    assert len(eng.tokens["free"]) == 6
