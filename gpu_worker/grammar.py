@@ -182,20 +182,15 @@ class GrammarRows:
                 continue
             start, n = int(rows.ext_start[i]), int(rows.ext_len[i])
             toks = rows.ext_tokens[offsets[i]: offsets[i] + n]
-            for tok in toks[max(0, self.prompt_len[slot] - start):].tolist():
-                if m.is_terminated() or not m.accept_token(tok):
-                    break  # (ignore_eos / min_tokens rows re-read end ids past the grammar's end)
+            _feed(m, toks[max(0, self.prompt_len[slot] - start):])
 
     def observe(self, slots: np.ndarray, tokens: np.ndarray, accept: np.ndarray) -> None:
-        """A returned step's new tokens, rows in result order (tokens [R, T], accept [R]).
-        A token the matcher refuses (after the grammar ended, or for a row whose request
-        already finished) is dropped by the scheduler too."""
+        """A returned step's new tokens, rows in result order (tokens [R, T], accept [R]); a
+        token the matcher refuses is one the scheduler drops too (``_feed``)."""
         for r, slot in enumerate(slots.tolist()):
             m = self.matchers.get(slot)
             if m is not None:
-                for tok in tokens[r, : accept[r]].tolist():
-                    if m.is_terminated() or not m.accept_token(tok):
-                        break
+                _feed(m, tokens[r, : accept[r]])
 
     # ------------------------------------------------------------ masks out
     def apply(self, logits: torch.Tensor, raw: torch.Tensor, slots: np.ndarray,
@@ -252,6 +247,14 @@ class GrammarRows:
         for t in self.eos:
             row[t // 32] |= _bit(t % 32)
         return row
+
+
+def _feed(m, tokens: np.ndarray) -> None:
+    """Advance ``m`` over ``tokens`` up to the first it refuses: past the grammar's end
+    (ignore_eos / min_tokens rows go on with end ids), or a row whose request already finished."""
+    for tok in tokens.tolist():
+        if m.is_terminated() or not m.accept_token(tok):
+            break
 
 
 def _bit(j: int) -> int:

@@ -285,9 +285,7 @@ class ModelRunner:
             lg = logits[:e]
             if self.proc.active(ext_slots):
                 lg = self.proc.apply(lg, ext_slots, ext_slots_t, pos)
-            if self.grammar.active(ext_slots):
-                self._retire_in_flight()
-                lg = self.grammar.apply(lg, logits[:e], ext_slots, min_tokens=self.proc.has_min[ext_slots].any())
+            lg = self._constrain(lg, logits[:e], ext_slots)
             tok = sample(lg, self._row_sampling(ext_slots, ext_slots_t), pos)
             parts_out.append(torch.cat([tok[:, None], tok.new_zeros(e, t - 1)], dim=1))
             parts_acc.append(torch.ones(e, dtype=torch.int64, device=self.device))
@@ -301,11 +299,8 @@ class ModelRunner:
                 pos = (seq[:, None] + 1 + torch.arange(t, device=self.device)[None, :]).reshape(-1)
                 drafts = dec_tokens[:, 1:] if self.assistant is not None else None
                 lg = self.proc.apply(lg, rows.dec_slots, dec_slots_t, pos, drafts)
-            if self.grammar.active(rows.dec_slots):
-                self._retire_in_flight()
-                lg = self.grammar.apply(lg, logits[e:], rows.dec_slots,
-                                        dec_tokens[:, 1:] if self.assistant is not None else None,
-                                        min_tokens=self.proc.has_min[rows.dec_slots].any())
+            lg = self._constrain(lg, logits[e:], rows.dec_slots,
+                                 dec_tokens[:, 1:] if self.assistant is not None else None)
             if self.assistant is None:
                 tok = sample(lg, rs, seq + 1)
                 out, acc = tok[:, None], torch.ones_like(tok)
@@ -382,11 +377,15 @@ class ModelRunner:
         observe = self.grammar.observe if self.grammar.active(res) else None
         return Pending(step_id, res, tokens, accept, lp, prompt_lps, event, timer, self.grammar.take_errors(), observe)
 
-    def _retire_in_flight(self) -> None:
-        """Once per step, before its first mask: the steps in flight return (``launch``)."""
+    def _constrain(self, lg, raw, slots: np.ndarray, drafts=None):
+        """``lg`` with the grammar masks of the constrained rows among ``slots``. Before the
+        step's first mask the steps in flight return (the ``retire`` given to ``launch``)."""
+        if not self.grammar.active(slots):
+            return lg
         if self._retire is not None:
             retire, self._retire = self._retire, None
             retire()
+        return self.grammar.apply(lg, raw, slots, drafts, min_tokens=bool(self.proc.has_min[slots].any()))
 
     def _copy_out_result(self, step_id, rows, result: torch.Tensor, timer) -> Pending:
         """The greedy tail's [n, T + 1] int32 (tokens, accept) home in one copy."""

@@ -52,7 +52,7 @@ class InProcEngine:
             while len(self.core.inflight) < self.depth and (plan := self.planner.plan()) is not None:
                 pending.append(self.runner.launch(_dec_plan.decode(_enc.encode(plan)), retire=self._retire_all))
             if pending:
-                self.core.on_result(_dec_result.decode(_enc.encode(pending.popleft().result())))
+                self._process_oldest()
                 if until is not None and until():
                     self._take()
                     return
@@ -64,7 +64,10 @@ class InProcEngine:
     def _retire_all(self) -> None:
         """Every launched step's result, oldest first (a constrained step's ``retire``)."""
         while self.pending:
-            self.core.on_result(_dec_result.decode(_enc.encode(self.pending.popleft().result())))
+            self._process_oldest()
+
+    def _process_oldest(self) -> None:
+        self.core.on_result(_dec_result.decode(_enc.encode(self.pending.popleft().result())))
 
     def _take(self) -> None:
         for out in self.core.take_outputs():
