@@ -22,6 +22,11 @@ Life of a constrained request (``SamplingParams.grammar``):
   grammar refuses ends the row's masks there: verify rejects it, since position i-1 masks it out.
 - the step's result: the accepted tokens advance the matcher (``observe``, from
   ``Pending.result``, in step order). Once the grammar is complete only end ids stay allowed.
+- a grammar with ``after`` (the reasoning end token) waits in ``self.after`` until the row emits
+  that token: until then its positions are unconstrained (no mask), the tokens after it are the
+  grammar's first. Verify positions follow the drafts: a draft equal to the token makes the next
+  position the grammar's first. The row still counts as constrained (``needs_sync``): whether the
+  steps in flight emitted the token is known only once they return.
 - free: the matcher goes with the slot.
 """
 
@@ -89,6 +94,7 @@ class GrammarRows:
         self.matchers: dict[int, object] = {}  # slot -> xgrammar GrammarMatcher
         self.compiling: dict[int, Future] = {}  # slot -> its grammar's compile (-> a matcher)
         self.prompt_len: dict[int, int] = {}
+        self.after: dict[int, int] = {}  # slot -> the token its grammar waits for (reasoning's end)
         self.errors: list[SlotError] = []  # compile errors for the next step's result (``take_errors``)
         self._compiler = None
         self._pool: ThreadPoolExecutor | None = None
@@ -98,10 +104,13 @@ class GrammarRows:
         """Freed slots drop their matchers; admitted constrained requests start compiling."""
         for s in (*plan.free, *(r.slot for r in plan.admit)):  # a reused slot starts clean
             self.matchers.pop(s, None)
+            self.after.pop(s, None)
             self.compiling.pop(s, None)  # (a compile still running finishes unread)
         for row in plan.admit:
             if row.params.grammar is not None:
                 self.prompt_len[row.slot] = row.prompt_len
+                if row.params.grammar.after >= 0:
+                    self.after[row.slot] = row.params.grammar.after
                 self.compiling[row.slot] = self._executor().submit(self._compile, row.params.grammar)
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -182,7 +191,7 @@ class GrammarRows:
                 continue
             start, n = int(rows.ext_start[i]), int(rows.ext_len[i])
             toks = rows.ext_tokens[offsets[i]: offsets[i] + n]
-            _feed(m, toks[max(0, self.prompt_len[slot] - start):])
+            self._advance(slot, m, toks[max(0, self.prompt_len[slot] - start):])
 
     def observe(self, slots: np.ndarray, tokens: np.ndarray, accept: np.ndarray) -> None:
         """A returned step's new tokens, rows in result order (tokens [R, T], accept [R]); a
@@ -190,7 +199,19 @@ class GrammarRows:
         for r, slot in enumerate(slots.tolist()):
             m = self.matchers.get(slot)
             if m is not None:
-                _feed(m, tokens[r, : accept[r]])
+                self._advance(slot, m, tokens[r, : accept[r]])
+
+    def _advance(self, slot: int, m, tokens: np.ndarray) -> None:
+        """``tokens`` emitted by ``slot``: a grammar still waiting for its start token binds
+        from the token after it; a bound one consumes them all (``_feed``)."""
+        start = self.after.get(slot)
+        if start is not None:
+            hits = np.flatnonzero(tokens == start)
+            if not len(hits):
+                return
+            del self.after[slot]
+            tokens = tokens[hits[0] + 1:]
+        _feed(m, tokens)
 
     # ------------------------------------------------------------ masks out
     def apply(self, logits: torch.Tensor, raw: torch.Tensor, slots: np.ndarray,
@@ -205,10 +226,12 @@ class GrammarRows:
         mask = torch.full((len(slots) * n, self.words), -1, dtype=torch.int32)  # -1: all allowed
         rows = []
         for r, slot in enumerate(slots.tolist()):
-            m = self.matchers.get(slot)
-            if m is not None:
-                rows.extend(range(r * n, r * n + n))
-                self._fill(m, mask, r * n, None if d_host is None else d_host[r])
+            m, start = self.matchers.get(slot), self.after.get(slot)
+            drafts_r = None if d_host is None else d_host[r]
+            if m is None or (start is not None and (drafts_r is None or start not in drafts_r)):
+                continue  # unconstrained, or reasoning on through every position of this step
+            rows.extend(range(r * n, r * n + n))
+            self._fill(m, mask, r * n, drafts_r, start)
         if not rows:
             return logits
         every = len(rows) == logits.shape[0]  # (the usual case: no unconstrained row to skip)
@@ -225,16 +248,22 @@ class GrammarRows:
         out[idx] = masked
         return out
 
-    def _fill(self, m, mask: torch.Tensor, base: int, drafts: np.ndarray | None) -> None:
+    def _fill(self, m, mask: torch.Tensor, base: int, drafts: np.ndarray | None, start: int | None = None) -> None:
         """Masks for one row: position 0 from ``m``'s state, later positions after each draft
         while the grammar accepts them (rolled back after). Past the grammar's end only end ids
-        stay allowed (``ignore_eos`` / ``min_tokens`` rows go on emitting them)."""
+        stay allowed (``ignore_eos`` / ``min_tokens`` rows go on emitting them). ``start``: the
+        grammar still waits for that token; positions up to the draft equal to it stay all-allowed."""
         n = 1 if drafts is None else len(drafts) + 1
         taken = 0
         for i in range(n):
-            if i and not m.accept_token(int(drafts[i - 1])):
+            if i and start is not None:
+                start = None if int(drafts[i - 1]) == start else start  # (not the grammar's token)
+            elif i and not m.accept_token(int(drafts[i - 1])):
                 break  # verify rejects this draft: position i - 1 masks it out
-            taken += i > 0
+            else:
+                taken += i > 0
+            if start is not None:
+                continue  # still reasoning: the mask row stays all-allowed
             if m.is_terminated():
                 mask[base + i: base + n] = self._stop_row()
                 break

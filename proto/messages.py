@@ -30,11 +30,15 @@ class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
     ``json_object`` is ``{"type": "object"}``), a regular expression (``regex``), a GBNF/EBNF
     grammar with a ``root`` rule (``ebnf``), or a JSON array of the allowed strings (``choice``).
     ``any_whitespace=False`` (vLLM's ``disable_any_whitespace``) gives JSON fixed separators.
+    ``after`` >= 0: the grammar binds only after the first time the request emits that token
+    (the reasoning end, ``</think>``, under ``--reasoning-parser``: the model reasons freely, then
+    answers in the grammar, as vLLM and SGLang do); -1: from the first token.
     """
 
     kind: str
     text: str
     any_whitespace: bool = True  # json: any whitespace between tokens (False: fixed separators)
+    after: int = -1  # token id that starts the grammar (-1: none, it binds from the first token)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -30,7 +30,7 @@ from tokenizer_proc.protocol import (
     NativeSamplingParams,
     SamplingFields,
 )
-from tokenizer_proc.reasoning import starts_in_reasoning, tags_are_special
+from tokenizer_proc.reasoning import grammar_after_reasoning, starts_in_reasoning, tags_are_special
 from tokenizer_proc.request_state import StopConfig
 from tokenizer_proc.structured import chat_grammar, request_grammar
 from tokenizer_proc.tokenizer import TextTokenizer, read_json
@@ -343,10 +343,10 @@ def plan_chat(
     # HF tokenizes rendered chats without special tokens: the template wrote any BOS itself.
     ids = encode_prompt(text, tok, limits, "messages", add_special_tokens=False)
     reasoning = None
-    # a grammar binds from the first token (vLLM waits for the reasoning to end): no reasoning to split
-    if server_reasoning_parser and req.separate_reasoning is not False and grammar is None:
+    if server_reasoning_parser and req.separate_reasoning is not False:
         reasoning = starts_in_reasoning(server_reasoning_parser, text, req.chat_template_kwargs,
                                         req.continue_final_message)
+        grammar, reasoning = grammar_after_reasoning(grammar, reasoning, tok)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
     if len(ids) >= limits.max_context:

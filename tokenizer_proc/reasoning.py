@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
+
 from tokenizer_proc.stops import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -57,6 +59,20 @@ def starts_in_reasoning(name: str, prompt: str, template_kwargs: dict | None, co
     if last_close >= 0 and (continue_final or not prompt[last_close + len(CLOSE):].strip()):
         return False
     return PARSERS[name](template_kwargs or {})
+
+
+def grammar_after_reasoning(grammar, in_reasoning: bool, tok):
+    """(grammar, in_reasoning) for a chat request under a reasoning parser. An answer that starts
+    in reasoning keeps its grammar for after ``</think>``: the model reasons unconstrained, then
+    the grammar binds from the token after the tag (vLLM's and SGLang's behaviour), which the
+    worker can see only if the tag is one token (Qwen3's, DeepSeek-R1's). If it is not, the
+    grammar binds from the first token and the answer is all content (no reasoning to split)."""
+    if grammar is None or not in_reasoning:
+        return grammar, in_reasoning
+    end = tok.token_to_id(CLOSE)
+    if end is None:
+        return grammar, None
+    return msgspec.structs.replace(grammar, after=end), in_reasoning
 
 
 def tags_are_special(tok) -> bool:

@@ -11,6 +11,7 @@ from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
 from tests.unit.test_engine_grammar import ENDS, PROMPTS, _submit_all
+from tests.unit.test_engine_grammar_after import _submit as _submit_after
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +21,9 @@ def models(tmp_path_factory):
     return build_llama(str(root / "l")), g, build_assistant(str(root / "a"), g)
 
 
-@pytest.mark.parametrize("mtp", [False, True])
-def test_grammar_rows_match_the_masked_reference_on_cuda(models, mtp):
+@pytest.mark.parametrize("mtp,after", [(False, False), (True, False), (True, True)])
+def test_grammar_rows_match_the_masked_reference_on_cuda(models, mtp, after):
+    """``after``: grammars that bind after a start token (the reasoning end), MTP drafts across it."""
     from transformers import AutoModelForCausalLM
 
     llama, g, a = models
@@ -29,10 +31,10 @@ def test_grammar_rows_match_the_masked_reference_on_cuda(models, mtp):
     eng = InProcEngine(target, draft=a if mtp else None, device="cuda", dtype="float32", page_size=4,
                        attention_backend="triton", max_total_tokens=65536, cuda_graph_bs=(1, 2, 4, 8, 16))
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).cuda().eval()
-    refs = _submit_all(eng, target, model=hf)
+    refs = _submit_after(eng, target, model=hf)[0] if after else _submit_all(eng, target, model=hf)
     if mtp:  # an oracle draft, captured into the decode graphs again: multi-token steps happen
-        eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([PROMPTS[int(r[-1])] + t
-                                                                            for r, t in refs.items()]))
+        eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([PROMPTS[int(r[-1]) if r[-1].isdigit() else 0]
+                                                                            + t for r, t in refs.items()]))
         eng.runner.enable_graphs([1, 2, 4, 8, 16])
     eng.submit("plain", PROMPTS[1], max_new_tokens=12, ignore_eos=True)
     eng.run()

@@ -6,12 +6,15 @@ error event). Forced tool calls: test_front_structured_tools.py."""
 from __future__ import annotations
 
 import json
+import os
 
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from proto.messages import GenerateReq, GrammarSpec
 from tests.unit.front_harness import MODEL, start_stack
+from tests.unit.front_tok import write_tokenizer_dir
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 SCHEMA_TEXT = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
@@ -209,10 +212,12 @@ def test_a_grammar_the_worker_cannot_compile_is_a_400(stack, client, http):
 
 
 def test_reasoning_parser_with_a_grammar_answers_in_content(tmp_path):
-    """vLLM starts the grammar after the reasoning ends; here it binds from the first token, so a
-    constrained answer has no reasoning to split: it is all content (docs/http_api.md)."""
+    """A tokenizer whose ``</think>`` is not one token: the worker could not see the reasoning
+    end, so the grammar binds from the first token and the constrained answer is all content
+    (docs/http_api.md)."""
     s = start_stack(reasoning_parser="qwen3")
     try:
+        assert s.tok.token_to_id("</think>") is None
         ids = s.tok.encode('{"city": "Paris"}', add_special_tokens=False) + [s.tok.eos_id]
         s.fake.output_fn = lambda req: list(ids)
         client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0, timeout=20)
@@ -228,5 +233,59 @@ def test_reasoning_parser_with_a_grammar_answers_in_content(tmp_path):
                 assert r.choices[0].message.model_extra.get("reasoning_content") is None
             assert content == '{"city": "Paris"}'
         assert s.fake.of_type(GenerateReq)[-1].params.grammar == OBJECT
+    finally:
+        s.close()
+
+
+def think_tag_tokenizer(path: str) -> str:
+    """Qwen3's notation: ``<think>`` / ``</think>`` are added tokens, not special ones."""
+    write_tokenizer_dir(path)
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+def test_the_grammar_binds_after_the_reasoning_ends(tmp_path):
+    """vLLM / SGLang with a reasoning parser: the model reasons unconstrained and the grammar
+    starts after ``</think>`` (``GrammarSpec.after`` is its token id); the answer splits into
+    reasoning and the constrained content. A prompt that closed the block (enable_thinking off)
+    binds from the first token; ``separate_reasoning: false`` (no parser) too."""
+    s = start_stack(tok_dir=think_tag_tokenizer(str(tmp_path)), reasoning_parser="qwen3")
+    try:
+        end = s.tok.token_to_id("</think>")
+        assert end is not None and s.tok.encode("</think>", add_special_tokens=False) == [end]
+        text = '<think>\nA city: Paris.\n</think>\n\n{"city": "Paris"}'
+        ids = s.tok.encode(text, add_special_tokens=False) + [s.tok.eos_id]
+        s.fake.output_fn = lambda req: list(ids)
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0, timeout=20)
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+        for stream in (False, True):
+            r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, stream=stream,
+                                               response_format=fmt)
+            if stream:
+                chunks = [c.choices[0].delta for c in r if c.choices]
+                content = "".join(d.content or "" for d in chunks)
+                reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks)
+            else:
+                content = r.choices[0].message.content
+                reasoning = r.choices[0].message.model_extra["reasoning_content"]
+            assert (reasoning.strip(), content.strip()) == ("A city: Paris.", '{"city": "Paris"}')
+            assert sent(s)[0].params.grammar == GrammarSpec("json", SCHEMA_TEXT, after=end)
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, response_format=fmt,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert sent(s)[0].params.grammar == GrammarSpec("json", SCHEMA_TEXT)
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, response_format=fmt,
+                                       extra_body={"separate_reasoning": False})
+        assert sent(s)[0].params.grammar == GrammarSpec("json", SCHEMA_TEXT)
+        call = s.tok.encode('<think>\nf it is.\n</think>\n\n[{"name": "f", "parameters": {"x": 1}}]',
+                            add_special_tokens=False) + [s.tok.eos_id]
+        s.fake.output_fn = lambda req: list(call)
+        msg = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, tool_choice="required",
+                                             tools=[{"type": "function", "function": {"name": "f"}}]).choices[0]
+        assert sent(s)[0].params.grammar.after == end  # forced tool calls follow the reasoning too
+        assert msg.message.model_extra["reasoning_content"].strip() == "f it is."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.message.tool_calls] == [("f", {"x": 1})]
+        assert msg.finish_reason == "tool_calls"
     finally:
         s.close()
