@@ -1,4 +1,5 @@
-"""From a validated request body to what the engine runs: prompts, SamplingParams, stop config.
+"""From a validated request body to what the engine runs: prompts, SamplingParams, stop config
+(completions here; chat's own part in ``plan_chat``).
 
 These are the rules that span fields or need the tokenizer / engine limits (msgspec already
 checked types and ranges). Every violation is an APIError(400), except an unknown model (404).
@@ -21,20 +22,15 @@ from typing import Callable
 import msgspec
 
 from proto.messages import GrammarSpec, SamplingParams
-from tokenizer_proc.chat_messages import validate_messages, validate_tools
-from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_proc.errors import APIError, bad_request
 from tokenizer_proc.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     NativeSamplingParams,
     SamplingFields,
 )
-from tokenizer_proc.reasoning import grammar_after_reasoning, starts_in_reasoning, tags_are_special
 from tokenizer_proc.request_state import StopConfig
-from tokenizer_proc.structured import chat_grammar, request_grammar
+from tokenizer_proc.structured import request_grammar
 from tokenizer_proc.tokenizer import TextTokenizer, read_json
-from tokenizer_proc.tool_choice import resolve_tool_choice
 from tokenizer_proc.tool_parsers import ToolParser
 
 DEFAULT_COMPLETION_TOKENS = 16
@@ -175,7 +171,7 @@ def continuous_usage(req: SamplingFields) -> bool:
     return include_usage(req) and bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
 
-def _unsupported(req: SamplingFields) -> None:
+def check_unsupported(req: SamplingFields) -> None:
     # suffix is limited to its no-op value by protocol.py.
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
@@ -218,7 +214,7 @@ def sampling_params(
     )
 
 
-def _stop_cfg(req: SamplingFields, discard: bool = False, keep_special: bool = False) -> StopConfig:
+def stop_config(req: SamplingFields, discard: bool = False, keep_special: bool = False) -> StopConfig:
     """``keep_special``: a tool parser reads tags that are special tokens (vLLM's parsers turn
     ``skip_special_tokens`` off for themselves the same way)."""
     return StopConfig(
@@ -260,7 +256,7 @@ def completion_prompts(prompt, tok: TextTokenizer, limits: Limits) -> list[tuple
 
 
 def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, defaults: dict) -> GenPlan:
-    _unsupported(req)
+    check_unsupported(req)
     echo = bool(req.echo)
     max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
     if max_tokens == 0 and not echo:
@@ -284,7 +280,7 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
     return GenPlan(
         prompts=prompts,
         params=params,
-        stop_cfg=_stop_cfg(req, discard=max_tokens == 0),
+        stop_cfg=stop_config(req, discard=max_tokens == 0),
         n=req.n or 1,
         stream=bool(req.stream),
         include_usage=include_usage(req),
@@ -296,103 +292,3 @@ def plan_completion(req: CompletionRequest, tok: TextTokenizer, limits: Limits, 
         prompt_texts=[text if text is not None else tok.decode(ids, req.skip_special_tokens is not False)
                       for ids, text in pairs] if echo else [],
     )
-
-
-# ---------------------------------------------------------------------- /v1/chat/completions
-
-
-def generation_prompt(req) -> tuple[bool, bool]:
-    """(add_generation_prompt, continue_final_message): an unset add_generation_prompt gives way
-    to continue_final_message; both set true is vLLM's 400."""
-    cont = bool(req.continue_final_message)
-    if cont and req.add_generation_prompt:
-        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                          "continue_final_message")
-    return (not cont) if req.add_generation_prompt is None else req.add_generation_prompt, cont
-
-
-def chat_text(req, template: ChatTemplate) -> str:
-    validate_messages(req.messages)
-    add_generation_prompt, continue_final_message = generation_prompt(req)
-    try:
-        return template.render(
-            req.messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=getattr(req, "tools", None),
-            documents=getattr(req, "documents", None),
-            extra_vars=getattr(req, "chat_template_kwargs", None),
-        )
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
-
-
-def plan_chat(
-    req: ChatCompletionRequest, tok: TextTokenizer, template: ChatTemplate, limits: Limits, defaults: dict,
-    server_tool_parser: str | None = None, server_reasoning_parser: str | None = None,
-) -> GenPlan:
-    """``server_tool_parser``: the parser name when the server has both tool-calling flags;
-    ``server_reasoning_parser``: --reasoning-parser (SGLang's ``separate_reasoning: false`` skips it)."""
-    _unsupported(req)
-    validate_tools(req.tools)
-    tools = resolve_tool_choice(req.tool_choice, req.tools, server_tool_parser, req.parallel_tool_calls is not False)
-    grammar = chat_grammar(req, tools.grammar)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    text = chat_text(req, template)
-    # HF tokenizes rendered chats without special tokens: the template wrote any BOS itself.
-    ids = encode_prompt(text, tok, limits, "messages", add_special_tokens=False)
-    reasoning = None
-    if server_reasoning_parser and req.separate_reasoning is not False:
-        reasoning = starts_in_reasoning(server_reasoning_parser, text, req.chat_template_kwargs,
-                                        req.continue_final_message)
-        grammar, reasoning = grammar_after_reasoning(grammar, reasoning, tok)
-    if not ids:
-        raise bad_request("the rendered chat prompt is empty", "messages")
-    if len(ids) >= limits.max_context:
-        raise bad_request(
-            f"This model's maximum context length is {limits.max_context} tokens. However, your messages "
-            f"resulted in {len(ids)} tokens. Please reduce the length of the messages.",
-            "messages",
-        )
-    requested = req.max_completion_tokens or req.max_tokens
-    max_tokens = requested if requested is not None else limits.max_context - len(ids)
-    check_context(len(ids), max_tokens, limits)
-    check_min_tokens(req.min_tokens, max_tokens)
-    if req.stop_token_ids:
-        check_token_ids(req.stop_token_ids, limits, "stop_token_ids")
-    check_logit_bias(req.logit_bias, limits)
-    top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, defaults, -1 if top is None else top, -1, req.min_tokens, req.seed,
-                             grammar)
-    echo_text = chat_echo_text(req.messages) if req.echo else ""
-    return GenPlan(
-        prompts=[ids],
-        params=params,
-        stop_cfg=_stop_cfg(req, keep_special=tools.keeps_special_tokens
-                           or (reasoning is not None and tags_are_special(tok))),
-        n=req.n or 1,
-        stream=bool(req.stream),
-        include_usage=include_usage(req),
-        continuous_usage=continuous_usage(req),
-        top_logprobs=top,
-        echo=bool(echo_text),
-        prompt_texts=[echo_text] if echo_text else [],
-        tool_parser=tools.parser,
-        parallel_tool_calls=req.parallel_tool_calls is not False,
-        reasoning=reasoning,
-        include_reasoning=req.include_reasoning is not False,
-    )
-
-
-def chat_echo_text(messages: list[dict]) -> str:
-    """vLLM's chat ``echo``: a final assistant message (a prefill, usually with
-    continue_final_message) is repeated at the start of the answer; any other last turn echoes
-    nothing. Text parts are joined as the template saw them."""
-    last = messages[-1]
-    if last.get("role") != "assistant":
-        return ""
-    content = last.get("content") or ""
-    if isinstance(content, list):
-        return "\n".join(p.get(p.get("type"), "") for p in content if isinstance(p, dict))
-    return content

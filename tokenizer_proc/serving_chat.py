@@ -29,7 +29,8 @@ from starlette.responses import Response
 from tokenizer_proc.context import Front, arrival, read_body
 from tokenizer_proc.errors import decode_body
 from tokenizer_proc.formatting import chat_logprobs, chunk_body, new_id, now_s, state_usage, usage
-from tokenizer_proc.params import GenPlan, check_model, plan_chat
+from tokenizer_proc.params import GenPlan, check_model
+from tokenizer_proc.plan_chat import plan_chat
 from tokenizer_proc.protocol import ChatCompletionRequest
 from tokenizer_proc.reasoning import ReasoningParser, split_reasoning
 from tokenizer_proc.request_state import Delta

@@ -24,7 +24,6 @@ from tokenizer_proc.errors import APIError, bad_request, decode_body, error_body
 from tokenizer_proc.formatting import new_id
 from tokenizer_proc.params import (
     Limits,
-    chat_text,
     check_context,
     check_logit_bias,
     check_min_tokens,
@@ -35,6 +34,7 @@ from tokenizer_proc.params import (
     sampling_params,
     stop_strings,
 )
+from tokenizer_proc.plan_chat import chat_text
 from tokenizer_proc.protocol import DetokenizeRequest, GenerateRequest, NativeSamplingParams, TokenizeRequest
 from tokenizer_proc.request_state import RequestState, StopConfig, TokenLogprob
 from tokenizer_proc.structured import request_grammar
