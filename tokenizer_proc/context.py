@@ -13,6 +13,7 @@ from tokenizer_proc.engine_client import EngineClient
 from tokenizer_proc.errors import APIError, bad_request, check_content_type
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.params import GenPlan, Limits
+from tokenizer_proc.reasoning import ReasoningTokenCounter
 from tokenizer_proc.request_state import RequestState
 from tokenizer_proc.tokenizer import TextTokenizer
 
@@ -68,12 +69,11 @@ class Front:
         for p, prompt_ids in enumerate(plan.prompts):
             for j in range(plan.n):
                 index = p * plan.n + j
-                states.append(
-                    RequestState(
-                        f"{request_id}-{index}", index, prompt_ids, plan.choice_params(j), plan.stop_cfg, self.tok,
-                        arrival_mono=arrival_mono,
-                    )
-                )
+                state = RequestState(f"{request_id}-{index}", index, prompt_ids, plan.choice_params(j),
+                                     plan.stop_cfg, self.tok, arrival_mono=arrival_mono)
+                if plan.reasoning is not None:
+                    state.reasoning = ReasoningTokenCounter(plan.reasoning)
+                states.append(state)
         return states
 
 

@@ -132,17 +132,21 @@ def chunk_body(kind: str, request_id: str, created: int, model: str, choices: li
 
 
 def usage(states: Sequence[RequestState], n: int) -> dict:
-    """Prompt tokens once per prompt (choices of one prompt share it); completions summed."""
+    """Prompt tokens once per prompt (choices of one prompt share it); completions summed; under a
+    reasoning parser the reasoning tokens among them (vLLM's ``completion_tokens_details``)."""
     per_prompt = states[::n] if n > 0 else states
     prompt = sum(s.prompt_tokens for s in per_prompt)
     completion = sum(s.n_tokens for s in states)
     cached = sum(s.cached_tokens for s in per_prompt)
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if states and states[0].reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(s.reasoning.count for s in states)}
+    return out
 
 
 def state_usage(state: RequestState) -> dict:

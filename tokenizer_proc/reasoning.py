@@ -131,6 +131,36 @@ class ReasoningParser:
         return ""
 
 
+class ReasoningTokenCounter:
+    """A choice's reasoning tokens, for ``usage.completion_tokens_details.reasoning_tokens`` (what
+    vLLM reports under a reasoning parser): the tokens whose text lies in the think block, tags
+    excluded, by the parser's rules (an opening tag the model writes first is dropped with the
+    whitespace before it; the block ends at the first closing tag). A token counts if its text
+    overlaps the block's text; one with no text yet (part of a character) if the block holds the
+    character it starts. Counted from the whole answer, so steps cannot change the count."""
+
+    def __init__(self, in_reasoning: bool):
+        self.in_reasoning = in_reasoning
+        self.pieces: list[str] = []  # each kept token's text, in order
+
+    def feed(self, token_text: str) -> None:
+        if self.in_reasoning:
+            self.pieces.append(token_text)
+
+    @property
+    def count(self) -> int:
+        text = "".join(self.pieces)
+        stripped = text.lstrip()
+        start = len(text) - len(stripped) + len(OPEN) if stripped.startswith(OPEN) else 0
+        end = text.find(CLOSE, start)
+        end = len(text) if end < 0 else end
+        count = pos = 0
+        for piece in self.pieces:
+            a, pos = pos, pos + len(piece)
+            count += (a < end and pos > start) if piece else start <= a < end
+        return count
+
+
 def split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str]:
     """The non-streaming answer: (reasoning, or None when there was no think block; content)."""
     outs = [parser.feed(text), parser.finish()]

@@ -17,6 +17,7 @@ from typing import Sequence
 from proto.arrays import view_f32, view_i32
 from proto.messages import Logprobs, ReqOutput, SamplingParams
 from tokenizer_proc.detokenize import Decoder, IncrementalDetokenizer
+from tokenizer_proc.reasoning import ReasoningTokenCounter
 from tokenizer_proc.stops import StopMatch, StopMatcher
 
 # (chosen-token logprob, [(alternative id, logprob), ...]) for one token.
@@ -88,6 +89,7 @@ class RequestState:
         self.first_token_mono: float | None = None
         self.last_token_mono: float | None = None
         self.n_tokens = 0  # completion tokens kept (usage)
+        self.reasoning: ReasoningTokenCounter | None = None  # chat under --reasoning-parser (usage)
         self.prompt_tokens = len(prompt_ids)
         self.cached_tokens = 0
         self.spec_verify_ct = 0
@@ -148,7 +150,10 @@ class RequestState:
             if self._hidden_stop_token(token, out, i == len(ids) - 1):
                 continue
             allow = self.n_tokens >= self.params.min_new_tokens
-            result = self.matcher.feed(self.detok.add(token), allow_match=allow)
+            piece = self.detok.add(token)
+            if self.reasoning is not None:
+                self.reasoning.feed(piece)
+            result = self.matcher.feed(piece, allow_match=allow)
             if isinstance(result, StopMatch):
                 texts.append(result.emit)
                 delta.finish_reason, delta.stop_reason = "stop", result.stop

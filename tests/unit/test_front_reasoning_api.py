@@ -181,3 +181,54 @@ def test_special_token_tags_and_deepseek_r1(tmp_path):
         assert (got["reasoning"], got["content"]) == ("Six sevens.", "It is 42.")
     finally:
         s.close()
+
+
+def reasoning_tokens(usage) -> int | None:
+    details = usage.completion_tokens_details  # the openai client's own field for it
+    return None if details is None else details.reasoning_tokens
+
+
+@pytest.mark.parametrize("parser,text", [("qwen3", "<think>\nSix sevens: 42. 日本語 😀\n</think>\n\nIt is 42."),
+                                         ("deepseek_r1", "Six sevens: 42. 日本語 😀\n</think>It is 42."),
+                                         ("qwen3", "<think>\nSix sevens: 42, and more")])
+def test_usage_counts_the_reasoning_tokens(tmp_path, parser, text):
+    """vLLM's ``usage.completion_tokens_details.reasoning_tokens``: the tokens between the tags
+    (tags excluded; single-token tags here, as Qwen3's and DeepSeek-R1's), the same streamed at
+    any chunking, summed over choices; 0 when the prompt closed the block; absent without a parser."""
+    s = start_stack(tok_dir=special_think_tokenizer(str(tmp_path)), reasoning_parser=parser)
+    try:
+        thought = text.removeprefix("<think>").split("</think>")[0]
+        want = len(s.tok.encode(thought, add_special_tokens=False))
+        script(s, text, eos="</think>" in text)
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0, timeout=20)
+        r, _ = message(client)
+        assert reasoning_tokens(r.usage) == want and r.usage.completion_tokens > want
+        for tokens_per_step in (1, 3):
+            s.fake.tokens_per_step = tokens_per_step
+            chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, stream=True,
+                                                         n=2, stream_options={"include_usage": True}))
+            assert reasoning_tokens(chunks[-1].usage) == 2 * want
+        s.fake.tokens_per_step = 1
+        r, _ = message(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert reasoning_tokens(r.usage) == (want if parser == "deepseek_r1" else 0)
+        r, _ = message(client, extra_body={"separate_reasoning": False})
+        assert reasoning_tokens(r.usage) is None
+        r = client.completions.create(model=MODEL, prompt="Q:", max_tokens=200)
+        assert reasoning_tokens(r.usage) is None
+    finally:
+        s.close()
+
+
+def test_usage_counts_reasoning_tokens_of_multi_token_tags(stack, client):
+    """Tags the tokenizer splits into pieces: the count is the tokens overlapping the block's text
+    (a piece that also holds a tag's character counts), between the block's own token count and
+    that plus the pieces of the two tags."""
+    script(stack, THOUGHT)
+    r, _ = message(client)
+    inner = len(stack.tok.encode("\nSix sevens: 42. 日本語 😀\n", add_special_tokens=False))
+    tags = len(stack.tok.encode("<think>", add_special_tokens=False)) + len(
+        stack.tok.encode("</think>", add_special_tokens=False))
+    assert inner - 2 <= reasoning_tokens(r.usage) <= inner + tags
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert reasoning_tokens(chunks[-1].usage) == reasoning_tokens(r.usage)
