@@ -117,8 +117,10 @@ class DataParallel:
 
     def _engine_cmd(self, i: int, port: int, cpu: bool) -> list[str]:
         a = self.args
+        # Engine i seeds unseeded requests from --random-seed + i: with one seed each engine's k-th
+        # sampled request would draw the same numbers, and the router spreads alike requests.
         cmd = [sys.executable, "-m", "tandem", "serve", *self.engine_argv, "--host", "127.0.0.1",
-               "--port", str(port)]
+               "--port", str(port), "--random-seed", str(a.random_seed + i)]
         if cpu and a.num_threads is None:
             cmd += ["--num-threads", str(max(1, ((os.cpu_count() or 2) - 1) // self.n))]
         if not cpu:

@@ -74,7 +74,7 @@ def test_dp_engine_commands(monkeypatch, tmp_path):
     from proto.args import parse_server_args
     from tandem.dp import DataParallel, _gpu_ids
 
-    argv = ["--run-dir", str(tmp_path), "--port", "9000"]
+    argv = ["--run-dir", str(tmp_path), "--port", "9000", "--seed", "7"]
     dp = DataParallel(2, parse_server_args(argv), argv, [])
     monkeypatch.setattr("os.cpu_count", lambda: 9)
     cmd = dp._engine_cmd(1, 4321, cpu=True)
@@ -82,6 +82,7 @@ def test_dp_engine_commands(monkeypatch, tmp_path):
     last = lambda flag: cmd[len(cmd) - cmd[::-1].index(flag)]  # noqa: E731 - the value after its last use
     assert (last("--port"), last("--host"), last("--num-threads")) == ("4321", "127.0.0.1", "4")
     assert last("--run-dir") == str(tmp_path / "dp1") and "--device" not in cmd
+    assert parse_server_args(cmd[cmd.index("serve") + 1:]).random_seed == 8  # engine i: seed + i
     gpu = dp._engine_cmd(0, 1, cpu=False)
     assert gpu[gpu.index("--device") + 1] == "cuda" and "--num-threads" not in gpu
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
