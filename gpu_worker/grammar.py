@@ -71,6 +71,20 @@ def choice_grammar(text: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def compile_structural_tag(compiler, text: str):
+    """The front's canonical text: xgrammar's ``{"type": "structural_tag", "format": ...}``, or the
+    older ``{"structures": [...], "triggers": [...]}`` (xgrammar's deprecated item list, which vLLM
+    and SGLang still take)."""
+    import xgrammar as xgr  # noqa: PLC0415
+
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(text)
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]
+    return compiler.compile_structural_tag(items, tag["triggers"])
+
+
 def compile_spec(compiler, spec: GrammarSpec, any_whitespace: bool = True):
     if spec.kind == "json":
         return compiler.compile_json_schema(spec.text, any_whitespace=any_whitespace and spec.any_whitespace)
@@ -80,6 +94,8 @@ def compile_spec(compiler, spec: GrammarSpec, any_whitespace: bool = True):
         return compiler.compile_grammar(spec.text)
     if spec.kind == "choice":
         return compiler.compile_grammar(choice_grammar(spec.text))
+    if spec.kind == "structural_tag":
+        return compile_structural_tag(compiler, spec.text)
     raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
 

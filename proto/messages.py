@@ -20,7 +20,7 @@ import msgspec
 PROTOCOL_VERSION = 1
 
 
-GRAMMAR_KINDS = ("json", "regex", "ebnf", "choice")
+GRAMMAR_KINDS = ("json", "regex", "ebnf", "choice", "structural_tag")
 
 
 class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -28,7 +28,9 @@ class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
 
     ``kind`` is one of GRAMMAR_KINDS; ``text`` is a JSON Schema (``json``; OpenAI's
     ``json_object`` is ``{"type": "object"}``), a regular expression (``regex``), a GBNF/EBNF
-    grammar with a ``root`` rule (``ebnf``), or a JSON array of the allowed strings (``choice``).
+    grammar with a ``root`` rule (``ebnf``), a JSON array of the allowed strings (``choice``), or an
+    xgrammar structural tag (``structural_tag``: ``{"type": "structural_tag", "format": {...}}``, or
+    the older ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``).
     ``any_whitespace=False`` (vLLM's ``disable_any_whitespace``) gives JSON fixed separators.
     ``after`` >= 0: the grammar binds only after the first time the request emits that token
     (the reasoning end, ``</think>``, under ``--reasoning-parser``: the model reasons freely, then

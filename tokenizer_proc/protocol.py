@@ -56,12 +56,15 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
     json_schema: JsonSchemaFormat | None = None
     schema: Any = None  # SGLang: a json_schema format may carry its schema here instead
+    format: Any = None  # structural_tag (xgrammar's format object)
+    structures: Any = None  # structural_tag, the older form: [{begin, schema, end}] ...
+    triggers: Any = None  # ... and the strings that open them
 
 
 class StructuredOutputs(msgspec.Struct, kw_only=True):
     """vLLM's ``structured_outputs``: at most one constraint (structured.py).
     ``disable_any_whitespace`` gives JSON fixed separators; its other whitespace options are
-    ignored; ``structural_tag`` is refused."""
+    ignored; ``structural_tag`` is the tag's JSON text (or object)."""
 
     json: Any = None  # a JSON Schema, or its text
     regex: str | None = None
@@ -198,7 +201,7 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True):
     json_schema: Any = None  # structured output (structured.py): SGLang's three constraints
     regex: str | None = None
     ebnf: str | None = None
-    structural_tag: Any = None  # refused
+    structural_tag: Any = None  # the tag's JSON text (or object)
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):

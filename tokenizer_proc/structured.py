@@ -4,18 +4,21 @@
 Spellings, in the order they are read (at most one per request: a second is a 400 naming it):
 - OpenAI ``response_format``: ``text`` (none), ``json_object`` (``{"type": "object"}``),
   ``json_schema`` (``json_schema.schema``; missing: any object, as vLLM; SGLang's spelling with
-  the schema at ``response_format.schema`` too); ``structural_tag`` is refused;
+  the schema at ``response_format.schema`` too); ``structural_tag`` (xgrammar's ``format`` object,
+  or the older ``structures`` + ``triggers``, as vLLM and SGLang take it);
 - vLLM's ``structured_outputs``: ``json`` (a schema, or its text), ``regex``, ``choice`` (a list
   of strings), ``grammar`` (GBNF/EBNF), ``json_object: true``; ``disable_any_whitespace`` gives
-  JSON fixed separators; ``structural_tag`` is refused and its other keys are ignored;
+  JSON fixed separators; ``structural_tag`` (the tag's JSON text);
 - vLLM's older top-level ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
 - SGLang's top-level ``json_schema`` (schema text), ``regex``, ``ebnf``, and the same three in
-  ``/generate``'s ``sampling_params`` (params named ``sampling_params.<field>``).
+  ``/generate``'s ``sampling_params`` (params named ``sampling_params.<field>``), where
+  ``structural_tag`` (JSON text) is read too.
 A chat request's forced ``tool_choice`` is one more constraint (tool_choice.py), read last.
 
 Checked here with the standard library only (the front never imports xgrammar): a schema parses
 as JSON and is an object or a boolean; a choice list has at least one string; a regex or grammar
-is a non-empty string. Whether a regex, grammar or schema compiles is the worker's to say: its
+is a non-empty string; a structural tag is an object with a ``format`` object, or non-empty
+``structures`` (each a string ``begin`` and ``end`` around a schema) and ``triggers``. Whether a regex, grammar or schema compiles is the worker's to say: its
 error comes back as a 400 before any token. Schemas are re-serialised (``json.dumps``), so the
 worker sees one canonical text per schema.
 """
@@ -23,7 +26,7 @@ worker sees one canonical text per schema.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator
 
 import msgspec
 
@@ -37,15 +40,20 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _json_value(value: Any, param: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise bad_request(f"Invalid '{param}': not valid JSON ({exc}).", param) from None
+    except RecursionError:
+        raise bad_request(f"Invalid '{param}': nested too deeply.", param) from None
+
+
 def json_grammar(schema: Any, param: str) -> GrammarSpec:
     """A JSON Schema (an object, a boolean, or the text of one) -> GrammarSpec("json", text)."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema, parse_constant=_reject_constant)
-        except ValueError as exc:
-            raise bad_request(f"Invalid '{param}': not valid JSON ({exc}).", param) from None
-        except RecursionError:
-            raise bad_request(f"Invalid '{param}': nested too deeply.", param) from None
+    schema = _json_value(schema, param)
     if not isinstance(schema, (dict, bool)):
         raise bad_request(f"Invalid '{param}': a JSON Schema must be an object or a boolean, got "
                           f"{type(schema).__name__}.", param)
@@ -70,9 +78,40 @@ def choice_grammar(choices: list[str], param: str) -> GrammarSpec:
     return GrammarSpec("choice", json.dumps(choices, ensure_ascii=False))
 
 
-def _unsupported(param: str) -> NoReturn:
-    raise bad_request(f"'{param}' is not supported by this server; use a JSON schema, regex, choice or grammar "
-                      "constraint.", param)
+def structural_tag_grammar(tag: Any, param: str) -> GrammarSpec:
+    """xgrammar's structural tag (an object or its JSON text) -> GrammarSpec("structural_tag", text):
+    ``{"format": {...}}`` (``type`` "structural_tag" added), or the older form
+    ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`` (schemas checked as
+    JSON Schemas). What the format itself means is the worker's to check (xgrammar's compile)."""
+    tag = _json_value(tag, param)
+    if not isinstance(tag, dict):
+        raise bad_request(f"Invalid '{param}': a structural tag must be an object.", param)
+    if tag.get("structures") is None:
+        if not isinstance(tag.get("format"), dict):
+            raise bad_request(f"Invalid '{param}': a structural tag needs 'format' (an object), or the older "
+                              "'structures' and 'triggers'.", param)
+        out = {"type": "structural_tag", "format": tag["format"]}
+    else:
+        structures, triggers = tag["structures"], tag.get("triggers")
+        if not isinstance(structures, list) or not structures:
+            raise bad_request(f"Invalid '{param}.structures': expected a non-empty array.", f"{param}.structures")
+        items = []
+        for i, s in enumerate(structures):
+            where = f"{param}.structures[{i}]"
+            if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str) \
+                    or "schema" not in s:
+                raise bad_request(f"Invalid '{where}': expected an object with string 'begin' and 'end' and a "
+                                  "'schema'.", where)
+            schema = json.loads(json_grammar(s["schema"], f"{where}.schema").text)
+            items.append({"begin": s["begin"], "schema": schema, "end": s["end"]})
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise bad_request(f"Invalid '{param}.triggers': expected a non-empty array of non-empty strings.",
+                              f"{param}.triggers")
+        out = {"structures": items, "triggers": triggers}
+    try:
+        return GrammarSpec("structural_tag", json.dumps(out, ensure_ascii=False))
+    except (RecursionError, ValueError):
+        raise bad_request(f"Invalid '{param}': nested too deeply.", param) from None
 
 
 MAKERS = {"json": json_grammar, "regex": _pattern("regex"), "ebnf": _pattern("ebnf"), "choice": choice_grammar}
@@ -93,7 +132,8 @@ def _response_format(rf: Any) -> GrammarSpec | None:
             schema, param = rf.json_schema.schema, "response_format.json_schema.schema"
         return GrammarSpec("json", JSON_OBJECT) if schema is None else json_grammar(schema, param)
     if rf.type == "structural_tag":
-        _unsupported("response_format.structural_tag")
+        return structural_tag_grammar({"format": rf.format, "structures": rf.structures, "triggers": rf.triggers},
+                                      "response_format")
     return None
 
 
@@ -113,13 +153,14 @@ def _candidates(req: Any, prefix: str) -> Iterator[tuple[str, GrammarSpec]]:
         if so.json_object:
             yield "structured_outputs.json_object", GrammarSpec("json", JSON_OBJECT, **fixed)
         if so.structural_tag is not None:
-            _unsupported("structured_outputs.structural_tag")
+            yield "structured_outputs.structural_tag", structural_tag_grammar(so.structural_tag,
+                                                                              "structured_outputs.structural_tag")
     for field, kind in TOP_LEVEL:
         value = getattr(req, field, None)
         if value is not None:
             yield prefix + field, MAKERS[kind](value, prefix + field)
     if getattr(req, "structural_tag", None) is not None:
-        _unsupported(prefix + "structural_tag")
+        yield prefix + "structural_tag", structural_tag_grammar(req.structural_tag, prefix + "structural_tag")
 
 
 def find_constraint(req: Any, prefix: str = "") -> tuple[str, GrammarSpec] | None:

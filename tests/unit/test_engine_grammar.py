@@ -286,3 +286,43 @@ def test_without_xgrammar_a_constrained_request_fails_alone(models, monkeypatch)
     assert out.finish_reason == "error" and out.error_code == 400
     assert out.error == "structured output is unavailable: No module named 'xgrammar'"
     assert len(eng.tokens["free"]) == 6
+
+
+STRUCTURAL = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "<f>"}, {"type": "json_schema", "json_schema": SCHEMA},
+    {"type": "const_string", "value": "</f>"}]}}
+LEGACY = {"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f"]}
+
+
+def test_structural_tags_compile_and_bind(models):
+    """Both forms of a structural tag: the format object gives the masked reference's tokens
+    (xgrammar compiling the same tag); the older structures + triggers form compiles and its answer
+    is one the tag's own matcher accepts; a format xgrammar does not know fails its request alone."""
+    llama, _, _ = models
+    eng = InProcEngine(llama, page_size=4)
+    tag = GrammarSpec("structural_tag", json.dumps(STRUCTURAL))
+    eng.submit("tag", PROMPTS[0], max_new_tokens=30, grammar=tag)
+    eng.submit("legacy", PROMPTS[1], max_new_tokens=12, grammar=GrammarSpec("structural_tag", json.dumps(LEGACY)))
+    eng.submit("bad", PROMPTS[2], max_new_tokens=4, grammar=GrammarSpec("structural_tag", json.dumps(
+        {"type": "structural_tag", "format": {"type": "nonsense"}})))
+    eng.run()
+    compiler = _compiler(llama)
+    matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(STRUCTURAL)))
+    ref = []
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
+    model, seq = hf_model(llama), list(PROMPTS[0])
+    while len(ref) < 30 and (not ref or ref[-1] not in ENDS):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, -1:].float()
+        matcher.fill_next_token_bitmask(mask)
+        xgr.apply_token_bitmask_inplace(logits, mask)
+        ref.append(int(logits.argmax()))
+        seq.append(ref[-1])
+        assert matcher.accept_token(ref[-1])
+    assert eng.tokens["tag"] == ref and _text(llama, ref).startswith("<f>")
+    items = [xgr.StructuralTagItem(begin="<f>", schema=json.dumps(SCHEMA), end="</f>")]
+    legacy = xgr.GrammarMatcher(compiler.compile_structural_tag(items, ["<f"]))
+    assert all(legacy.accept_token(t) for t in eng.tokens["legacy"] if t not in ENDS)
+    (out,) = eng.outputs["bad"]
+    assert out.finish_reason == "error" and out.error_code == 400
+    assert out.error.startswith("invalid structural_tag grammar: ") and "nonsense" in out.error

@@ -20,6 +20,12 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "require
 SCHEMA_TEXT = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
 OBJECT = GrammarSpec("json", '{"type": "object"}')
 ASK = [{"role": "user", "content": "Weather?"}]
+FORMAT = {"type": "triggered_tags", "triggers": ["<f"],
+          "tags": [{"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": SCHEMA},
+                    "end": "</f>"}]}
+TAG = GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": FORMAT}))
+LEGACY_TAG = GrammarSpec("structural_tag", json.dumps({"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+                                                       "triggers": ["<f"]}))
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +87,12 @@ SPELLINGS = [
     ({"json_schema": json.dumps(SCHEMA)}, GrammarSpec("json", SCHEMA_TEXT)),  # SGLang
     ({"regex": "[A-Z]+"}, GrammarSpec("regex", "[A-Z]+")),
     ({"ebnf": 'root ::= "x"'}, GrammarSpec("ebnf", 'root ::= "x"')),
+    ({"response_format": {"type": "structural_tag", "format": FORMAT}}, TAG),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+                          "triggers": ["<f"]}}, LEGACY_TAG),
+    ({"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "format": FORMAT})}}, TAG),
+    ({"structured_outputs": {"structural_tag": json.dumps({"structures": [
+        {"begin": "<f>", "schema": json.dumps(SCHEMA), "end": "</f>"}], "triggers": ["<f"]})}}, LEGACY_TAG),
     ({}, None),
 ]
 
@@ -96,6 +108,7 @@ def test_generate_sampling_params(stack, http):
     for sp, want in (({"json_schema": json.dumps(SCHEMA)}, GrammarSpec("json", SCHEMA_TEXT)),
                      ({"regex": "a|b"}, GrammarSpec("regex", "a|b")),
                      ({"ebnf": 'root ::= "x"'}, GrammarSpec("ebnf", 'root ::= "x"')),
+                     ({"structural_tag": json.dumps({"format": FORMAT})}, TAG),
                      ({}, None)):
         r = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2, **sp}})
         assert r.status_code == 200, r.text
@@ -146,12 +159,29 @@ ERRORS = [
      "structured_outputs.json", CONFLICT.format("response_format", "structured_outputs.json")),
     ({"guided_json": SCHEMA, "regex": "a"}, "regex", CONFLICT.format("guided_json", "regex")),
     ({"guided_choice": ["a"], "ebnf": "root ::= x"}, "ebnf", CONFLICT.format("guided_choice", "ebnf")),
-    ({"response_format": {"type": "structural_tag"}}, "response_format.structural_tag",
-     "'response_format.structural_tag' is not supported by this server; use a JSON schema, regex, choice or "
-     "grammar constraint."),
+    ({"response_format": {"type": "structural_tag"}}, "response_format",
+     "Invalid 'response_format': a structural tag needs 'format' (an object), or the older 'structures' and "
+     "'triggers'."),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag",
-     "'structured_outputs.structural_tag' is not supported by this server; use a JSON schema, regex, choice or "
-     "grammar constraint."),
+     "Invalid 'structured_outputs.structural_tag': a structural tag needs 'format' (an object), or the older "
+     "'structures' and 'triggers'."),
+    ({"structured_outputs": {"structural_tag": "[1]"}}, "structured_outputs.structural_tag",
+     "Invalid 'structured_outputs.structural_tag': a structural tag must be an object."),
+    ({"structured_outputs": {"structural_tag": "{x"}}, "structured_outputs.structural_tag",
+     "Invalid 'structured_outputs.structural_tag': not valid JSON ("),
+    ({"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<f"]}},
+     "response_format.structures", "Invalid 'response_format.structures': expected a non-empty array."),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": SCHEMA}],
+                          "triggers": ["<f"]}}, "response_format.structures[0]",
+     "Invalid 'response_format.structures[0]': expected an object with string 'begin' and 'end' and a 'schema'."),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": 3, "end": "</f>"}],
+                          "triggers": ["<f"]}}, "response_format.structures[0].schema",
+     "Invalid 'response_format.structures[0].schema': a JSON Schema must be an object or a boolean, got int."),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+                          "triggers": [""]}}, "response_format.triggers",
+     "Invalid 'response_format.triggers': expected a non-empty array of non-empty strings."),
+    ({"response_format": {"type": "structural_tag", "format": FORMAT}, "guided_regex": "a"}, "guided_regex",
+     CONFLICT.format("response_format", "guided_regex")),
 ]
 
 
