@@ -89,6 +89,16 @@ def write_tokenizer_dir(path: str, template: str | None = CHATML_TEMPLATE, add_b
     return path
 
 
+def tokenizer_with_tags(path: str, tags: list[str], special: bool) -> str:
+    """A tokenizer directory whose ``tags`` are single added tokens, marked special or not (Qwen3's
+    think tags are plain added tokens; some checkpoints mark tool-call tags special)."""
+    write_tokenizer_dir(path)
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    (tok.add_special_tokens if special else tok.add_tokens)(tags)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
 @functools.cache
 def shared_tokenizer_dir(template_name: str = "chatml") -> str:
     """One trained tokenizer directory per template, reused by every test in the session."""

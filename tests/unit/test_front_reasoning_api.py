@@ -7,14 +7,12 @@ tags, and completions left alone."""
 from __future__ import annotations
 
 import json
-import os
 
 import openai
 import pytest
-from tokenizers import Tokenizer
 
 from tests.unit.front_harness import MODEL, start_stack
-from tests.unit.front_tok import write_tokenizer_dir
+from tests.unit.front_tok import tokenizer_with_tags
 
 ASK = [{"role": "user", "content": "What is six times seven?"}]
 THOUGHT = "<think>\nSix sevens: 42. 日本語 😀\n</think>\n\nThe answer is 42."
@@ -160,11 +158,7 @@ def test_completions_are_not_parsed(stack, client):
 
 def special_think_tokenizer(path: str) -> str:
     """A tokenizer whose think tags are special tokens: decoding must keep them for the parser."""
-    write_tokenizer_dir(path)
-    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    tok.add_special_tokens(["<think>", "</think>"])
-    tok.save(os.path.join(path, "tokenizer.json"))
-    return path
+    return tokenizer_with_tags(path, ["<think>", "</think>"], special=True)
 
 
 def test_special_token_tags_and_deepseek_r1(tmp_path):

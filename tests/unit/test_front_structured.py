@@ -6,15 +6,13 @@ error event). Forced tool calls: test_front_structured_tools.py."""
 from __future__ import annotations
 
 import json
-import os
 
 import openai
 import pytest
-from tokenizers import Tokenizer
 
 from proto.messages import GenerateReq, GrammarSpec
 from tests.unit.front_harness import MODEL, start_stack
-from tests.unit.front_tok import write_tokenizer_dir
+from tests.unit.front_tok import tokenizer_with_tags
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 SCHEMA_TEXT = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
@@ -269,11 +267,7 @@ def test_reasoning_parser_with_a_grammar_answers_in_content(tmp_path):
 
 def think_tag_tokenizer(path: str) -> str:
     """Qwen3's notation: ``<think>`` / ``</think>`` are added tokens, not special ones."""
-    write_tokenizer_dir(path)
-    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    tok.add_tokens(["<think>", "</think>"])
-    tok.save(os.path.join(path, "tokenizer.json"))
-    return path
+    return tokenizer_with_tags(path, ["<think>", "</think>"], special=False)
 
 
 def test_the_grammar_binds_after_the_reasoning_ends(tmp_path):

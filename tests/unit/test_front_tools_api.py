@@ -5,16 +5,14 @@ finish reasons, tool choices, history validation, special-token tags, and the CL
 from __future__ import annotations
 
 import json
-import os
 
 import openai
 import pytest
-from tokenizers import Tokenizer
 
 from proto.messages import GenerateReq
 from tandem.cli import main as cli_main
 from tests.unit.front_harness import MODEL, start_stack
-from tests.unit.front_tok import write_tokenizer_dir
+from tests.unit.front_tok import tokenizer_with_tags
 from tests.unit.tool_stack import ASK, CALL, TOOLS, accumulate_stream, reset_fake, script, stack  # noqa: F401 - fixtures
 
 TWO_CALLS = "Let me check.\n" + CALL % "Paris" + "\n" + CALL % "東京 😀"
@@ -111,11 +109,7 @@ def test_history_with_tool_calls(stack, client, http):
 
 def special_tag_tokenizer(path: str) -> str:
     """A tokenizer whose <tool_call> tags are special tokens (as in some Hermes checkpoints)."""
-    write_tokenizer_dir(path)
-    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    tok.add_special_tokens(["<tool_call>", "</tool_call>"])
-    tok.save(os.path.join(path, "tokenizer.json"))
-    return path
+    return tokenizer_with_tags(path, ["<tool_call>", "</tool_call>"], special=True)
 
 
 def test_tags_that_are_special_tokens_reach_the_parser(tmp_path):
