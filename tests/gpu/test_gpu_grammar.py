@@ -34,7 +34,7 @@ def test_grammar_rows_match_the_masked_reference_on_cuda(models, mtp, after):
     refs = _submit_after(eng, target, model=hf)[0] if after else _submit_all(eng, target, model=hf)
     if mtp:  # an oracle draft, captured into the decode graphs again: multi-token steps happen
         eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([PROMPTS[int(r[-1]) if r[-1].isdigit() else 0]
-                                                                            + t for r, t in refs.items()]))
+                                                                            + t for r, t in refs.items()])).cuda()
         eng.runner.enable_graphs([1, 2, 4, 8, 16])
     eng.submit("plain", PROMPTS[1], max_new_tokens=12, ignore_eos=True)
     eng.run()
