@@ -274,11 +274,14 @@ def test_split_cap_by_keys(monkeypatch, t, window, min_keys):
     from gpu_worker.kernels import tickets_clear
 
     ps, hkv, hq, d, splits = 4, 2, 4, 32, 8
-    kc, vc = _pool(40, ps, hkv, d, d, torch.float32, seed=13 + t)
-    pt = _page_table(6, 10, 40, seed=14)
-    slots, kv_lens, q_pos, q = _five_rows(t, hq, d, longest=37)
-    # key tiles of 4, so that 8 equal pieces of these short rows are several non-empty ones
-    kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window, tune={"block_n": 4})
+    # key tiles of 4, so that 8 equal pieces of these short rows are several non-empty ones; compiled
+    # (CUDA), tl.dot needs tiles of 16 keys: every length and the cap x 4
+    x = 4 if DEV == "cuda" else 1
+    min_keys *= x
+    kc, vc = _pool(40 * x, ps, hkv, d, d, torch.float32, seed=13 + t)
+    pt = _page_table(6, 10 * x, 40 * x, seed=14)
+    slots, kv_lens, q_pos, q = _five_rows(t, hq, d, longest=37 * x)
+    kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window, tune={"block_n": 4 * x})
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda x: x.fill_(float("nan")) if x.is_floating_point()
                                                          else x)(real_empty(*a, **k)))
@@ -296,7 +299,7 @@ def test_split_cap_by_keys(monkeypatch, t, window, min_keys):
                               kv_lens.repeat_interleave(t).cpu(), q_pos.cpu(), ps, d**-0.5, window)
     assert _rel_err(got["1"], ref) < 2e-5
     one_piece = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **{**kw, "num_splits": 1})
-    assert torch.equal(paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, min_keys=64, **kw), one_piece)
+    assert torch.equal(paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, min_keys=64 * x, **kw), one_piece)
     for bad in ("-1", "x", "1.5"):
         monkeypatch.setenv("TANDEM_DECODE_MIN_SPLIT_KEYS", bad)
         with pytest.raises(ValueError, match="TANDEM_DECODE_MIN_SPLIT_KEYS"):
