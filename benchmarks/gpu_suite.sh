@@ -66,7 +66,11 @@ off() {  # name, timeout, args...
 }
 if has tests; then
   echo "== ${TESTS:-tests/gpu}"  # TESTS: a subset (test files), for A/B calls
-  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest ${TESTS:-tests/gpu} -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+  # TESTS_STOP="" runs every test past a failure (default -x: stop at the first); the whole
+  # output stays in gpu_tests_full.log, its end (the failures' summary lines) in gpu_tests.log
+  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest ${TESTS:-tests/gpu} -q ${TESTS_STOP--x} -rf -p no:cacheprovider \
+    > "$OUT/gpu_tests_full.log" 2>&1
+  tail -40 "$OUT/gpu_tests_full.log" | tee "$OUT/gpu_tests.log"
 fi
 if has chunk; then
   # Eager prefill steps spend about as much host time as kernel time at 8192 tokens (Qwen3-0.6B):
