@@ -6,17 +6,15 @@ token, emulated CUDA graphs, and a preempted request whose re-prefill replays th
 
 from __future__ import annotations
 
-import os
-
 import msgspec
 import pytest
 import torch
 import xgrammar as xgr
 
-from tests.helpers.checkpoints import VOCAB, build_assistant, build_gemma4, build_llama, hf_greedy, hf_model
+from tests.helpers.checkpoints import VOCAB, hf_greedy, hf_model
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
-from tests.unit.test_engine_grammar import ENDS, PROMPTS, SPECS, _compiled, _compiler
+from tests.unit.test_engine_grammar import ENDS, PROMPTS, SPECS, _compiled, _compiler, models  # noqa: F401 - fixture
 
 
 def reference(model, compiler, spec, prompt, n) -> list[int]:
@@ -48,14 +46,6 @@ def start_token(free: list[int], at: int) -> int:
     assert new, free
     later = [t for i, t in new if i >= at]
     return later[0] if later else new[-1][1]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grammar_after")
-    llama = build_llama(os.path.join(root, "l"))
-    g = build_gemma4(os.path.join(root, "g"))
-    return llama, g, build_assistant(os.path.join(root, "a"), g)
 
 
 def _submit(eng, model_dir, names=("json", "regex", "choice"), n=20, prompts=PROMPTS, model=None):
