@@ -99,3 +99,23 @@ def test_a_grammar_that_does_not_compile_is_a_400(client):
         _chat(client, "Hi", extra_body={"structured_outputs": {"regex": "(unclosed"}})
     assert "invalid regex grammar" in exc.value.body["message"]
     assert _chat(client, "Hi", max_tokens=4).choices[0].finish_reason == "length"  # the server lives on
+
+
+def test_structural_tag_response_format(client):
+    """``response_format`` structural_tag (xgrammar's format object), through the official client:
+    a tag around a constrained body (a regex: a JSON body inside a tag takes any whitespace, on
+    which the tiny model runs away); a malformed tag is a 400 naming the field."""
+    fmt = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<verdict>"}, {"type": "regex", "pattern": "(guilty|innocent), [0-9]"},
+        {"type": "const_string", "value": "</verdict>"}]}}
+    for stream in (False, True):
+        r = _chat(client, "Judge him.", response_format=fmt, temperature=0.8, seed=5, stream=stream)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+        else:
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+            assert finish == "stop", text
+        assert re.fullmatch(r"<verdict>(guilty|innocent), [0-9]</verdict>", text), text
+    with pytest.raises(openai.BadRequestError) as exc:
+        _chat(client, "Hi", response_format={"type": "structural_tag"})
+    assert exc.value.body["param"] == "response_format"
