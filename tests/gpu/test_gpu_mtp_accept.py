@@ -6,8 +6,10 @@ unchecked there.
 Why this file (2026-12-05, H100): test_gpu_grammar.py's MTP case gave a token the reference
 ranks second by 0.15 logits (not a near-tie), deterministically and with CUDA_LAUNCH_BLOCKING=1;
 its plain case and the same test on the CPU (Triton's interpreter, emulated graphs) pass. These
-cases take the grammar away and switch the GPU-only parts one at a time: real decode graphs,
-PDL (on only for forwards of at most four tokens: one row of T=4), and one row or many."""
+cases take the grammar away and switch the GPU-only parts one at a time: real decode graphs
+(none; captured once, with the oracle draft; or captured at start-up and again after the draft
+is swapped in, as test_gpu_grammar.py does), PDL (on only for forwards of at most four tokens:
+one row of T=4), and one row or many."""
 
 from __future__ import annotations
 
@@ -31,17 +33,17 @@ def pair(tmp_path_factory):
 
 @pytest.mark.parametrize("rows", [1, len(PROMPTS)])
 @pytest.mark.parametrize("pdl", ["1", "0"])
-@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("graphs", ["recapture", "once", "none"])
 def test_accepted_drafts_give_hf_tokens(pair, monkeypatch, graphs, pdl, rows):
     monkeypatch.setenv("TANDEM_PDL", pdl)
     g, a = pair
-    kw = dict(cuda_graph_bs=tuple(BUCKETS)) if graphs else {}
+    kw = dict(cuda_graph_bs=tuple(BUCKETS)) if graphs == "recapture" else dict(disable_cuda_graph=True)
     eng = InProcEngine(g, draft=a, steps=3, device="cuda", dtype="float32", page_size=4,
                        attention_backend="triton", max_total_tokens=65536, **kw)
     prompts = PROMPTS[:rows]
     refs = [hf_greedy_cuda(g, p, 24) for p in prompts]
     eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([p + r for p, r in zip(prompts, refs)])).cuda()
-    if graphs:
+    if graphs != "none":  # (decode graphs only: "once" has no piecewise prefill graphs)
         eng.runner.enable_graphs(BUCKETS)
     for i, p in enumerate(prompts):
         eng.submit(f"r{i}", p, max_new_tokens=24, ignore_eos=True)
