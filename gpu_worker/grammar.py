@@ -272,12 +272,14 @@ class GrammarRows:
         n = 1 if drafts is None else len(drafts) + 1
         taken = 0
         for i in range(n):
-            if i and start is not None:
-                start = None if int(drafts[i - 1]) == start else start  # (not the grammar's token)
-            elif i and not m.accept_token(int(drafts[i - 1])):
-                break  # verify rejects this draft: position i - 1 masks it out
-            else:
-                taken += i > 0
+            if i:
+                draft = int(drafts[i - 1])
+                if start is None:
+                    if not m.accept_token(draft):
+                        break  # verify rejects this draft: position i - 1 masks it out
+                    taken += 1
+                elif draft == start:
+                    start = None  # (not the grammar's token): position i is the grammar's first
             if start is not None:
                 continue  # still reasoning: the mask row stays all-allowed
             if m.is_terminated():

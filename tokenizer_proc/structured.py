@@ -18,8 +18,8 @@ A chat request's forced ``tool_choice`` is one more constraint (tool_choice.py),
 Checked here with the standard library only (the front never imports xgrammar): a schema parses
 as JSON and is an object or a boolean; a choice list has at least one string; a regex or grammar
 is a non-empty string; a structural tag is an object with a ``format`` object, or non-empty
-``structures`` (each a string ``begin`` and ``end`` around a schema) and ``triggers``. Whether a regex, grammar or schema compiles is the worker's to say: its
-error comes back as a 400 before any token. Schemas are re-serialised (``json.dumps``), so the
+``structures`` (each a string ``begin`` and ``end`` around a schema) and ``triggers``. Whether a
+regex, grammar or schema compiles is the worker's to say: its error comes back as a 400 before any token. Schemas are re-serialised (``json.dumps``), so the
 worker sees one canonical text per schema.
 """
 
@@ -53,13 +53,23 @@ def _json_value(value: Any, param: str) -> Any:
 
 def json_grammar(schema: Any, param: str) -> GrammarSpec:
     """A JSON Schema (an object, a boolean, or the text of one) -> GrammarSpec("json", text)."""
+    return GrammarSpec("json", _dumps(_schema(schema, param), param))
+
+
+def _schema(schema: Any, param: str) -> dict | bool:
+    """A JSON Schema, parsed from its text if need be, checked to be an object or a boolean."""
     schema = _json_value(schema, param)
     if not isinstance(schema, (dict, bool)):
         raise bad_request(f"Invalid '{param}': a JSON Schema must be an object or a boolean, got "
                           f"{type(schema).__name__}.", param)
+    return schema
+
+
+def _dumps(value: Any, param: str) -> str:
+    """The canonical text the worker compiles (one text per equal value)."""
     try:
-        return GrammarSpec("json", json.dumps(schema, ensure_ascii=False))
-    except RecursionError:
+        return json.dumps(value, ensure_ascii=False)
+    except (RecursionError, ValueError):
         raise bad_request(f"Invalid '{param}': nested too deeply.", param) from None
 
 
@@ -86,32 +96,30 @@ def structural_tag_grammar(tag: Any, param: str) -> GrammarSpec:
     tag = _json_value(tag, param)
     if not isinstance(tag, dict):
         raise bad_request(f"Invalid '{param}': a structural tag must be an object.", param)
-    if tag.get("structures") is None:
-        if not isinstance(tag.get("format"), dict):
-            raise bad_request(f"Invalid '{param}': a structural tag needs 'format' (an object), or the older "
-                              "'structures' and 'triggers'.", param)
-        out = {"type": "structural_tag", "format": tag["format"]}
-    else:
-        structures, triggers = tag["structures"], tag.get("triggers")
-        if not isinstance(structures, list) or not structures:
-            raise bad_request(f"Invalid '{param}.structures': expected a non-empty array.", f"{param}.structures")
-        items = []
-        for i, s in enumerate(structures):
-            where = f"{param}.structures[{i}]"
-            if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str) \
-                    or "schema" not in s:
-                raise bad_request(f"Invalid '{where}': expected an object with string 'begin' and 'end' and a "
-                                  "'schema'.", where)
-            schema = json.loads(json_grammar(s["schema"], f"{where}.schema").text)
-            items.append({"begin": s["begin"], "schema": schema, "end": s["end"]})
-        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-            raise bad_request(f"Invalid '{param}.triggers': expected a non-empty array of non-empty strings.",
-                              f"{param}.triggers")
-        out = {"structures": items, "triggers": triggers}
-    try:
-        return GrammarSpec("structural_tag", json.dumps(out, ensure_ascii=False))
-    except (RecursionError, ValueError):
-        raise bad_request(f"Invalid '{param}': nested too deeply.", param) from None
+    if tag.get("structures") is not None:
+        return GrammarSpec("structural_tag", _dumps(_older_tag(tag["structures"], tag.get("triggers"), param), param))
+    if not isinstance(tag.get("format"), dict):
+        raise bad_request(f"Invalid '{param}': a structural tag needs 'format' (an object), or the older "
+                          "'structures' and 'triggers'.", param)
+    return GrammarSpec("structural_tag", _dumps({"type": "structural_tag", "format": tag["format"]}, param))
+
+
+def _older_tag(structures: Any, triggers: Any, param: str) -> dict:
+    """The older structural tag's ``structures`` and ``triggers``, checked, schemas parsed."""
+    if not isinstance(structures, list) or not structures:
+        raise bad_request(f"Invalid '{param}.structures': expected a non-empty array.", f"{param}.structures")
+    items = []
+    for i, s in enumerate(structures):
+        where = f"{param}.structures[{i}]"
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str) \
+                or "schema" not in s:
+            raise bad_request(f"Invalid '{where}': expected an object with string 'begin' and 'end' and a "
+                              "'schema'.", where)
+        items.append({"begin": s["begin"], "schema": _schema(s["schema"], f"{where}.schema"), "end": s["end"]})
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise bad_request(f"Invalid '{param}.triggers': expected a non-empty array of non-empty strings.",
+                          f"{param}.triggers")
+    return {"structures": items, "triggers": triggers}
 
 
 MAKERS = {"json": json_grammar, "regex": _pattern("regex"), "ebnf": _pattern("ebnf"), "choice": choice_grammar}

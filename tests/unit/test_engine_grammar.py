@@ -45,23 +45,29 @@ def _compiled(compiler, spec: GrammarSpec):
         return compiler.compile_regex(spec.text)
     if spec.kind == "choice":  # written independently of the worker's EBNF: a regex alternation
         return compiler.compile_regex("|".join(re.escape(c) for c in json.loads(spec.text)))
+    if spec.kind == "structural_tag":  # (the format form)
+        return compiler.compile_structural_tag(spec.text)
     return compiler.compile_grammar(spec.text)
 
 
 def reference(model, compiler, spec, prompt, n) -> list[int]:
-    """Greedy decoding of HF logits masked by xgrammar (its CPU mask kernel); ends on an end id."""
+    """Greedy decoding of HF logits masked by xgrammar (its CPU mask kernel) from the first token,
+    or from the token after ``spec.after``; ends on an end id."""
     matcher = xgr.GrammarMatcher(_compiled(compiler, spec))
     mask = xgr.allocate_token_bitmask(1, VOCAB)
-    seq, out = list(prompt), []
+    seq, out, bound = list(prompt), [], spec.after < 0
     while len(out) < n:
         with torch.no_grad():
             logits = model(torch.tensor([seq], device=model.device)).logits[0, -1:].float().cpu()
-        matcher.fill_next_token_bitmask(mask)
-        xgr.apply_token_bitmask_inplace(logits, mask)
+        if bound:
+            matcher.fill_next_token_bitmask(mask)
+            xgr.apply_token_bitmask_inplace(logits, mask)
         tok = int(logits.argmax())
         out.append(tok)
         seq.append(tok)
-        assert matcher.accept_token(tok)
+        if bound:
+            assert matcher.accept_token(tok)
+        bound = bound or tok == spec.after
         if tok in ENDS:
             break
     return out
@@ -307,18 +313,7 @@ def test_structural_tags_compile_and_bind(models):
         {"type": "structural_tag", "format": {"type": "nonsense"}})))
     eng.run()
     compiler = _compiler(llama)
-    matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(STRUCTURAL)))
-    ref = []
-    mask = xgr.allocate_token_bitmask(1, VOCAB)
-    model, seq = hf_model(llama), list(PROMPTS[0])
-    while len(ref) < 30 and (not ref or ref[-1] not in ENDS):
-        with torch.no_grad():
-            logits = model(torch.tensor([seq])).logits[0, -1:].float()
-        matcher.fill_next_token_bitmask(mask)
-        xgr.apply_token_bitmask_inplace(logits, mask)
-        ref.append(int(logits.argmax()))
-        seq.append(ref[-1])
-        assert matcher.accept_token(ref[-1])
+    ref = reference(hf_model(llama), compiler, tag, PROMPTS[0], 30)
     assert eng.tokens["tag"] == ref and _text(llama, ref).startswith("<f>")
     items = [xgr.StructuralTagItem(begin="<f>", schema=json.dumps(SCHEMA), end="</f>")]
     legacy = xgr.GrammarMatcher(compiler.compile_structural_tag(items, ["<f"]))

@@ -8,35 +8,11 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-import torch
-import xgrammar as xgr
 
 from tests.helpers.checkpoints import VOCAB, hf_greedy, hf_model
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
-from tests.unit.test_engine_grammar import ENDS, PROMPTS, SPECS, _compiled, _compiler, models  # noqa: F401 - fixture
-
-
-def reference(model, compiler, spec, prompt, n) -> list[int]:
-    """Greedy HF decoding; xgrammar's mask applies from the token after ``spec.after``."""
-    matcher = xgr.GrammarMatcher(_compiled(compiler, spec))
-    mask = xgr.allocate_token_bitmask(1, VOCAB)
-    seq, out, bound = list(prompt), [], False
-    while len(out) < n:
-        with torch.no_grad():
-            logits = model(torch.tensor([seq], device=model.device)).logits[0, -1:].float().cpu()
-        if bound:
-            matcher.fill_next_token_bitmask(mask)
-            xgr.apply_token_bitmask_inplace(logits, mask)
-        tok = int(logits.argmax())
-        out.append(tok)
-        seq.append(tok)
-        if bound:
-            assert matcher.accept_token(tok)
-        bound = bound or tok == spec.after
-        if tok in ENDS:
-            break
-    return out
+from tests.unit.test_engine_grammar import ENDS, PROMPTS, SPECS, _compiler, models, reference  # noqa: F401 - fixture
 
 
 def start_token(free: list[int], at: int) -> int:
