@@ -141,9 +141,18 @@ class Rotary(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # A model-wide .to(bfloat16) or .to_empty() would round or wipe the frequencies; recompute
-        # them in float32 on whatever device the buffer landed on.
+        # them in float32 on whatever device the buffer landed on. In place where the buffer is
+        # still float32: a move that moves nothing (.cuda() of a model already there) keeps the
+        # tensor, as it does every other parameter and buffer, so captured CUDA graphs, which hold
+        # its address, stay valid (a fresh tensor here once left the piecewise prefill graphs
+        # reading freed memory: tests/gpu/test_gpu_mtp_accept.py, "recapture").
         super()._apply(fn, recurse)
-        self.inv_freq = rope_inv_freq(self.head_dim, self.rope).to(self.inv_freq.device)
+        fresh = rope_inv_freq(self.head_dim, self.rope)
+        if self.inv_freq.dtype == torch.float32 and self.inv_freq.device.type != "meta":
+            with torch.no_grad():
+                self.inv_freq.copy_(fresh)
+        else:
+            self.inv_freq = fresh.to(self.inv_freq.device)
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
