@@ -44,7 +44,8 @@ import torch
 from proto.messages import GrammarSpec, SlotError, StepPlan
 
 log = logging.getLogger("tandem.worker")
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[10:33:22] /path/file.cc:94: "
+# xgrammar's "[10:33:22] /path/file.cc:94: " and its internal "Check failed: (cond) is false: "
+_LOG_PREFIX = re.compile(r"^(\[[\d:]+\] \S+:\d+: )?(Check failed: \(.*?\) is false: )?")
 
 
 def tokenizer_info(tokenizer_dir: str, vocab_size: int, eos_ids: tuple[int, ...]):

@@ -59,7 +59,8 @@ def plan_chat(
     server_tool_parser: str | None = None, server_reasoning_parser: str | None = None,
 ) -> GenPlan:
     """``server_tool_parser``: the parser name when the server has both tool-calling flags;
-    ``server_reasoning_parser``: --reasoning-parser (SGLang's ``separate_reasoning: false`` skips it)."""
+    ``server_reasoning_parser``: --reasoning-parser (SGLang's ``separate_reasoning: false`` keeps the
+    grammar's wait for the reasoning's end and skips only the split)."""
     check_unsupported(req)
     validate_tools(req.tools)
     tools = resolve_tool_choice(req.tool_choice, req.tools, server_tool_parser, req.parallel_tool_calls is not False)
@@ -70,10 +71,14 @@ def plan_chat(
     # HF tokenizes rendered chats without special tokens: the template wrote any BOS itself.
     ids = encode_prompt(text, tok, limits, "messages", add_special_tokens=False)
     reasoning = None
-    if server_reasoning_parser and req.separate_reasoning is not False:
+    if server_reasoning_parser:
         reasoning = starts_in_reasoning(server_reasoning_parser, text, req.chat_template_kwargs,
                                         req.continue_final_message)
         grammar, reasoning = grammar_after_reasoning(grammar, reasoning, tok)
+        # SGLang's separate_reasoning: false: the model still reasons first and the grammar still
+        # waits for the tag; only the split into reasoning and content is off.
+        if req.separate_reasoning is False:
+            reasoning = None
     if not ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
     if len(ids) >= limits.max_context:

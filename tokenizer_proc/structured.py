@@ -96,8 +96,12 @@ def structural_tag_grammar(tag: Any, param: str) -> GrammarSpec:
     tag = _json_value(tag, param)
     if not isinstance(tag, dict):
         raise bad_request(f"Invalid '{param}': a structural tag must be an object.", param)
-    if tag.get("structures") is not None:
-        return GrammarSpec("structural_tag", _dumps(_older_tag(tag["structures"], tag.get("triggers"), param), param))
+    older = tag.get("structures") is not None or tag.get("triggers") is not None
+    if older and tag.get("format") is not None:
+        raise bad_request(f"Invalid '{param}': give either 'format' or the older 'structures' and 'triggers', "
+                          "not both.", param)
+    if older:
+        return GrammarSpec("structural_tag", _dumps(_older_tag(tag.get("structures"), tag.get("triggers"), param), param))
     if not isinstance(tag.get("format"), dict):
         raise bad_request(f"Invalid '{param}': a structural tag needs 'format' (an object), or the older "
                           "'structures' and 'triggers'.", param)

@@ -321,3 +321,4 @@ def test_structural_tags_compile_and_bind(models):
     (out,) = eng.outputs["bad"]
     assert out.finish_reason == "error" and out.error_code == 400
     assert out.error.startswith("invalid structural_tag grammar: ") and "nonsense" in out.error
+    assert "Check failed" not in out.error and "/" not in out.error.split(": ", 1)[1]  # no C++ internals

@@ -180,6 +180,13 @@ ERRORS = [
      "Invalid 'response_format.triggers': expected a non-empty array of non-empty strings."),
     ({"response_format": {"type": "structural_tag", "format": FORMAT}, "guided_regex": "a"}, "guided_regex",
      CONFLICT.format("response_format", "guided_regex")),
+    ({"response_format": {"type": "structural_tag", "format": FORMAT, "triggers": ["<f"],
+                          "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}]}}, "response_format",
+     "Invalid 'response_format': give either 'format' or the older 'structures' and 'triggers', not both."),
+    ({"response_format": {"type": "structural_tag", "format": FORMAT, "triggers": ["<f"]}}, "response_format",
+     "Invalid 'response_format': give either 'format' or the older 'structures' and 'triggers', not both."),
+    ({"structured_outputs": {"structural_tag": json.dumps({"triggers": ["<f"]})}}, "structured_outputs.structural_tag.structures",
+     "Invalid 'structured_outputs.structural_tag.structures': expected a non-empty array."),
 ]
 
 
@@ -274,7 +281,8 @@ def test_the_grammar_binds_after_the_reasoning_ends(tmp_path):
     """vLLM / SGLang with a reasoning parser: the model reasons unconstrained and the grammar
     starts after ``</think>`` (``GrammarSpec.after`` is its token id); the answer splits into
     reasoning and the constrained content. A prompt that closed the block (enable_thinking off)
-    binds from the first token; ``separate_reasoning: false`` (no parser) too."""
+    binds from the first token; ``separate_reasoning: false`` (SGLang) still waits for the tag
+    and leaves the whole answer in ``content``."""
     s = start_stack(tok_dir=think_tag_tokenizer(str(tmp_path)), reasoning_parser="qwen3")
     try:
         end = s.tok.token_to_id("</think>")
@@ -299,9 +307,10 @@ def test_the_grammar_binds_after_the_reasoning_ends(tmp_path):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, response_format=fmt,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert sent(s)[0].params.grammar == GrammarSpec("json", SCHEMA_TEXT)
-        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, response_format=fmt,
-                                       extra_body={"separate_reasoning": False})
-        assert sent(s)[0].params.grammar == GrammarSpec("json", SCHEMA_TEXT)
+        whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, response_format=fmt,
+                                               extra_body={"separate_reasoning": False}).choices[0].message
+        assert sent(s)[0].params.grammar == GrammarSpec("json", SCHEMA_TEXT, after=end)
+        assert whole.content.strip() == text and not whole.model_extra.get("reasoning_content")
         call = s.tok.encode('<think>\nf it is.\n</think>\n\n[{"name": "f", "parameters": {"x": 1}}]',
                             add_special_tokens=False) + [s.tok.eos_id]
         s.fake.output_fn = lambda req: list(call)
