@@ -4,11 +4,15 @@ Why the worker: it holds the tokens first (on the device), MTP's drafts exist on
 masks apply in the eager selection path beside logit_bias and penalties (never inside a graph).
 
 Life of a constrained request (``SamplingParams.grammar``):
-- admission: the spec starts compiling on a side thread (xgrammar caches compiled specs) while
-  the prompt prefills; the row's first sample waits for it if needed and the slot gets a fresh
-  matcher. A spec that does not compile gives the slot an error, reported in the result of the
-  step that would have sampled (``StepResult.errors``); the scheduler ends the request with HTTP
-  400 before any token, and the slot samples unconstrained until freed (tokens dropped).
+- before admission: the scheduler holds the request and sends its spec (``StepPlan.compile``);
+  it compiles on a side thread into ``ready`` (``precompile``), and a later result says so
+  (``StepResult.compiled``, ``take_compiled``): the scheduler then queues the request, or ends
+  it with HTTP 400 (a spec that does not compile) before it takes a slot. No step waits on a
+  compile (scheduler_proc/grammar_gate.py).
+- admission: the slot gets a fresh matcher from ``ready``. A re-admission whose spec has left
+  ``ready`` compiles again on the side thread while it prefills, its first sample waits if
+  needed, and a failure there is a slot error in that step's result (``StepResult.errors``):
+  the scheduler ends the request, the slot samples unconstrained until freed (tokens dropped).
 - a re-prefill after preemption feeds the outputs it re-reads (positions >= prompt_len) to the
   new matcher (``observe_extend``), so the grammar resumes where it was; the scheduler keeps its
   prefix-cache hit inside the prompt (``planner._usable_pages``), so it re-reads every output.
@@ -36,14 +40,16 @@ import json
 import logging
 import os
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
 
-from proto.messages import GrammarSpec, SlotError, StepPlan
+from proto.messages import GrammarCompile, GrammarDone, GrammarSpec, SlotError, StepPlan
 
 log = logging.getLogger("tandem.worker")
+READY_MAX = 256  # compiled grammars kept for admission (least recently used dropped)
 # xgrammar's "[10:33:22] /path/file.cc:94: " and its internal "Check failed: (cond) is false: "
 _LOG_PREFIX = re.compile(r"^(\[[\d:]+\] \S+:\d+: )?(Check failed: \(.*?\) is false: )?")
 
@@ -113,6 +119,11 @@ class GrammarRows:
         self.prompt_len: dict[int, int] = {}
         self.after: dict[int, int] = {}  # slot -> the token its grammar waits for (reasoning's end)
         self.errors: list[SlotError] = []  # compile errors for the next step's result (``take_errors``)
+        # Ahead of admission (``precompile``): spec -> compiled grammar or its error, and the
+        # compiles running for the scheduler's keys; ``done`` waits for the next step's result.
+        self.ready: OrderedDict[GrammarSpec, object] = OrderedDict()
+        self.precompiling: dict[int, tuple[GrammarSpec, Future]] = {}
+        self.done: list[GrammarDone] = []
         self._compiler = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -128,26 +139,55 @@ class GrammarRows:
                 self.prompt_len[row.slot] = row.prompt_len
                 if row.params.grammar.after >= 0:
                     self.after[row.slot] = row.params.grammar.after
-                self.compiling[row.slot] = self._executor().submit(self._compile, row.params.grammar)
+                got = self.ready.get(row.params.grammar)
+                if got is None:  # not compiled ahead (a re-admission after it left ``ready``)
+                    self.compiling[row.slot] = self._executor().submit(self._compile_grammar, row.params.grammar)
+                else:
+                    self.ready.move_to_end(row.params.grammar)
+                    self._install(row.slot, got)
+
+    def precompile(self, items: list[GrammarCompile]) -> None:
+        """Waiting requests' grammars (``StepPlan.compile``), compiled on the side thread; the
+        scheduler admits a request only once its ``GrammarDone`` came back, so no step waits for
+        a compile (a deep schema can take seconds), as vLLM and SGLang hold such requests."""
+        for item in items:
+            if item.spec in self.ready:
+                self.done.append(GrammarDone(item.key, _error(self.ready[item.spec])))
+            else:
+                self.precompiling[item.key] = (item.spec, self._executor().submit(self._compile_grammar, item.spec))
+
+    def take_compiled(self, wait_s: float = 0.0) -> list[GrammarDone]:
+        """The precompiles finished since the last call (waiting up to ``wait_s`` for one: a step
+        that carries nothing else, which the scheduler sends to ask)."""
+        if wait_s and self.precompiling:
+            wait([f for _, f in self.precompiling.values()], timeout=wait_s, return_when=FIRST_COMPLETED)
+        for key, (spec, fut) in list(self.precompiling.items()):
+            if fut.done():
+                del self.precompiling[key]
+                self.ready[spec] = got = fut.result()
+                self.ready.move_to_end(spec)
+                if len(self.ready) > READY_MAX:
+                    self.ready.popitem(last=False)
+                self.done.append(GrammarDone(key, _error(got)))
+        out, self.done = self.done, []
+        return out
 
     def _executor(self) -> ThreadPoolExecutor:
-        """One compile thread: xgrammar releases the GIL while it compiles, so the prompt's
-        prefill steps go on meanwhile (a 40-field schema over a 150k vocabulary: ~0.2 s); the
-        row's first sample waits for it only if it is not done yet (``_resolve``)."""
+        """One compile thread: xgrammar releases the GIL while it compiles, so steps go on
+        meanwhile (a 40-field schema over a 150k vocabulary: ~0.2 s). Compiles run in arrival
+        order: a slow one delays the grammars behind it, not the steps."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
         return self._pool
 
-    def _compile(self, spec: GrammarSpec):
-        """-> a fresh matcher, or the error message for the request (on the compile thread)."""
+    def _compile_grammar(self, spec: GrammarSpec):
+        """-> the compiled grammar, or the error message for the request (on the compile thread)."""
         try:
-            import xgrammar as xgr  # noqa: PLC0415 - heavy (torch, tvm-ffi): only once a request asks
-
-            compiler = self._get_compiler()
+            compiler = self._get_compiler()  # imports xgrammar: heavy (torch, tvm-ffi), only once asked
         except Exception as exc:  # xgrammar missing, no tokenizer.json: every constrained request
             return f"structured output is unavailable: {_first_line(exc)}"
         try:
-            return xgr.GrammarMatcher(compile_spec(compiler, spec, self.any_whitespace))
+            return compile_spec(compiler, spec, self.any_whitespace)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError for a bad spec
             return f"invalid {spec.kind} grammar: {_first_line(exc)}"
 
@@ -157,11 +197,16 @@ class GrammarRows:
             fut = self.compiling.pop(int(s), None)
             if fut is None:
                 continue
-            got = fut.result()
-            if isinstance(got, str):
-                self.errors.append(SlotError(int(s), got))
-            else:
-                self.matchers[int(s)] = got
+            self._install(int(s), fut.result())
+
+    def _install(self, slot: int, got) -> None:
+        """A compiled grammar becomes the slot's fresh matcher; an error, the request's end."""
+        if isinstance(got, str):
+            self.errors.append(SlotError(slot, got))
+        else:
+            import xgrammar as xgr  # noqa: PLC0415 - loaded by the compile already
+
+            self.matchers[slot] = xgr.GrammarMatcher(got)
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -308,6 +353,10 @@ def _feed(m, tokens: np.ndarray) -> None:
 def _bit(j: int) -> int:
     """Bit j of an int32 word, as a signed value (bit 31 is the sign)."""
     return (1 << j) - (1 << 32 if j == 31 else 0)
+
+
+def _error(got) -> str:
+    return got if isinstance(got, str) else ""
 
 
 def _first_line(exc: Exception) -> str:

@@ -7,7 +7,6 @@ before step N's event (it reads N's outputs from slot state, ordered by the stre
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,6 +24,7 @@ from gpu_worker.sampling import RowSampling, sample, token_logprobs
 from gpu_worker.slots import SlotState
 from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain, verify
 from gpu_worker.staging import StageBatch, Staging
+from gpu_worker.step_timer import StepTimer
 from proto.messages import Logprobs, SlotError, StepPlan, StepResult
 
 
@@ -37,9 +37,10 @@ class Pending:
     logprobs: tuple | None
     prompt_lps: list
     event: object
-    timer: "StepTimer"
+    timer: StepTimer
     errors: list[SlotError] = field(default_factory=list)
     on_tokens: Callable | None = None  # GrammarRows.observe, for steps with constrained rows
+    compiled: list = field(default_factory=list)  # GrammarDone: grammars compiled ahead of admission
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -57,40 +58,8 @@ class Pending:
         if self.on_tokens is not None:  # called once per step, in step order (the worker loop)
             self.on_tokens(self.slots, self.tokens.numpy(), self.accept.numpy())
         return StepResult(self.step_id, self.slots.astype(np.int32).tobytes(), self.tokens.numpy().tobytes(),
-                          self.accept.numpy().tobytes(), lp, self.prompt_lps, fwd, drf, busy, gap, self.errors)
-
-
-class StepTimer:
-    """Step timing: CUDA events on GPU (read after the step's copy event), wall clock on CPU.
-
-    Marks: start, after the draft, after the target forward + sampling, end (after the copy
-    out). busy = start -> end; gap = the previous step's end -> this start, i.e. device idle
-    between steps when this step was queued only after the previous one finished.
-    """
-
-    def __init__(self, device: torch.device, prev: "StepTimer | None"):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-        self.prev_end = prev.marks[-1] if prev is not None and len(prev.marks) == 4 else None
-
-    def mark(self) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks.append(ev)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def _dt(self, a, b) -> float:
-        return max(0.0, a.elapsed_time(b) / 1e3) if self.cuda else b - a
-
-    def elapsed(self) -> tuple[float, float, float, float]:
-        """(forward_s, draft_s, busy_s, gap_s)."""
-        if len(self.marks) < 4:
-            return 0.0, 0.0, 0.0, 0.0
-        a, b, c, d = self.marks[:4]
-        gap = self._dt(self.prev_end, a) if self.prev_end is not None else 0.0
-        return self._dt(b, c), self._dt(a, b), self._dt(a, d), gap
+                          self.accept.numpy().tobytes(), lp, self.prompt_lps, fwd, drf, busy, gap, self.errors,
+                          self.compiled)
 
 
 def _no_tick(phase: str, step: bool = False) -> None:
@@ -143,12 +112,22 @@ class ModelRunner:
         self.prefill.capture()
         return self.prefill
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan, retire: Callable[[], None] | None = None) -> Pending:
         """``retire``: returns every step in flight (the caller's loop sends their results). A step
         that samples for a constrained row calls it after its forward is queued and before its
         masks are built: the masks need those steps' tokens, and the device runs this step's
-        forward while the host waits (``grammar.py``)."""
+        forward while the host waits (``grammar.py``). A plan with no rows only asks after
+        grammars compiling ahead of admission: no device work, a short wait for one to finish."""
+        self.grammar.precompile(plan.compile)
+        rows = bool(plan.extend) or bool(plan.decode_slots)
+        pending = self._launch(plan, retire) if rows else Pending(
+            plan.step_id, np.zeros(0, np.int64), torch.zeros((0, self.t), dtype=torch.int32),
+            torch.zeros(0, dtype=torch.int32), None, [], None, StepTimer(self.device, None))
+        pending.compiled = self.grammar.take_compiled(0.0 if rows else 0.01)
+        return pending
+
+    @torch.inference_mode()
+    def _launch(self, plan: StepPlan, retire: Callable[[], None] | None) -> Pending:
         self._retire = retire if retire is not None and self.grammar.needs_sync(plan) else None
         # Process-wide switch, set per step: several runners share one test process.
         enable_cpu_kernels(self.cpu_kernels)

@@ -43,6 +43,22 @@ class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
     after: int = -1  # token id that starts the grammar (-1: none, it binds from the first token)
 
 
+class GrammarCompile(msgspec.Struct, frozen=True, array_like=True):
+    """A waiting request's grammar, for the worker to compile before the scheduler admits it
+    (``key``: the scheduler's handle on the request; the answer is a ``GrammarDone``)."""
+
+    key: int
+    spec: GrammarSpec
+
+
+class GrammarDone(msgspec.Struct, frozen=True, array_like=True):
+    """A ``GrammarCompile`` finished: ``error`` "" (compiled: the request may be admitted) or the
+    message its request ends with (HTTP 400)."""
+
+    key: int
+    error: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """Per-request sampling and stopping rules the engine itself applies.
 
@@ -238,6 +254,7 @@ class StepPlan(msgspec.Struct, tag="plan", frozen=True):
     extend: list[ExtendRow] = []
     decode_slots: bytes = b""  # int32
     free: list[int] = []
+    compile: list[GrammarCompile] = []  # waiting requests' grammars (a plan may carry only these)
 
 
 PlanMsg = Union[StepPlan, Shutdown]
@@ -292,6 +309,7 @@ class StepResult(msgspec.Struct, tag="result", frozen=True):
     busy_s: float = 0.0  # device time from the step's first to its last queued work
     gap_s: float = 0.0  # device idle between the previous step's end and this step's start
     errors: list[SlotError] = []
+    compiled: list[GrammarDone] = []  # ``StepPlan.compile`` items finished since the last result
 
 
 class WorkerError(msgspec.Struct, tag="worker_error", frozen=True):

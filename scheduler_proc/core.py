@@ -31,6 +31,7 @@ from proto.messages import (
     WorkerReady,
 )
 from scheduler_proc.finish import apply_finish_rules
+from scheduler_proc.grammar_gate import GrammarGate
 from scheduler_proc.pages import PageAllocator, page_hashes
 from scheduler_proc.request import Phase, Req
 
@@ -122,6 +123,7 @@ class SchedulerCore:
         self.by_rid: dict[str, Req] = {}
         self.by_slot: dict[int, Req] = {}
         self.inflight: deque[StepRecord] = deque()
+        self.gate = GrammarGate()  # structured-output requests until their grammar compiled
         self.outbox: list[ReqOutput] = []
         self.counters = Counters(per_pos=[0] * max(cfg.spec_steps, 0))
         self._prev_step_reqs: set[int] = set()
@@ -146,7 +148,7 @@ class SchedulerCore:
         # The front admits against --max-queued-requests (DESIGN §8); this is only a backstop
         # against another client of the requests channel. Preempted requests also wait, hence
         # the running allowance.
-        if len(self.waiting) >= self.cfg.max_queued + self.cfg.max_running:
+        if len(self.waiting) + len(self.gate) >= self.cfg.max_queued + self.cfg.max_running:
             return self._reject(msg.rid, len(prompt), "server overloaded: too many queued requests", 503)
         room = self.cfg.max_context - len(prompt)
         req = Req(msg.rid, prompt, msg.params, msg.arrival, max(1, min(msg.params.max_new_tokens, room)))
@@ -154,7 +156,10 @@ class SchedulerCore:
         p = msg.params
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.cfg.eos_ids)
         self.by_rid[msg.rid] = req
-        self.waiting.append(req)
+        if p.grammar is not None:
+            self.gate.hold(req)  # queued once compiled (grammar_gate.py)
+        else:
+            self.waiting.append(req)
 
     def _count_decode_step(self, rec: StepRecord, busy_s: float, accept: list[int]) -> None:
         c = self.counters
@@ -175,7 +180,7 @@ class SchedulerCore:
         req = self.by_rid.get(msg.rid)
         if req is None or req.finished:
             return
-        if req.phase is Phase.WAITING:
+        if req.phase is Phase.WAITING and req in self.waiting:  # (not there while the gate holds it)
             self.waiting.remove(req)
         self._finish(req, "abort")
 
@@ -183,6 +188,13 @@ class SchedulerCore:
     def on_result(self, res: StepResult) -> None:
         rec = self.inflight.popleft()
         assert rec.step_id == res.step_id, f"result {res.step_id} != expected {rec.step_id}"
+        for req, error in self.gate.answered(res.compiled):
+            if error:
+                self._finish(req, "error", error=error)
+            else:
+                self.waiting.append(req)
+        if not rec.reqs:  # a plan that only handed over or asked after grammars
+            return
         self.counters.steps += 1
         self.counters.forward_s += res.forward_s
         self.counters.draft_s += res.draft_s
@@ -323,7 +335,7 @@ class SchedulerCore:
         c = self.counters
         return SchedulerStats(
             num_running=sum(1 for r in self.running if not r.finished),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.gate),
             kv_pages_used=self.alloc.used,
             kv_pages_total=self.alloc.total,
             prefix_queries=c.prefix_queries,
@@ -352,7 +364,7 @@ class SchedulerCore:
         return out
 
     def idle(self) -> bool:
-        return not self.waiting and not self.running and not self.inflight
+        return not self.waiting and not self.running and not self.inflight and not self.gate
 
 
 def _out_of_vocab(prompt: np.ndarray, stop_ids, vocab: int) -> str | None:

@@ -71,16 +71,22 @@ class Planner:
         budget = self._plan_prefill_chunks(budget)
         self._plan_admissions(budget)
         if not (self._extend or self._decode):
-            return None
-        free, self._unsent_free = self._unsent_free, []
-        plan = StepPlan(
-            step_id=self.next_step,
-            admit=self._admit,
-            pages=self._pages,
-            extend=self._extend,
-            decode_slots=pack_i32([r.slot for r in self._decode]),
-            free=free,
-        )
+            if not self.core.gate.due(bool(self.core.inflight)):
+                return None
+            # No rows: grammars for the worker to compile, or a question after them (the frees
+            # wait for a plan with rows, which applies them before its admissions).
+            plan = StepPlan(step_id=self.next_step, compile=self.core.gate.take())
+        else:
+            free, self._unsent_free = self._unsent_free, []
+            plan = StepPlan(
+                step_id=self.next_step,
+                admit=self._admit,
+                pages=self._pages,
+                extend=self._extend,
+                decode_slots=pack_i32([r.slot for r in self._decode]),
+                free=free,
+                compile=self.core.gate.take(),
+            )
         self.next_step += 1
         self.core.inflight.append(self._rec)
         return plan

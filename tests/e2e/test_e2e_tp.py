@@ -51,6 +51,10 @@ def test_tp2_mtp_greedy_equals_hf(ckpts):
         kw = dict(model=g, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, top_p=0.9, seed=77,
                   extra_body={"ignore_eos": True})
         assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+        # A grammar compiles on every rank before admission (the leader answers for all).
+        r = client.completions.create(model=g, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
     assert srv.proc.returncode == 0
 
 

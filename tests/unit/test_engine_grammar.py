@@ -194,37 +194,6 @@ def test_a_preempted_request_resumes_its_grammar(models):
         assert eng.tokens[rid] == ref, rid
 
 
-def test_the_compile_runs_while_the_prompt_prefills(models, monkeypatch):
-    """The grammar compiles on a side thread: the prompt's chunks keep launching meanwhile (the
-    compile here finishes only once three steps have launched), and the first sample waits."""
-    import threading
-
-    from gpu_worker.grammar import GrammarRows
-
-    llama, _, _ = models
-    eng = InProcEngine(llama, page_size=4, chunked_prefill_size=8)
-    go, real_compile, real_launch, launched = threading.Event(), GrammarRows._compile, eng.runner.launch, []
-
-    def slow_compile(self, spec):
-        assert go.wait(30), "the prefill stopped while the grammar compiled"
-        return real_compile(self, spec)
-
-    def launch(plan, retire=None):
-        launched.append(plan.step_id)
-        if len(launched) == 3:
-            go.set()
-        return real_launch(plan, retire)
-
-    monkeypatch.setattr(GrammarRows, "_compile", slow_compile)
-    eng.runner.launch = launch
-    prompt = [(5 * j) % 300 + 6 for j in range(40)]  # 5 chunks of 8
-    eng.submit("j", prompt, max_new_tokens=16, grammar=SPECS["json"])
-    eng.submit("bad", prompt[:20], max_new_tokens=4, grammar=GrammarSpec("ebnf", "root ::= nothing"))
-    eng.run()
-    assert eng.tokens["j"] == reference(hf_model(llama), _compiler(llama), SPECS["json"], prompt, 16)
-    assert eng.finish["bad"] == "error" and eng.tokens["bad"] == []
-
-
 def test_a_re_prefill_that_hits_its_own_outputs_in_the_cache_replays_them(models):
     """A preempted request publishes its output pages; its re-prefill would find them in the
     prefix cache and start past ``prompt_len``. Its matcher is fresh: it must still see every
@@ -234,7 +203,7 @@ def test_a_re_prefill_that_hits_its_own_outputs_in_the_cache_replays_them(models
     prompt = PROMPTS[0]
     ref = reference(hf_model(llama), _compiler(llama), SPECS["json"], prompt, 28)
     eng.submit("j", prompt, max_new_tokens=28, grammar=SPECS["json"])
-    req, on_result = eng.core.waiting[0], eng.core.on_result
+    req, on_result = eng.core.by_rid["j"], eng.core.on_result
 
     def preempt_once(res):  # as when pages run out: drain, release (publishing its pages), requeue
         on_result(res)
