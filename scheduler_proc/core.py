@@ -180,8 +180,11 @@ class SchedulerCore:
         req = self.by_rid.get(msg.rid)
         if req is None or req.finished:
             return
-        if req.phase is Phase.WAITING and req in self.waiting:  # (not there while the gate holds it)
-            self.waiting.remove(req)
+        if req.phase is Phase.WAITING:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:  # held until its grammar compiles
+                self.gate.drop(req)
         self._finish(req, "abort")
 
     # ------------------------------------------------------------ results

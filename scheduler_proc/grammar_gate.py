@@ -9,7 +9,7 @@ deeply nested schema can take the compiler seconds, and every row of a step woul
 sends plans that carry no rows to ask (``due``): the worker answers each within ~10 ms.
 
 Invariants: a held request is in neither ``waiting`` nor ``running`` and holds no slot or page;
-its key is answered exactly once (an abort meanwhile leaves the answer to be ignored).
+its key is answered exactly once (an abort drops the key: the answer is then ignored).
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ class GrammarGate:
     def take(self) -> list[GrammarCompile]:
         out, self.to_send = self.to_send, []
         return out
+
+    def drop(self, req: Req) -> None:
+        """An aborted request: its answer, when it comes, finds no key and is ignored."""
+        for key in [k for k, r in self.held.items() if r is req]:
+            del self.held[key]
 
     def due(self, steps_in_flight: bool) -> bool:
         """Whether a plan with no rows is worth sending: grammars to hand over, or (nothing in

@@ -62,6 +62,7 @@ def test_an_abort_while_compiling_ends_the_request_and_the_late_answer_is_ignore
     eng.submit("plain", PROMPTS[1], max_new_tokens=6)
     eng.run(until=lambda: "plain" in eng.finish)
     eng.core.abort(AbortReq("r"))
+    assert len(eng.core.gate) == 0 and eng.core.stats().num_waiting == 0  # no longer waiting for it
     go.set()
     eng.run()  # drains: the compile's answer comes back for a finished request
     assert eng.finish["r"] == "abort" and eng.tokens["r"] == [] and eng.core.idle()
