@@ -123,7 +123,9 @@ class ModelRunner:
         pending = self._launch(plan, retire) if rows else Pending(
             plan.step_id, np.zeros(0, np.int64), torch.zeros((0, self.t), dtype=torch.int32),
             torch.zeros(0, dtype=torch.int32), None, [], None, StepTimer(self.device, None))
-        pending.compiled = self.grammar.take_compiled(0.0 if rows else 0.01)
+        # Only a plan that just asks (nothing in flight then: the scheduler sends it so) waits a
+        # little for a compile; one handing grammars over may have earlier steps to return.
+        pending.compiled = self.grammar.take_compiled(0.01 if not rows and not plan.compile else 0.0)
         return pending
 
     @torch.inference_mode()
