@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -126,6 +127,7 @@ class GrammarRows:
         self.done: list[GrammarDone] = []
         self._compiler = None
         self._pool: ThreadPoolExecutor | None = None
+        self._compiler_lock = threading.Lock()  # the compile threads build the compiler once
 
     # ------------------------------------------------------------ per-request state
     def stage(self, plan: StepPlan) -> None:
@@ -173,11 +175,12 @@ class GrammarRows:
         return out
 
     def _executor(self) -> ThreadPoolExecutor:
-        """One compile thread: xgrammar releases the GIL while it compiles, so steps go on
-        meanwhile (a 40-field schema over a 150k vocabulary: ~0.2 s). Compiles run in arrival
-        order: a slow one delays the grammars behind it, not the steps."""
+        """Compile threads: xgrammar releases the GIL while it compiles, so steps go on meanwhile
+        (a 40-field schema over a 150k vocabulary: ~0.2 s), and one slow grammar (a deep schema:
+        seconds) leaves the others a thread: half the cores, 2 to 4."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+            n = min(4, max(2, (os.cpu_count() or 2) // 2))
+            self._pool = ThreadPoolExecutor(n, thread_name_prefix="tandem-grammar")
         return self._pool
 
     def _compile_grammar(self, spec: GrammarSpec):
@@ -209,14 +212,15 @@ class GrammarRows:
             self.matchers[slot] = xgr.GrammarMatcher(got)
 
     def _get_compiler(self):
-        if self._compiler is None:
-            import xgrammar as xgr  # noqa: PLC0415
+        with self._compiler_lock:  # (xgrammar's compiler itself serves several threads)
+            if self._compiler is None:
+                import xgrammar as xgr  # noqa: PLC0415
 
-            if self.tokenizer_dir is None:
-                raise ValueError("the model's tokenizer.json is needed")
-            self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer_dir, self.vocab, self.eos))
-            log.info("structured output: xgrammar %s ready", getattr(xgr, "__version__", ""))
-        return self._compiler
+                if self.tokenizer_dir is None:
+                    raise ValueError("the model's tokenizer.json is needed")
+                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer_dir, self.vocab, self.eos))
+                log.info("structured output: xgrammar %s ready", getattr(xgr, "__version__", ""))
+            return self._compiler
 
     def take_errors(self) -> list[SlotError]:
         out, self.errors = self.errors, []

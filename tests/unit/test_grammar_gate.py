@@ -38,7 +38,7 @@ def test_a_slow_compile_holds_its_request_not_the_others(models, monkeypatch):
     llama, _, _ = models
     go = _blocked_compile(monkeypatch, SPECS["json"])
     eng = InProcEngine(llama, page_size=4, chunked_prefill_size=8)
-    eng.submit("bad", PROMPTS[0], max_new_tokens=4, grammar=BAD)  # compiles first (one thread)
+    eng.submit("bad", PROMPTS[0], max_new_tokens=4, grammar=BAD)
     eng.submit("j", PROMPTS[0], max_new_tokens=16, grammar=SPECS["json"])
     eng.submit("plain", PROMPTS[1], max_new_tokens=20, ignore_eos=True)
     eng.run(until=lambda: "plain" in eng.finish)  # all of it while j's compile is blocked
@@ -52,6 +52,20 @@ def test_a_slow_compile_holds_its_request_not_the_others(models, monkeypatch):
     eng.run()
     assert eng.tokens["j"] == reference(hf_model(llama), _compiler(llama), SPECS["json"], PROMPTS[0], 16)
     assert not eng.core.gate.held and not eng.runner.grammar.precompiling
+
+
+def test_a_slow_compile_leaves_the_other_grammars_a_thread(models, monkeypatch):
+    llama, _, _ = models
+    go = _blocked_compile(monkeypatch, SPECS["json"])
+    eng = InProcEngine(llama, page_size=4)
+    eng.submit("j", PROMPTS[0], max_new_tokens=16, grammar=SPECS["json"])  # first, and blocked
+    eng.submit("r", PROMPTS[2], max_new_tokens=8, grammar=SPECS["regex"])
+    eng.run(until=lambda: "r" in eng.finish)
+    model, compiler = hf_model(llama), _compiler(llama)
+    assert eng.tokens["r"] == reference(model, compiler, SPECS["regex"], PROMPTS[2], 8) and eng.tokens["j"] == []
+    go.set()
+    eng.run()
+    assert eng.tokens["j"] == reference(model, compiler, SPECS["json"], PROMPTS[0], 16)
 
 
 def test_an_abort_while_compiling_ends_the_request_and_the_late_answer_is_ignored(models, monkeypatch):
