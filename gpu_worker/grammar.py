@@ -161,6 +161,8 @@ class GrammarRows:
     def take_compiled(self, wait_s: float = 0.0) -> list[GrammarDone]:
         """The precompiles finished since the last call (waiting up to ``wait_s`` for one: a step
         that carries nothing else, which the scheduler sends to ask)."""
+        if not self.precompiling and not self.done:  # every step asks; most have nothing
+            return []
         if wait_s and self.precompiling:
             wait([f for _, f in self.precompiling.values()], timeout=wait_s, return_when=FIRST_COMPLETED)
         for key, (spec, fut) in list(self.precompiling.items()):

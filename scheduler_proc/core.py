@@ -180,11 +180,8 @@ class SchedulerCore:
         req = self.by_rid.get(msg.rid)
         if req is None or req.finished:
             return
-        if req.phase is Phase.WAITING:
-            if req in self.waiting:
-                self.waiting.remove(req)
-            else:  # held until its grammar compiles
-                self.gate.drop(req)
+        if req.phase is Phase.WAITING and not self.gate.drop(req):  # (held: not queued yet)
+            self.waiting.remove(req)
         self._finish(req, "abort")
 
     # ------------------------------------------------------------ results

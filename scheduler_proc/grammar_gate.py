@@ -38,10 +38,12 @@ class GrammarGate:
         out, self.to_send = self.to_send, []
         return out
 
-    def drop(self, req: Req) -> None:
-        """An aborted request: its answer, when it comes, finds no key and is ignored."""
-        for key in [k for k, r in self.held.items() if r is req]:
+    def drop(self, req: Req) -> bool:
+        """An aborted request, if held: its answer, when it comes, finds no key and is ignored."""
+        keys = [k for k, r in self.held.items() if r is req]
+        for key in keys:
             del self.held[key]
+        return bool(keys)
 
     def due(self, steps_in_flight: bool) -> bool:
         """Whether a plan with no rows is worth sending: grammars to hand over, or (nothing in

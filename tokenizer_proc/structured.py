@@ -19,8 +19,9 @@ Checked here with the standard library only (the front never imports xgrammar): 
 as JSON and is an object or a boolean; a choice list has at least one string; a regex or grammar
 is a non-empty string; a structural tag is an object with a ``format`` object, or non-empty
 ``structures`` (each a string ``begin`` and ``end`` around a schema) and ``triggers``. Whether a
-regex, grammar or schema compiles is the worker's to say: its error comes back as a 400 before any token. Schemas are re-serialised (``json.dumps``), so the
-worker sees one canonical text per schema.
+regex, grammar or schema compiles is the worker's to say: its error comes back as a 400 before
+any token. Schemas are re-serialised (``json.dumps``), so the worker sees one canonical text per
+schema.
 """
 
 from __future__ import annotations
