@@ -16,10 +16,12 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import qkv_rope, use_triton
 from gpu_worker.kernels.activation import gated_act
-from gpu_worker.kernels.gemv import gated_linear, linear
+from gpu_worker.kernels.gemv import gated_linear
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
+from gpu_worker.parallel import factory, shard
+from gpu_worker.parallel.linear import MergedLinear
 
 
 def activation(name: str):
@@ -175,40 +177,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --------------------------------------------------------------------------- MLP / attention
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose one-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py).
-    ``after_attention`` (set by the attention block on its output projection) sizes the GEMV's
-    PDL prefetch for the idle HBM time of the attention kernel before it (``gemv.prefetch_mb``)."""
-
-    after_attention = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, after_attention=self.after_attention)
-
-
-class MergedLinear(Linear):
-    """Several projections of one input as one weight [sum(parts), in]: one GEMM instead of many
-    (q/k/v, gate/up). ``parts`` maps each checkpoint projection name to its output width, in
-    order; the loader copies each checkpoint tensor into its rows."""
-
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        self.parts = dict(parts)
-
-    def shard(self, part: str) -> tuple[int, int]:
-        """(row offset, rows) of ``part`` in the merged weight."""
-        offset = 0
-        for name, rows in self.parts.items():
-            if name == part:
-                return offset, rows
-            offset += rows
-        raise KeyError(part)
-
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The merged output as one column view per part (no copy)."""
-        return torch.split(y, list(self.parts.values()), dim=-1)
-
-
 def gated(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """act(gate) * up, rounded like HF; one kernel on the device path."""
     if use_triton(gate):
@@ -221,8 +189,6 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
-        from gpu_worker.parallel import factory, shard  # here: parallel.layers subclasses MergedLinear
-
         # TP: gate/up split by columns, down by rows (one all-reduce); TP=1: the plain modules.
         self.gate_up_proj = factory.merged(hidden, factory.gate_up_parts(intermediate), bias=bias)
         self.down_proj = factory.row(shard.even(intermediate, "intermediate_size"), hidden, bias=bias)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from gpu_worker.models import DRAFT_ARCHITECTURES, model_class
 from gpu_worker.models.config import architecture_of, load_config, parse_config
-from gpu_worker.models.layers import MergedLinear
+from gpu_worker.parallel.linear import MergedLinear
 
 log = logging.getLogger(__name__)
 

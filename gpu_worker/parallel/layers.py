@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.kernels.gemv import linear
-from gpu_worker.models.layers import Linear, MergedLinear
+from gpu_worker.parallel.linear import Linear, MergedLinear
 from gpu_worker.parallel.comm import all_gather_last, all_reduce
 from gpu_worker.parallel.shard import Rows
 from gpu_worker.parallel.state import tp_size
