@@ -39,8 +39,26 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A sparse mixture-of-experts block: ``num_experts`` gated MLPs of width
+    ``intermediate_size``, ``top_k`` of them per token, weighted by the router.
+
+    ``router``: ``"softmax"`` (Qwen3-MoE: softmax over the logits of the layer's input, top-k,
+    renormalised when ``renormalize``, weights rounded to the model dtype) or ``"gemma4"``
+    (Gemma 4: the logits of a weightless RMS norm of the residual stream times a learned scale
+    and 1/sqrt(hidden), softmax, top-k, always renormalised, then times a learned per-expert
+    scale; the weights stay float32)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str
+    renormalize: bool
+
+
+@dataclass(frozen=True)
 class LayerSpec:
-    """Attention geometry of one decoder layer."""
+    """Attention geometry of one decoder layer (and its MoE block, if it has one)."""
 
     layer_type: str  # FULL or SLIDING
     head_dim: int
@@ -52,6 +70,8 @@ class LayerSpec:
     # (the assistant reads the target's, mapped when it is bound to the target).
     kv_source: int | None = None
     k_eq_v: bool = False  # Gemma 4 attention_k_eq_v on this layer: no v_proj, value = k_proj output
+    # Qwen3-MoE: replaces the dense MLP; Gemma 4 (enable_moe_block): runs beside it.
+    moe: MoESpec | None = None
 
     @property
     def owns_kv(self) -> bool:
@@ -60,7 +80,8 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class LlamaSpec:
-    """Llama 2/3, Mistral, Qwen2, Qwen3: one pre-norm decoder, differences are flags."""
+    """Llama 2/3, Mistral, Qwen2, Qwen3 (dense and MoE): one pre-norm decoder, differences are
+    flags (Qwen3-MoE: the MoE layers' ``LayerSpec.moe``)."""
 
     architecture: str
     vocab_size: int
@@ -152,6 +173,41 @@ def parse_rope(params: dict | None, top: dict, default_theta: float = 10_000.0) 
     )
 
 
+def _positive(cfg: dict, key: str) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"MoE config: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_moe(cfg: dict, top_k_key: str, router: str, renormalize: bool) -> MoESpec:
+    """The MoE fields shared by every supported family; each error names its config field."""
+    scoring = cfg.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ValueError(f"MoE config: scoring_func {scoring!r} is not supported (softmax only)")
+    for key in ("n_shared_experts", "num_shared_experts", "shared_expert_intermediate_size", "n_group",
+                "topk_group"):
+        if cfg.get(key):
+            raise ValueError(f"MoE config: {key} = {cfg[key]!r} is not supported (no shared or grouped experts)")
+    experts, top_k = _positive(cfg, "num_experts"), _positive(cfg, top_k_key)
+    if top_k > experts:
+        raise ValueError(f"MoE config: {top_k_key} ({top_k}) is larger than num_experts ({experts})")
+    return MoESpec(experts, top_k, _positive(cfg, "moe_intermediate_size"), router, renormalize)
+
+
+def _qwen3_moe_layers(cfg: dict, n: int) -> list[MoESpec | None]:
+    """HF Qwen3-MoE: layer i is sparse unless it is in ``mlp_only_layers`` or (i + 1) is not a
+    multiple of ``decoder_sparse_step``; no experts at all (num_experts 0) means all dense."""
+    if not cfg.get("num_experts"):
+        return [None] * n
+    step = _get(cfg, "decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise ValueError(f"MoE config: decoder_sparse_step must be a positive integer, got {step!r}")
+    dense_only = set(_get(cfg, "mlp_only_layers", []))
+    moe = parse_moe(cfg, "num_experts_per_tok", "softmax", bool(cfg.get("norm_topk_prob", False)))
+    return [None if i in dense_only or (i + 1) % step else moe for i in range(n)]
+
+
 # --------------------------------------------------------------------------- Llama family
 
 
@@ -164,6 +220,9 @@ def _llama_layer_types(cfg: dict, arch: str, n: int) -> tuple[list[str], int | N
             SLIDING if window is not None and i >= _get(cfg, "max_window_layers", 28) else FULL for i in range(n)
         ]
         return [t if window is not None else FULL for t in types], window
+    if arch == "Qwen3MoeForCausalLM":  # HF: one window on every layer, only with use_sliding_window
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        return [SLIDING if window is not None else FULL] * n, window
     if arch == "MistralForCausalLM":
         window = cfg.get("sliding_window")  # HF Mistral: one window on every layer when set
         return [SLIDING if window is not None else FULL] * n, window
@@ -178,9 +237,10 @@ def parse_llama(cfg: dict, arch: str) -> LlamaSpec:
     kv_heads = _get(cfg, "num_key_value_heads", heads)
     rope = parse_rope(cfg.get("rope_parameters") or cfg.get("rope_scaling"), cfg)
     types, window = _llama_layer_types(cfg, arch, n)
+    moe = _qwen3_moe_layers(cfg, n) if arch == "Qwen3MoeForCausalLM" else [None] * n
     layers = tuple(
-        LayerSpec(t, head_dim, kv_heads, window if t == SLIDING else None, rope, cfg["intermediate_size"])
-        for t in types
+        LayerSpec(t, head_dim, kv_heads, window if t == SLIDING else None, rope, cfg["intermediate_size"], moe=m)
+        for t, m in zip(types, moe)
     )
     qwen2 = arch == "Qwen2ForCausalLM"
     attention_bias = bool(cfg.get("attention_bias", False))
@@ -194,7 +254,7 @@ def parse_llama(cfg: dict, arch: str) -> LlamaSpec:
         qkv_bias=True if qwen2 else attention_bias,  # HF Qwen2: q/k/v always biased, o_proj never
         o_bias=False if qwen2 else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         layers=layers,
     )
@@ -252,8 +312,6 @@ def _kv_sources(types: list[str], num_shared: int) -> list[int | None]:
 
 
 def parse_gemma4(cfg: dict, arch: str, all_shared: bool = False) -> Gemma4Spec:
-    if cfg.get("enable_moe_block"):
-        raise ValueError("Gemma 4 with enable_moe_block=True (MoE) is not supported")
     if cfg.get("use_bidirectional_attention") == "all":
         raise ValueError("Gemma 4 with use_bidirectional_attention='all' is not supported (causal LM only)")
     hidden = cfg["hidden_size"]
@@ -271,6 +329,10 @@ def parse_gemma4(cfg: dict, arch: str, all_shared: bool = False) -> Gemma4Spec:
     # The assistant's layers read the target's KV: mark them shared with an out-of-model source (-1).
     sources = [-1] * len(types) if all_shared else _kv_sources(types, num_shared)
     double_wide = bool(cfg.get("use_double_wide_mlp", False))
+    # HF Gemma 4: with enable_moe_block every layer has the MoE block beside its dense MLP.
+    moe = parse_moe(cfg, "top_k_experts", "gemma4", True) if cfg.get("enable_moe_block") else None
+    if moe is not None and all_shared:
+        raise ValueError("Gemma 4 assistant: text_config.enable_moe_block is not supported")
     layers = []
     for i, t in enumerate(types):
         o = overrides.get(i, {})
@@ -286,6 +348,7 @@ def parse_gemma4(cfg: dict, arch: str, all_shared: bool = False) -> Gemma4Spec:
                 intermediate_size=o.get("intermediate_size", inter) * (2 if double_wide and shared else 1),
                 kv_source=sources[i],
                 k_eq_v=k_eq_v and t == FULL,
+                moe=moe,
             )
         )
     ple = int(_get(cfg, "hidden_size_per_layer_input", 256))  # HF default: PLE on
@@ -340,6 +403,7 @@ _PARSERS = {
     "MistralForCausalLM": parse_llama,
     "Qwen2ForCausalLM": parse_llama,
     "Qwen3ForCausalLM": parse_llama,
+    "Qwen3MoeForCausalLM": parse_llama,
     "Gemma4ForCausalLM": parse_gemma4,
     "Gemma4ForConditionalGeneration": parse_gemma4_multimodal,
     "Gemma4AssistantForCausalLM": parse_gemma4_assistant,
