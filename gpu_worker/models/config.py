@@ -180,6 +180,12 @@ def _positive(cfg: dict, key: str) -> int:
     return value
 
 
+def _experts_key(cfg: dict) -> str:
+    """HF's Qwen3-MoE config stores ``num_experts`` as ``num_local_experts`` (an attribute map)
+    from transformers 5 on; checkpoints written before say ``num_experts``."""
+    return "num_local_experts" if cfg.get("num_experts") is None and "num_local_experts" in cfg else "num_experts"
+
+
 def parse_moe(cfg: dict, top_k_key: str, router: str, renormalize: bool) -> MoESpec:
     """The MoE fields shared by every supported family; each error names its config field."""
     scoring = cfg.get("scoring_func", "softmax")
@@ -189,16 +195,16 @@ def parse_moe(cfg: dict, top_k_key: str, router: str, renormalize: bool) -> MoES
                 "topk_group"):
         if cfg.get(key):
             raise ValueError(f"MoE config: {key} = {cfg[key]!r} is not supported (no shared or grouped experts)")
-    experts, top_k = _positive(cfg, "num_experts"), _positive(cfg, top_k_key)
+    experts, top_k = _positive(cfg, _experts_key(cfg)), _positive(cfg, top_k_key)
     if top_k > experts:
-        raise ValueError(f"MoE config: {top_k_key} ({top_k}) is larger than num_experts ({experts})")
+        raise ValueError(f"MoE config: {top_k_key} ({top_k}) is larger than {_experts_key(cfg)} ({experts})")
     return MoESpec(experts, top_k, _positive(cfg, "moe_intermediate_size"), router, renormalize)
 
 
 def _qwen3_moe_layers(cfg: dict, n: int) -> list[MoESpec | None]:
     """HF Qwen3-MoE: layer i is sparse unless it is in ``mlp_only_layers`` or (i + 1) is not a
     multiple of ``decoder_sparse_step``; no experts at all (num_experts 0) means all dense."""
-    if not cfg.get("num_experts"):
+    if not cfg.get(_experts_key(cfg)):
         return [None] * n
     step = _get(cfg, "decoder_sparse_step", 1)
     if isinstance(step, bool) or not isinstance(step, int) or step <= 0:

@@ -1,8 +1,10 @@
-"""Llama 2/3, Mistral, Qwen2 and Qwen3: one pre-norm decoder, parameterised by ``LlamaSpec``.
+"""Llama 2/3, Mistral, Qwen2, Qwen3 and Qwen3-MoE: one pre-norm decoder, parameterised by
+``LlamaSpec``.
 
 Differences between the families are flags on the spec: q/k/v(/o) biases (Qwen2, Llama with
 attention_bias), per-head q/k RMSNorm before RoPE (Qwen3), sliding windows (Mistral, Qwen with
-use_sliding_window), llama3 RoPE scaling, tied embeddings.
+use_sliding_window), llama3 RoPE scaling, tied embeddings, and a sparse MoE block in place of
+the MLP on the layers whose ``LayerSpec.moe`` is set (Qwen3-MoE, ``models/moe.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import LayerSpec, LlamaSpec
 from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, qkv_rope_attention, rope_attention
+from gpu_worker.models.moe import SparseMoE
 from gpu_worker.parallel import factory, shard
 
 
@@ -56,7 +59,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, layer: LayerSpec, attn: AttnLayer):
         super().__init__()
         self.self_attn = LlamaAttention(spec, layer, attn)
-        self.mlp = GatedMLP(spec.hidden_size, layer.intermediate_size, spec.hidden_act, bias=spec.mlp_bias)
+        if layer.moe is not None:
+            self.mlp = SparseMoE(spec.hidden_size, layer.moe, spec.hidden_act)
+        else:
+            self.mlp = GatedMLP(spec.hidden_size, layer.intermediate_size, spec.hidden_act, bias=spec.mlp_bias)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

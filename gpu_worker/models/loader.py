@@ -3,7 +3,10 @@
 The module tree mirrors HF's names, so a checkpoint key ``model.layers.3.mlp.up_proj.weight`` is
 our parameter of the same name. The model is built on the meta device (no allocation, no
 random init), materialised empty on ``device`` in ``dtype``, then each tensor is read from the
-safetensors files in its checkpoint dtype and cast into place.
+safetensors files in its checkpoint dtype and cast into place. Two mappings are not one to one:
+a merged projection takes each of its parts' tensors into its rows (``merged_targets``), and a
+MoE layer's ``Experts`` takes either its fused 3-D tensors or every expert's own
+``experts.N.{gate,up,down}_proj.weight`` (``_ExpertKeys``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from safetensors import safe_open
 
 from gpu_worker.models import DRAFT_ARCHITECTURES, model_class
 from gpu_worker.models.config import architecture_of, load_config, parse_config
+from gpu_worker.models.moe import EXPERT_PROJS, Experts
 from gpu_worker.parallel.linear import MergedLinear
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,41 @@ def merged_targets(model) -> dict[str, tuple[str, int, int]]:
     return out
 
 
+class _ExpertKeys:
+    """Per-expert checkpoint keys of the model's ``Experts`` modules: where each one goes, and
+    which of them arrived, so a fused parameter counts as loaded once every expert's part of it
+    did (``experts.gate_up_proj`` needs each expert's gate and up, ``down_proj`` each down)."""
+
+    def __init__(self, model):
+        self.modules = {path: m for path, m in model.named_modules() if isinstance(m, Experts)}
+        self.seen: dict[str, set[tuple[int, str]]] = {}
+
+    def destination(self, name: str) -> tuple[str, torch.Tensor, str, str] | None:
+        """(name, the expert's slice of the fused parameter, module path, projection)."""
+        parts = name.rsplit(".", 3)
+        if len(parts) != 4 or parts[0] not in self.modules or parts[3] != "weight" or parts[2] not in EXPERT_PROJS:
+            return None
+        mod, index = self.modules[parts[0]], parts[1]
+        if not index.isdigit() or int(index) >= mod.num_experts:
+            return None
+        return name, mod.expert_view(int(index), parts[2]), parts[0], parts[2]
+
+    def note(self, module_path: str, name: str) -> None:
+        index, proj = name[len(module_path) + 1 :].split(".")[:2]
+        self.seen.setdefault(module_path, set()).add((int(index), proj))
+
+    def complete(self) -> set[str]:
+        """The fused parameter names every expert's parts have filled."""
+        done = set()
+        for path, got in self.seen.items():
+            e = self.modules[path].num_experts
+            if all((i, p) in got for i in range(e) for p in ("gate_proj", "up_proj")):
+                done.add(f"{path}.gate_up_proj")
+            if all((i, "down_proj") in got for i in range(e)):
+                done.add(f"{path}.down_proj")
+        return done
+
+
 def _destination(targets: dict, merged: dict, name: str) -> tuple[str, torch.Tensor, str, str | None] | None:
     """(the name we count as loaded, the tensor to copy into, its module path, the merged part
     or None) for our name of a checkpoint key."""
@@ -86,6 +125,7 @@ def load_weights(model, model_dir: Path) -> None:
     projection that stand for it); fail on missing ones."""
     targets = model.state_dict(keep_vars=True)  # params + persistent buffers, by HF name
     merged = merged_targets(model)
+    experts = _ExpertKeys(model)
     expected = _expected_names(targets, merged)
     seen: set[str] = set()
     unexpected: list[str] = []
@@ -95,7 +135,7 @@ def load_weights(model, model_dir: Path) -> None:
                 name = model.checkpoint_key(key)
                 if name is None:
                     continue
-                found = _destination(targets, merged, name)
+                found = _destination(targets, merged, name) or experts.destination(name)
                 if found is None:
                     if not model.ignored_checkpoint_key(name):
                         unexpected.append(key)
@@ -107,6 +147,9 @@ def load_weights(model, model_dir: Path) -> None:
                 with torch.no_grad():
                     dst.copy_(src.to(dtype=dst.dtype) if dst.is_floating_point() else src)
                 seen.add(name)
+                if module_path in experts.modules and part is not None:
+                    experts.note(module_path, name)
+    seen |= experts.complete()
     missing = [n for n in expected if n not in seen]
     optional = model.optional_weights()
     for name in [n for n in missing if n in optional]:
