@@ -14,8 +14,10 @@ Two kernels: ``_count_kernel`` (one program: counts per expert, the runs, the bl
 row set to padding, and each expert's first free row in ``cursor``) and ``_place_kernel``
 (programs over the pairs: each takes its row with an atomic increment of its expert's cursor).
 Where all pairs fit one program (``PLACE_IN_COUNT``: small batches) the counting program places
-them too, one launch. The order of pairs inside an expert's run follows the atomics and may vary
-between runs; no value does: a pair's GEMM row depends only on its own input row.
+them too, one launch. Both run only in forwards of more than DECODE_MAX_TOKENS tokens, which
+launch without PDL (``kernels/__init__.py``). The order of pairs inside an expert's run follows
+the atomics and may vary between runs; no value does: a pair's GEMM row depends only on its
+own input row.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.kernels import PDL_ON, next_pow2, pdl
-from gpu_worker.kernels.gdc import gdc_enter
+from gpu_worker.kernels import next_pow2
 
 try:
     import triton
@@ -50,8 +51,7 @@ if triton is not None:
     @triton.jit
     def _count_kernel(ids_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, n_pairs, E, max_padded,
                       max_blocks, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_CHUNK: tl.constexpr, PLACE: tl.constexpr, PDL: tl.constexpr):
-        gdc_enter(PDL)
+                      BLOCK_CHUNK: tl.constexpr, PLACE: tl.constexpr):
         e = tl.arange(0, BLOCK_E)
         counts = tl.zeros([BLOCK_E], tl.int32)
         for start in range(0, n_pairs, CHUNK):
@@ -79,8 +79,7 @@ if triton is not None:
                 _place(ids_ptr, cursor_ptr, sorted_ptr, start, n_pairs, CHUNK)
 
     @triton.jit
-    def _place_kernel(ids_ptr, cursor_ptr, sorted_ptr, n_pairs, CHUNK: tl.constexpr, PDL: tl.constexpr):
-        gdc_enter(PDL)
+    def _place_kernel(ids_ptr, cursor_ptr, sorted_ptr, n_pairs, CHUNK: tl.constexpr):
         _place(ids_ptr, cursor_ptr, sorted_ptr, tl.program_id(0) * CHUNK, n_pairs, CHUNK)
 
 
@@ -113,12 +112,9 @@ def align_block(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignBuffe
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     flat = ids.reshape(-1)
     place = n <= PLACE_IN_COUNT
-    on = pdl(ids, "norm")
     _count_kernel[(1,)](flat, cursor, out.sorted_ids, out.block_expert, out.n_padded, n, num_experts, max_padded,
                         blocks, BLOCK_E=next_pow2(num_experts), BLOCK_M=block_m, CHUNK=CHUNK, BLOCK_CHUNK=BLOCK_CHUNK,
-                        PLACE=place, PDL=on,
-                        num_warps=8, launch_pdl=on == PDL_ON)
+                        PLACE=place, num_warps=8)
     if not place:
-        _place_kernel[(triton.cdiv(n, CHUNK),)](flat, cursor, out.sorted_ids, n, CHUNK=CHUNK, PDL=on,
-                                                 num_warps=4, launch_pdl=on == PDL_ON)
+        _place_kernel[(triton.cdiv(n, CHUNK),)](flat, cursor, out.sorted_ids, n, CHUNK=CHUNK, num_warps=4)
     return out

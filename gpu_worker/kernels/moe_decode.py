@@ -14,7 +14,8 @@ programs exit at once. Passes as in ``moe_gemm.py``:
   the pair's routing weight, rounded, at its row of [T*K, H].
 
 Weight bytes read = the union of the experts the step's tokens selected; the grid depends only
-on T (capturable, no host sync).
+on T (capturable, no host sync), and T is a runtime argument: one compiled variant serves 1-4
+tokens.
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ MP = 16  # x rows padded to tl.dot's smallest tile
 
 if triton is not None:
 
-    @triton.jit
-    def _moe_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, tw_ptr, N, K, sa, sw_e, sw_n, so, T: tl.constexpr,
-                         TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, ACT: tl.constexpr, MP: tl.constexpr,
+    @triton.jit(do_not_specialize=["T"])
+    def _moe_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, tw_ptr, N, K, sa, sw_e, sw_n, so, T, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, ACT: tl.constexpr, MP: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         gdc_enter(PDL)
         p = tl.program_id(0)

@@ -16,15 +16,16 @@ the block's pairs. Two passes, one kernel:
 Programs run in groups of GROUP_M blocks per column tile (blocks of one group reuse W tiles
 from L2: consecutive blocks usually share an expert). The grid covers the most blocks the
 alignment can use; programs past ``n_padded`` exit, so a CUDA graph replays one grid for its
-token count. ``IEEE``: float32 operands with exact products (fp32 models, the interpreter).
+token count. It runs only in forwards of more than DECODE_MAX_TOKENS tokens, which launch
+without PDL (``kernels/__init__.py``). ``IEEE``: float32 operands with exact products (fp32
+models, the interpreter).
 """
 
 from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import PDL_ON, interpreting, pdl
-from gpu_worker.kernels.gdc import gdc_enter
+from gpu_worker.kernels import interpreting
 from gpu_worker.kernels.moe_align import AlignBuffers
 
 try:
@@ -47,8 +48,7 @@ if triton is not None:
     def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, tw_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, N, K, n_pairs,
                          max_blocks, sa, sw_e, sw_n, so, TOP_K: tl.constexpr, ACT: tl.constexpr,
                          WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        gdc_enter(PDL)
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * tiles_n
@@ -99,12 +99,11 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Ali
     if act >= 0 and w.shape[1] != 2 * n:
         raise ValueError(f"gate_up weight rows {w.shape[1]} != 2 x intermediate {n}")
     grid = (align.max_blocks * triton.cdiv(n, cfg["block_n"]),)
-    on = pdl(a, "gemv")
     _moe_gemm_kernel[grid](
         a, w, out, topk_weights if topk_weights is not None else out, align.sorted_ids, align.block_expert,
         align.n_padded, n, k, n_pairs, align.max_blocks, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOP_K=top_k, ACT=act, WEIGHTED=topk_weights is not None, BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], IEEE=a.dtype == torch.float32 or interpreting(), PDL=on,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=on == PDL_ON,
+        BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], IEEE=a.dtype == torch.float32 or interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
