@@ -26,7 +26,10 @@
 #  depth = --overlap-depth 2 vs 3 (DEPTHS) on the bundled pair and Qwen3-0.6B (host-bound shapes);
 #  scale = every dummy shape (SCALE_MODELS) at 1, 64 and 256 requests with no speed flags;
 #  tune = the recipe and the 8B at 64 requests with the decode kernel's launch shape varied,
-#         TANDEM_DECODE_TUNE, fresh processes)
+#         TANDEM_DECODE_TUNE, fresh processes;
+#  moe = Gemma 4 26B-A4B (+ assistant, MTP) and Qwen3-30B-A3B vs their step roofline (moe_bench.py);
+#  moetune = the MoE kernels' launch shapes swept at real shapes (moe_tune.py; writes moe_configs.json
+#            candidates under $OUT))
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
@@ -391,6 +394,27 @@ if has scale; then
   for m in $SCALE_MODELS; do
     echo "   $m"
     off scale_$m 200 --model-path $DM/$m --num-prompts 1,64,256 --input-len 512 --output-len 256 --warmup-rounds 1
+  done
+fi
+if has moe; then
+  # Mixture-of-experts targets (issue 38) on dummy weights: Gemma 4 26B-A4B (and its assistant: the
+  # MTP S=3 step vs the plain step at one request) and Qwen3-30B-A3B at 1 / 64 / 256 requests,
+  # 512 in / 256 out: decode tok/s beside the step roofline of the bytes a step must read (the
+  # experts it selected measured on the device). MOE_MODELS: a subset (one model per call if the
+  # two do not fit one); table in moe.log, figures in moe.json.
+  MOE_MODELS=${MOE_MODELS:-gemma4-26b-a4b,qwen3-30b-a3b}
+  echo "== MoE: $MOE_MODELS, decode vs the step roofline; the 26B-A4B MTP step vs plain"
+  timeout ${MOE_TIMEOUT:-570} python3 benchmarks/moe_bench.py --dummy-dir $DM --out "$OUT" --hbm-json "$OUT/hbm.json" \
+    --models $MOE_MODELS > "$OUT/moe.log" 2>&1 || echo "moe bench failed"
+  tail -14 "$OUT/moe.log"
+fi
+if has moetune; then
+  # The MoE kernels' launch shapes at each MoE config's real shape: best tiles per token count
+  # (moe_tune.py); the entries go into gpu_worker/kernels/moe_configs.json by hand.
+  for c in ${MOETUNE_CONFIGS:-gemma4-26b-a4b qwen3-30b-a3b}; do
+    timeout ${MOETUNE_TIMEOUT:-280} python3 benchmarks/moe_tune.py --config benchmarks/configs/$c.json --out "$OUT" \
+      --budget-s ${MOETUNE_BUDGET:-240} > "$OUT/moe_tune_$c.log" 2>&1 || echo "moe tune $c failed"
+    grep -v "^ *[{}\"]" "$OUT/moe_tune_$c.log" | tail -30
   done
 fi
 if has attn; then

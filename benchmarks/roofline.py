@@ -7,6 +7,8 @@
     step floor    = (weights read + KV read) / copy bandwidth  (HBM, measured in the same run)
 
 ``all_weight_bytes`` (every parameter) is the looser figure the issue's 266 tok/s quotes.
+Mixture-of-experts models (``moe_shapes``, ``moe_step_bytes``) count, of their experts, only
+the union a step selected (measured on the device: ``benchmarks/moe_bench.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,34 @@ def decode_phase_ceiling_tok_s(shapes: dict, w: dict, bandwidth: float, rows: in
     ctx = w["decode_ctx_tokens_per_step"]
     kv = sum(bpt * (min(ctx, win * rows) if win else ctx) for bpt, win in shapes["kv_layers"])
     return w["decode_tokens_per_step"] * bandwidth / (shapes["weight_bytes_read"] + kv)
+
+
+def moe_shapes(model_dir: str, dtype_bytes: int = 2) -> dict:
+    """``model_shapes`` split for a mixture-of-experts model: ``fixed_bytes`` is what every decode
+    step reads whatever it routes (attention, dense MLPs, routers, norms, the LM head; an untied
+    input table not), ``expert_bytes`` one expert's weights in each MoE layer (gate, up, down),
+    in layer order. A step then reads ``fixed_bytes + sum(union_l * expert_bytes[l])``, union_l
+    the experts its tokens selected in layer l."""
+    from gpu_worker.models.moe import Experts
+
+    shapes = model_shapes(model_dir, dtype_bytes)
+    cfg = load_config(model_dir)
+    with torch.device("meta"):
+        model = model_class(architecture_of(cfg))(parse_config(cfg))
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    per = [(m.gate_up_proj[0].numel() + m.down_proj[0].numel()) * dtype_bytes for m in experts]
+    total = sum(p * m.num_experts for p, m in zip(per, experts))
+    return {**shapes, "fixed_bytes": shapes["weight_bytes_read"] - total, "expert_bytes": per,
+            "num_experts": experts[0].num_experts if experts else 0}
+
+
+def moe_step_bytes(shapes: dict, unions: list[float], ctx_tokens: float, rows: int) -> dict:
+    """The bytes one decode step must read: fixed weights, the union of selected experts per MoE
+    layer (``unions``, measured), the KV of ``rows`` rows with ``ctx_tokens`` keys in all (a
+    sliding layer at most its window a row)."""
+    kv = sum(bpt * (min(ctx_tokens, win * rows) if win else ctx_tokens) for bpt, win in shapes["kv_layers"])
+    experts = sum(u * b for u, b in zip(unions, shapes["expert_bytes"]))
+    return {"fixed": shapes["fixed_bytes"], "experts": experts, "kv": kv, "total": shapes["fixed_bytes"] + experts + kv}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ rounding where HF rounds (``norm.py``'s row helpers).
   ``norm(x) * scale * 1/sqrt(H)`` (a weightless norm, then two products, each rounded) and the
   experts' input ``pre_feedforward_layernorm_2(x)``, one read of x;
 - ``gemma_moe_combine`` (Gemma 4): ``post_feedforward_layernorm_1(dense) +
-  post_feedforward_layernorm_2(moe)``, both norms and the sum rounded as HF.
+  post_feedforward_layernorm_2(moe)``, both norms and the sum rounded as HF;
+- ``gemma_moe_tail`` (Gemma 4 without PLE, one rank): the layer's end in one kernel: the slots'
+  sum, the combine above, then the residual add of ``post_feedforward_layernorm``, the layer
+  scalar and the next layer's input norm (``norm.py``'s MODE_NORM_ADD), three kernels' work.
 """
 
 from __future__ import annotations
@@ -68,6 +71,26 @@ if triton is not None:
         b = _norm_row(mo, w2_ptr, cols, msk, H, eps, True, True, DT)
         tl.store(out_ptr + row * H + cols, (a + b).to(DT), mask=msk)
 
+    @triton.jit
+    def _gemma_tail_kernel(d_ptr, p_ptr, x_ptr, w1_ptr, w2_ptr, wp_ptr, wn_ptr, s_ptr, out_ptr, H, sd, sx, eps,
+                           TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        gdc_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < H
+        DT = out_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK], tl.float32)
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(p_ptr + (row * TOP_K + k) * H + cols, mask=m, other=0.0).to(tl.float32)
+        moe = _norm_row(_rnd(acc, DT), w2_ptr, cols, m, H, eps, True, True, DT)
+        d = tl.load(d_ptr + row * sd + cols, mask=m, other=0.0).to(tl.float32)
+        h = _rnd(_norm_row(d, w1_ptr, cols, m, H, eps, True, True, DT) + moe, DT)
+        x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
+        r = _rnd(x + _norm_row(h, wp_ptr, cols, m, H, eps, True, True, DT), DT)
+        r = _rnd(r * tl.load(s_ptr).to(tl.float32), DT)
+        tl.store(x_ptr + row * sx + cols, r.to(DT), mask=m)
+        tl.store(out_ptr + row * H + cols, _norm_row(r, wn_ptr, cols, m, H, eps, True, True, DT).to(DT), mask=m)
+
 
 def moe_sum(pairs: torch.Tensor, top_k: int) -> torch.Tensor:
     """pairs [T*K, H] (contiguous) -> [T, H]: each token's K slots summed (float32, slot order)."""
@@ -103,4 +126,19 @@ def gemma_moe_combine(dense: torch.Tensor, moe: torch.Tensor, w1: torch.Tensor, 
         on = pdl(dense, "norm")
         _gemma_combine_kernel[(t,)](dense, moe.contiguous(), w1, w2, out, h, dense.stride(0), eps, BLOCK=next_pow2(h),
                                     PDL=on, num_warps=4 if h <= 4096 else 8, launch_pdl=on == PDL_ON)
+    return out
+
+
+def gemma_moe_tail(dense: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w_post: torch.Tensor, w_next: torch.Tensor, scale: torch.Tensor, eps: float,
+                   top_k: int) -> torch.Tensor:
+    """A Gemma 4 MoE layer's end (module docstring): x <- (x + post(norm1(dense) + norm2(sum of
+    the slots))) * scale, in place; returns next_norm(x). ``slots`` [T*K, H] contiguous."""
+    t, h = x.shape
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t:
+        on = pdl(x, "norm")
+        _gemma_tail_kernel[(t,)](dense, slots, x, w1, w2, w_post, w_next, scale, out, h, dense.stride(0), x.stride(0),
+                                 eps, TOP_K=top_k, BLOCK=next_pow2(h), PDL=on, num_warps=4 if h <= 4096 else 8,
+                                 launch_pdl=on == PDL_ON)
     return out

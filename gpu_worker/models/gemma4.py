@@ -23,7 +23,7 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.embed import embed_cat, embed_scaled
-from gpu_worker.kernels.moe_norm import gemma_moe_combine, gemma_moe_inputs
+from gpu_worker.kernels.moe_norm import gemma_moe_combine, gemma_moe_inputs, gemma_moe_tail
 from gpu_worker.kernels.softcap import softcap_float
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
@@ -119,6 +119,9 @@ class Gemma4DecoderLayer(nn.Module):
         h, x = self.post_attention_layernorm.norm_add(h, x, next_norm=self.pre_feedforward_layernorm)
         h = self.mlp(h)
         if self.moe:
+            ended = None if self.ple_dim else self._moe_to_layer_end(h, x, next_norm)
+            if ended is not None:
+                return ended, x
             h = self._moe(h, x)
         if not self.ple_dim:
             return self.post_feedforward_layernorm.norm_add(h, x, next_norm=next_norm, scale=self.layer_scalar)
@@ -126,20 +129,37 @@ class Gemma4DecoderLayer(nn.Module):
         h = self.per_layer_projection(gated(self.act_name, self.per_layer_input_gate(x), per_layer_input))
         return self.post_per_layer_input_norm.norm_add(h, x, next_norm=next_norm, scale=self.layer_scalar)
 
-
     def _moe(self, dense: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """HF: ``post_feedforward_layernorm_1(dense) + post_feedforward_layernorm_2(experts(
         pre_feedforward_layernorm_2(x)))``, the experts routed on x, the residual stream the MLP's
         input was normed from. On the kernel path the router's and the experts' inputs come from
         one kernel, and the two norms and their sum from another."""
         if use_triton(x):
-            r, e = gemma_moe_inputs(x, self.router.scale, self.pre_feedforward_layernorm_2.weight, self.eps,
-                                    self.router.root)
+            r, e = self._moe_router_and_experts_inputs(x)
             m = self.experts(e, *self.router.route(r))
             return gemma_moe_combine(dense, m, self.post_feedforward_layernorm_1.weight,
                                      self.post_feedforward_layernorm_2.weight, self.eps)
         m = self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
         return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(m)
+
+
+    def _moe_router_and_experts_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gemma_moe_inputs(x, self.router.scale, self.pre_feedforward_layernorm_2.weight, self.eps,
+                                self.router.root)
+
+    def _moe_to_layer_end(self, dense: torch.Tensor, x: torch.Tensor, next_norm: GemmaRMSNorm) -> torch.Tensor | None:
+        """The MoE block and the layer's end (``post_feedforward_layernorm``'s residual add, the
+        layer scalar, ``next_norm``) with the experts' slot sum in one kernel (``gemma_moe_tail``);
+        None where the experts give no per-slot outputs (torch path, TP > 1): the caller runs
+        ``_moe`` and the usual end. Updates x in place; returns ``next_norm(x)``."""
+        if not self.experts.gives_slots(x):
+            return None
+        r, e = self._moe_router_and_experts_inputs(x)
+        ids, weights = self.router.route(r)
+        slots = self.experts.slots(e, ids, weights)
+        return gemma_moe_tail(dense, slots, x, self.post_feedforward_layernorm_1.weight,
+                              self.post_feedforward_layernorm_2.weight, self.post_feedforward_layernorm.weight,
+                              next_norm.weight, self.layer_scalar, self.eps, ids.shape[1])
 
 
 class Gemma4Backbone(nn.Module):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.kernels import use_triton
-from gpu_worker.kernels.gemv import linear
+from gpu_worker.kernels.gemv import GEMV_MAX_M, gemv, launch_config, launch_tiles, linear, short_k_splits
 from gpu_worker.kernels.moe import fused_experts
 from gpu_worker.kernels.moe_route import route_topk
 from gpu_worker.models.config import MoESpec
@@ -38,6 +38,19 @@ from gpu_worker.parallel.shard import Rows
 from gpu_worker.parallel.state import tp_size
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T. At 1-4 half-precision rows on the kernel path the Triton GEMV takes it
+    however small the router: in a decode graph a cuBLAS call would break the chain of
+    PDL-launched kernels (``kernels/gemv.py``)."""
+    if (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(1) == 1 and weight.is_contiguous() and use_triton(x)):
+        cfg = launch_config(x.shape[0], weight)
+        if cfg is not None:
+            splits = short_k_splits(launch_tiles(weight.shape[0], cfg), weight.shape[1], cfg["block_k"], x.device)
+            return gemv(x, weight, splits=splits, **cfg)
+    return linear(x, weight)
 
 
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool, expert_scale: torch.Tensor | None,
@@ -72,7 +85,7 @@ class SoftmaxRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(linear(x, self.weight), self.spec, None, x.dtype)
+        return route(router_logits(x, self.weight), self.spec, None, x.dtype)
 
 
 class Gemma4Router(nn.Module):
@@ -94,7 +107,7 @@ class Gemma4Router(nn.Module):
 
     def route(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing from the router input ``r`` (``inputs(x)``, or its fused kernel)."""
-        return route(linear(r, self.proj.weight), self.spec, self.per_expert_scale, None)
+        return route(router_logits(r, self.proj.weight), self.spec, self.per_expert_scale, None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route(self.inputs(x))
@@ -120,6 +133,17 @@ class Experts(nn.Module):
         else:
             out = self._reference(x, ids, weights)
         return all_reduce(out)
+
+    def gives_slots(self, x: torch.Tensor) -> bool:
+        """Whether ``slots`` serves ``x``: the kernel path on one rank (under TP the all-reduce
+        comes between the slots' sum and whatever follows)."""
+        return tp_size() == 1 and use_triton(x)
+
+    def slots(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each slot's weighted expert output [T*K, H] unsummed (slot k of token t at row t*K + k),
+        for a caller that fuses the sum into its next kernel (where ``gives_slots``)."""
+        assert self.gives_slots(x)
+        return fused_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.act_name, sum_slots=False)
 
     def _reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """HF's eager loop: expert by expert in id order, each slot's output added in the model

@@ -13,7 +13,7 @@ from gpu_worker.kernels import interpreting
 from gpu_worker.kernels.moe import fused_experts
 from gpu_worker.kernels.moe_align import align_block, max_padded_rows
 from gpu_worker.kernels.moe_decode import DECODE_MAX_TOKENS
-from gpu_worker.kernels.moe_norm import gemma_moe_combine, gemma_moe_inputs, moe_sum
+from gpu_worker.kernels.moe_norm import gemma_moe_combine, gemma_moe_inputs, gemma_moe_tail, moe_sum
 from gpu_worker.kernels.moe_route import route_topk
 from tests.unit.kernel_refs import ref_experts, ref_rms_norm, ref_route
 
@@ -137,3 +137,20 @@ def test_gemma_moe_norms_round_as_hf(dtype):
             torch.testing.assert_close(got.cpu(), want, rtol=2e-6, atol=2e-6)
         else:
             _close_bf16(got.cpu(), want.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_moe_tail_is_the_three_kernels_it_replaces(dtype):
+    """The slot sum, the combine, and norm.py's residual add + layer scalar + next norm."""
+    from gpu_worker.kernels.norm import MODE_NORM_ADD, launch_norm
+
+    t, k, h, eps = 3, 4, 48, 1e-6
+    d, x = (torch.randn(t, h).to(dtype).to(DEV) for _ in range(2))
+    slots = torch.randn(t * k, h).to(dtype).to(DEV)
+    w1, w2, wp, wn = ((torch.rand(h) + 0.5).to(dtype).to(DEV) for _ in range(4))
+    scale = torch.tensor([0.8], dtype=dtype, device=DEV)
+    x_ref = x.clone()
+    h_ref = gemma_moe_combine(d, moe_sum(slots, k), w1, w2, eps)
+    want = launch_norm(MODE_NORM_ADD, h_ref, x_ref, wp, wn, scale, eps, gemma=True)
+    got = gemma_moe_tail(d, slots, x, w1, w2, wp, wn, scale, eps, k)
+    assert torch.equal(x.cpu(), x_ref.cpu()) and torch.equal(got.cpu(), want.cpu())

@@ -85,10 +85,11 @@ def test_both_expert_layouts_load_the_same_weights(name, built, tmp_path):
         assert torch.equal(sa[k], sb[k]), k
 
 
-@pytest.mark.parametrize("name", ["gemma4_moe", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["gemma4_moe", "gemma4_moe_ple_shared", "qwen3_moe"])
 def test_kernel_path_matches_hf(name, built, monkeypatch):
     """The MoE kernels (routing, alignment + grouped GEMM on prefill chunks, the decode path on
-    decode rows) under the interpreter, with the triton attention backend."""
+    decode rows; Gemma 4's layer end fused with the slot sum, or with PLE the separate combine)
+    under the interpreter, with the triton attention backend."""
     path = built(name)
     monkeypatch.setattr("gpu_worker.kernels._CPU_KERNELS", [True])
     ours = load_model(path, dtype=torch.float32)
