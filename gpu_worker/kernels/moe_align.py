@@ -48,7 +48,9 @@ if triton is not None:
         row = tl.atomic_add(cursor_ptr + e, 1, mask=m)
         tl.store(sorted_ptr + row, i, mask=m)
 
-    @triton.jit
+    # The pair and row counts vary with every step's token count: not specialised on (no compile
+    # per new size while serving).
+    @triton.jit(do_not_specialize=["n_pairs", "max_padded", "max_blocks"])
     def _count_kernel(ids_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, n_pairs, E, max_padded,
                       max_blocks, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_CHUNK: tl.constexpr, PLACE: tl.constexpr):
@@ -78,7 +80,7 @@ if triton is not None:
             for start in range(0, n_pairs, CHUNK):
                 _place(ids_ptr, cursor_ptr, sorted_ptr, start, n_pairs, CHUNK)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_pairs"])
     def _place_kernel(ids_ptr, cursor_ptr, sorted_ptr, n_pairs, CHUNK: tl.constexpr):
         _place(ids_ptr, cursor_ptr, sorted_ptr, tl.program_id(0) * CHUNK, n_pairs, CHUNK)
 

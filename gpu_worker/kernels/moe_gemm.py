@@ -16,7 +16,8 @@ the block's pairs. Two passes, one kernel:
 Programs run in groups of GROUP_M blocks per column tile (blocks of one group reuse W tiles
 from L2: consecutive blocks usually share an expert). The grid covers the most blocks the
 alignment can use; programs past ``n_padded`` exit, so a CUDA graph replays one grid for its
-token count. It runs only in forwards of more than DECODE_MAX_TOKENS tokens, which launch
+token count; that count and the grid's size are runtime arguments the JIT does not specialise
+on, so a step of a new size compiles nothing. It runs only in forwards of more than DECODE_MAX_TOKENS tokens, which launch
 without PDL (``kernels/__init__.py``). ``IEEE``: float32 operands with exact products (fp32
 models, the interpreter).
 """
@@ -44,7 +45,7 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         return tl.dot(a, b, acc)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_pairs", "max_blocks"])
     def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, tw_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, N, K, n_pairs,
                          max_blocks, sa, sw_e, sw_n, so, TOP_K: tl.constexpr, ACT: tl.constexpr,
                          WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -5,9 +5,11 @@ frozen-KV assistant (MTP == plain == HF); in bf16, the graphs give the eager pat
 
 from __future__ import annotations
 
-import pytest
+import functools
 
-from tests.gpu.test_gpu_parity import hf_greedy_cuda
+import pytest
+import torch
+
 from tests.helpers.checkpoints import build_assistant, build_gemma4_moe, build_qwen3_moe
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
@@ -16,6 +18,31 @@ from tests.helpers.oracle_draft import BigramDraft, bigram_table
 # than the chunk: the experts' decode path (1-4 tokens) and grouped path (more) both run.
 PROMPTS = [[5, 17, 33, 99, 120, 7, 8, 9, 10, 11] * 3, [4, 5, 6], list(range(10, 60)), [200] * 40, [7, 8]]
 NEW = 24
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_cuda(model_dir):
+    """HF's model in float32 on the GPU, its experts as its eager loop (exact float32 products;
+    HF's default grouped kernels may round through another precision on the GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
+    model = model.cuda().eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@functools.lru_cache(maxsize=512)
+def _hf_greedy(model_dir, prompt, n):
+    ids = torch.tensor([list(prompt)], device="cuda")
+    with torch.no_grad():
+        out = _hf_cuda(model_dir).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                           do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_greedy_cuda(model_dir, prompt, n):
+    return _hf_greedy(model_dir, tuple(prompt), n)
 
 
 @pytest.fixture(scope="module")

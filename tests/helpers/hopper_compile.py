@@ -335,6 +335,10 @@ def record_moe_configs() -> None:
                 grouped_gemm(torch.randn(5, h).to(dtype), gate_up, inter, align, 5 * k, k, bucket["gate_up"], act=0)
                 grouped_gemm(inter, down, torch.empty(5 * k, h, dtype=dtype), align, 5 * k, k, bucket["down"],
                              topk_weights=torch.rand(5 * k))
+    from gpu_worker.kernels.moe_norm import gemma_moe_combine
+
+    rows = torch.randn(3, h).bfloat16()  # Gemma 4's separate combine: PLE layers, TP > 1
+    gemma_moe_combine(rows, rows, torch.ones(h).bfloat16(), torch.ones(h).bfloat16(), 1e-6)
     many = PLACE_IN_COUNT // 2 + 1  # tokens of two slots past one program's placing
     fused_experts(torch.randn(many, h).bfloat16(), torch.randn(e, 2 * i, h).bfloat16(), torch.randn(e, h, i).bfloat16(),
                   torch.randint(0, e, (many, 2)).int(), torch.rand(many, 2), "gelu_pytorch_tanh")
