@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tokenizer_proc.formatting import openai_stop_reason
 from tokenizer_proc.request_state import RequestState, TokenLogprob
 from tokenizer_proc.streaming import ChoiceResult
 from tokenizer_proc.tokenizer import TextTokenizer
@@ -86,6 +87,7 @@ def prompt_logprobs(tok: TextTokenizer, state: RequestState) -> list[dict[int, L
 
 
 def completion_output(tok: TextTokenizer, result: ChoiceResult, want_logprobs: bool) -> CompletionOutput:
+    """``stop_reason`` as the HTTP API reports it (None for the tokenizer's EOS, as vLLM)."""
     logprobs = sample_logprobs(tok, result.token_ids, result.logprobs) if want_logprobs else None
     return CompletionOutput(
         index=result.state.index,
@@ -94,7 +96,7 @@ def completion_output(tok: TextTokenizer, result: ChoiceResult, want_logprobs: b
         cumulative_logprob=sum(lp for lp, _ in result.logprobs) if want_logprobs else None,
         logprobs=logprobs,
         finish_reason=result.finish_reason,
-        stop_reason=result.stop_reason,
+        stop_reason=openai_stop_reason(result.stop_reason, result.state.params, tok.eos_id),
     )
 
 
