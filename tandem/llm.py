@@ -48,9 +48,14 @@ _json = msgspec.json.Encoder()
 
 
 class _NoText:
-    """The decoder of ``detokenize=False``: token ids only, no detokenizer work."""
+    """A request's detokenizer under ``detokenize=False``: token ids only, no text, no work."""
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    has_pending = False
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
         return ""
 
 
@@ -169,9 +174,11 @@ class LLM:
 
     def _planned(self, text: str | None, plan: GenPlan, sp: SamplingParams) -> PlannedRequest:
         request_id = str(next(self._ids))
-        decoder = self.tokenizer if sp.detokenize else _NoText()
         states = [RequestState(f"llm-{request_id}-{j}", j, plan.prompts[0], plan.choice_params(j), plan.stop_cfg,
-                               decoder) for j in range(plan.n)]
+                               self.tokenizer) for j in range(plan.n)]
+        if not sp.detokenize:
+            for state in states:
+                state.detok = _NoText()
         return PlannedRequest(request_id, text, states, sp.logprobs is not None)
 
     # ------------------------------------------------------------------ running

@@ -23,7 +23,8 @@ from proto.arrays import pack_i32
 from proto.curve import load_keys
 from proto.messages import EngineDead, GenerateReq, SamplingParams
 from tests.e2e.api_util import metric, metrics
-from tests.e2e.ops_util import StreamEnd, engine_children, pid_alive, stream_completion, wait_until
+from benchmarks.stream_ends import StreamEnd, engine_children, stream_completion
+from tests.e2e.ops_util import pid_alive, wait_until
 from tandem.cli import main
 from tests.helpers.server import Server
 
