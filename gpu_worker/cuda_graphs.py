@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -57,11 +56,6 @@ def graph_buckets(requested: tuple[int, ...] | None, max_bs: int | None, max_slo
     if not requested and (not base or base[-1] < cap):
         base.append(cap)
     return base
-
-
-def greedy_tail_enabled() -> bool:
-    """``TANDEM_GREEDY_TAIL=0`` sends all-greedy graph steps through the eager tail too (A/Bs)."""
-    return os.environ.get("TANDEM_GREEDY_TAIL", "1") != "0"
 
 
 def fitting_bucket(sizes: list[int], n: int) -> int | None:
