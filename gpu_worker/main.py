@@ -21,17 +21,17 @@ import torch
 import zmq
 
 from gpu_worker.attention import create_backend, resolve_backend
-from gpu_worker.cuda_graphs import graph_buckets
+from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.models.eos import read_eos_token_ids
 from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
-from gpu_worker.prefill_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
-from gpu_worker.runner import ModelRunner
+from gpu_worker.graphs.prefill import MAX_TOKENS as PIECEWISE_MAX_TOKENS
+from gpu_worker.step.runner import ModelRunner
 from gpu_worker.settings import DevSettings
-from gpu_worker.slots import SlotState
-from gpu_worker.warmup import prefill_sizes, warm_prefill
+from gpu_worker.step.slots import SlotState
+from gpu_worker.graphs.warmup import prefill_sizes, warm_prefill
 from gpu_worker.sizing import plan_capacity
 from proto.args import ServerArgs
 from proto.messages import Shutdown, StepPlan, WorkerError, WorkerReady

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gpu_worker.attention import resolve_backend
-from gpu_worker.cuda_graphs import DEFAULT_BUCKETS, graph_buckets
-from gpu_worker.staging import Staging, _padded
+from gpu_worker.graphs.decode import DEFAULT_BUCKETS, graph_buckets
+from gpu_worker.step.staging import Staging, _padded
 
 
 def test_staging_round_trips_ints_and_floats():

@@ -13,19 +13,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, stage_target_batch
-from gpu_worker.cuda_graphs import DecodeBody, DecodeGraphs
-from gpu_worker.grammar import GrammarRows
+from gpu_worker.step.batch import PlanRows, build_draft_batch, build_target_batch, stage_target_batch
+from gpu_worker.graphs.decode import DecodeBody, DecodeGraphs
+from gpu_worker.structured.grammar import GrammarRows
 from gpu_worker.kernels import enable_cpu_kernels
-from gpu_worker.prefill_graphs import PrefillGraphs
-from gpu_worker.processors import LogitProcessors
-from gpu_worker.prompt_logprobs import prompt_logprob_rows
-from gpu_worker.sampling import RowSampling, sample, token_logprobs
+from gpu_worker.graphs.prefill import PrefillGraphs
+from gpu_worker.step.processors import LogitProcessors
+from gpu_worker.step.prompt_logprobs import prompt_logprob_rows
+from gpu_worker.step.sampling import RowSampling, sample, token_logprobs
 from gpu_worker.settings import DevSettings
-from gpu_worker.slots import SlotState
-from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain, verify
-from gpu_worker.staging import StageBatch, Staging
-from gpu_worker.step_timer import StepTimer
+from gpu_worker.step.slots import SlotState
+from gpu_worker.spec.mtp import DRAFT_ROPE_OFFSET, draft_chain, verify
+from gpu_worker.step.staging import StageBatch, Staging
+from gpu_worker.step.timer import StepTimer
 from proto.messages import Logprobs, SlotError, StepPlan, StepResult
 
 

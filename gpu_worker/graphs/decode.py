@@ -41,7 +41,7 @@ from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.argmax import argmax_last
 from gpu_worker.kernels.decode_inputs import decode_inputs, draft_inputs
 from gpu_worker.kernels.decode_tail import greedy_tail
-from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain
+from gpu_worker.spec.mtp import DRAFT_ROPE_OFFSET, draft_chain
 
 log = logging.getLogger("tandem.worker")
 
