@@ -32,7 +32,7 @@ import msgspec
 from proto.args import ServerArgs, validate
 from proto.jinja_env import read_template_source
 from tandem.llm_batch import BatchRun, PlannedRequest
-from tandem.llm_engine import EngineLink
+from tandem.llm_engine import EngineError, EngineLink
 from tandem.llm_outputs import RequestOutput, completion_output, prompt_logprobs, request_metrics
 from tandem.llm_params import SamplingParams
 from tokenizer_proc.chat_template import ChatTemplate
@@ -183,6 +183,8 @@ class LLM:
 
     # ------------------------------------------------------------------ running
     def _run(self, planned: list[PlannedRequest], use_tqdm: bool | Callable) -> list[RequestOutput]:
+        if self._engine.dead_reason is not None:
+            raise EngineError(f"the engine died: {self._engine.dead_reason}")
         if self._engine.closed:
             raise RuntimeError("this LLM was shut down")
         bar = _progress(use_tqdm, len(planned))

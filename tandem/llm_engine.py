@@ -55,6 +55,7 @@ class EngineLink:
         self.requests: PushChannel = PushChannel(self.zctx, "requests", self.sup.endpoints.requests)
         self.stats: SchedulerStats | None = None
         self.closed = False
+        self.dead_reason: str | None = None
         try:
             with caller_main_hidden():
                 self.sup.start_engine()
@@ -85,13 +86,15 @@ class EngineLink:
         return msg
 
     def check_alive(self) -> None:
+        """EngineError when a process died or reported a failure; the rest are stopped then."""
         dead = [(role, p.exitcode) for role, p in self.sup.procs.items() if not p.is_alive()]
         reason = self._reported_error(STATUS_GRACE_S if dead else 0.0)
+        if reason is None and dead:
+            reason = f"{dead[0][0]} process exited with code {dead[0][1]}"
         if reason is not None:
+            self.dead_reason = reason
+            self.close(timeout=2.0)
             raise EngineError(reason)
-        if dead:
-            role, code = dead[0]
-            raise EngineError(f"{role} process exited with code {code}")
 
     def _reported_error(self, wait_s: float) -> str | None:
         """A child's one-line reason for failing (start-up errors come this way)."""

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from benchmarks.stream_ends import engine_children
 from tandem import LLM, SamplingParams, StructuredOutputsParams
+from tandem.llm_engine import EngineError
 from tests.e2e.ops_util import pid_alive, wait_until
 from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.server import ROOT, Server
@@ -167,6 +170,18 @@ def test_engine_arguments_are_checked_before_any_process(tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="--overlap-depth"):
         LLM(TARGET, overlap_depth=7)
+
+
+def test_an_engine_that_cannot_start_is_one_line_and_no_process(tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TARGET, name), tmp_path / name)
+    with open(os.path.join(TARGET, "config.json")) as f:
+        config = {**json.load(f), "architectures": ["NoSuchModelForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    before = set(engine_children(os.getpid()).values())
+    with pytest.raises(EngineError, match="^worker: .*NoSuchModelForCausalLM"):
+        LLM(str(tmp_path), **QUIET)
+    assert set(engine_children(os.getpid()).values()) == before
 
 
 def test_with_block_and_script_exit_leave_no_process(ckpts, tmp_path):
