@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import msgspec
 
 from proto.args import ServerArgs, validate
+from proto.messages import SchedulerStats
 from proto.jinja_env import read_template_source
 from tandem.llm_batch import BatchRun, PlannedRequest
 from tandem.llm_engine import EngineError, EngineLink
@@ -124,7 +125,7 @@ class LLM:
         """The front's tokenizer (``encode``, ``decode``; ``tokenizer.json`` through ``tokenizers``)."""
         return self.tokenizer
 
-    def engine_stats(self):
+    def engine_stats(self) -> SchedulerStats | None:
         """The scheduler's latest ``SchedulerStats`` (cumulative counters: steps, speculative
         acceptance, device busy time ...), once it reports idle after the last call."""
         return self._engine.idle_stats()
