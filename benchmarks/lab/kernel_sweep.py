@@ -104,7 +104,7 @@ def gemm_rows(bw: float) -> list[dict]:
 # the Gemma-4 9B shape's projections (sliding-layer qkv / o), with the split-K the engine uses
 # past SKINNY_MAX_K: cuBLAS, the one-row FMA kernel, and the tensor-core variant's launch shapes.
 # (The FMA kernel at 2-4 rows, with and without a deferred reduction, lost to cuBLAS by 2-3x on
-# every shape: h200-2026-12-03g.)
+# every shape.)
 GEMMA = [("qkv", 8192, 3840), ("o", 3840, 4096), ("gate_up", 30720, 3840), ("down", 3840, 15360)]
 ROW_SHAPES = [(f"{model} {n}", m, nn, k) for m in (1, 2, 4) for model, shapes in (("llama", LLAMA), ("gemma", GEMMA))
               for n, nn, k in shapes]
@@ -164,7 +164,7 @@ def narrow_rows(bw: float) -> list[dict]:
 
 # (``wide``) The tensor-core GEMV at decode batches of 32 and 64 rows against cuBLAS, on
 # Llama-3.1-8B's projections: at 64 rows the 8B step's cuBLAS GEMMs run at 65-85 % of the copy
-# bandwidth (h200-2026-12-03t), and the GEMV's weight stream does not depend on M.
+# bandwidth, and the GEMV's weight stream does not depend on M.
 WIDE_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, dot=True)
                 for bn, bk, st in ((32, 128, 4), (64, 128, 3), (64, 64, 4))]
 
@@ -177,7 +177,7 @@ def wide_rows(bw: float) -> list[dict]:
 # (model, rows, context, query heads, KV heads, pages shuffled, head dim, queries per row): the
 # Qwen3 recipe's and Llama-8B's decode, and the MTP step's short-context reads on the Gemma-4 9B
 # shape: the verify (4 queries a row) and the draft (one), on sliding layers (head dim 256) and
-# full ones (512) -- latency-bound at ~600 keys (BENCHMARKS.md 2026-12-05, third session).
+# full ones (512) -- latency-bound at ~600 keys.
 ATTN_CASES = [("qwen3-0.6b", 256, 812, 16, 8, False, 128, 1), ("qwen3-0.6b", 256, 812, 16, 8, True, 128, 1),
               ("llama-8b", 64, 640, 32, 8, True, 128, 1), ("llama-8b", 1, 560, 32, 8, False, 128, 1),
               ("gemma-9b sliding verify", 1, 640, 16, 8, False, 256, 4),

@@ -121,7 +121,7 @@ def test_ops_flags(monkeypatch):
 
 
 def test_overlap_depth_flag():
-    assert parse_server_args([]).step_depth == 3  # the default since 2026-12-05 (BENCHMARKS.md)
+    assert parse_server_args([]).step_depth == 3  # the default (docs/decisions/overlap.md)
     assert parse_server_args(["--overlap-depth", "2"]).step_depth == 2
     assert parse_server_args(["--disable-overlap-schedule"]).step_depth == 1
     assert parse_server_args(["--overlap-depth", "3", "--disable-overlap-schedule"]).step_depth == 1
