@@ -15,8 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from proto.args import ArgError
-from proto.auth import APIKeyMiddleware
+from common.args import ArgError
+from common.auth import APIKeyMiddleware
 from router.config import RouterConfig, normalize_url
 from router.metrics import RouterMetrics
 from router.monitor import Monitor

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from proto.args import LOG_LEVELS, ArgError
+from common.args import LOG_LEVELS, ArgError
 
 _HOST_RE = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+")
 POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "consistent_hash")
@@ -74,7 +74,7 @@ class RouterConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     cache: CacheAwareConfig = field(default_factory=CacheAwareConfig)
-    api_key: str | None = field(default=None, repr=False)  # proto/auth.py; or TANDEM_API_KEY
+    api_key: str | None = field(default=None, repr=False)  # common/auth.py; or TANDEM_API_KEY
     metrics_require_key: bool = False
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from proto.args import BUNDLED_MODEL_DIR, ArgError, parse_server_args
+from common.args import BUNDLED_MODEL_DIR, ArgError, parse_server_args
 
 USAGE = ("usage: tandem serve [MODEL | --model-path DIR] [--dp-size N] [options]   (tandem serve --help)\n"
          "       tandem router --worker-urls URL... [--policy cache_aware] [options]   (tandem router --help)\n"
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
     if "-h" in argv[1:] or "--help" in argv[1:]:
-        from proto.args import build_parser
+        from common.args import build_parser
 
         build_parser().print_help()
         from tandem.dp import DP_HELP

@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 
-from proto.args import ArgError, ServerArgs
+from common.args import ArgError, ServerArgs
 
 log = logging.getLogger("tandem")
 

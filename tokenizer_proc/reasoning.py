@@ -47,7 +47,7 @@ def _qwen3(kwargs: dict) -> bool:
     return bool(kwargs.get("enable_thinking", True))
 
 
-# name -> whether an answer starts in reasoning when the prompt does not say (names: proto.args)
+# name -> whether an answer starts in reasoning when the prompt does not say (names: common.args)
 PARSERS: dict[str, Callable[[dict], bool]] = {"deepseek_r1": _deepseek_r1, "qwen3": _qwen3}
 
 

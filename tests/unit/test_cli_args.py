@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from proto.args import BUNDLED_MODEL_DIR, REASONING_PARSERS, ArgError, parse_server_args
+from common.args import BUNDLED_MODEL_DIR, REASONING_PARSERS, ArgError, parse_server_args
 from tandem.cli import main as cli_main
 
 TARGET = os.path.join(BUNDLED_MODEL_DIR, "target")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from proto.args import ArgError, parse_server_args
+from common.args import ArgError, parse_server_args
 from tandem.cli import main as cli_main
 
 FORMS = [

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto.args import REASONING_PARSERS
+from common.args import REASONING_PARSERS
 from tokenizer_proc.reasoning import CLOSE, OPEN, PARSERS, ReasoningParser, split_reasoning, starts_in_reasoning
 from tokenizer_proc.tool_parsers import accumulate, parse_complete, parser_class
 

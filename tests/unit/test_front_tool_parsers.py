@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto.args import TOOL_CALL_PARSERS
+from common.args import TOOL_CALL_PARSERS
 from tests.unit.tool_parser_util import assert_split_invariant, shape, sized, stream, whole
 from tokenizer_proc.tool_parsers import PARSERS, parser_class
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proto.args import ArgError
+from common.args import ArgError
 from router.config import normalize_url, parse_router_args
 from tandem.cli import main
 from tandem.dp import split_dp_args
@@ -71,7 +71,7 @@ def test_split_dp_args():
 
 
 def test_dp_engine_commands(monkeypatch, tmp_path):
-    from proto.args import parse_server_args
+    from common.args import parse_server_args
     from tandem.dp import DataParallel, _gpu_ids
 
     argv = ["--run-dir", str(tmp_path), "--port", "9000", "--seed", "7"]
@@ -108,7 +108,7 @@ def test_router_api_key_flags(monkeypatch):
 def test_dp_hands_the_api_key_to_the_router(monkeypatch):
     """--dp-size with --api-key: the router child gets the key (in its environment, not its
     argv) and --metrics-require-key, so it guards its own routes and can talk to the engines."""
-    from proto.args import parse_server_args
+    from common.args import parse_server_args
     from tandem import dp as dp_mod
 
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)

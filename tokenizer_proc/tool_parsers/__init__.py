@@ -1,6 +1,6 @@
 """Tool-call parsers by name (``tandem serve --tool-call-parser NAME``).
 
-The names are also listed in ``proto.args.TOOL_CALL_PARSERS``, which the CLI checks without
+The names are also listed in ``common.args.TOOL_CALL_PARSERS``, which the CLI checks without
 importing this process's package; a unit test keeps the two lists equal.
 """
 

@@ -205,7 +205,7 @@ def _validate_chat(args: ServerArgs) -> None:
                        f"got {args.reasoning_parser!r}")
     if args.chat_template is None:
         return
-    from proto.jinja_env import compile_template, read_template_source  # noqa: PLC0415 - jinja2 only when asked
+    from common.jinja_env import compile_template, read_template_source  # noqa: PLC0415 - jinja2 only when asked
 
     try:
         compile_template(read_template_source(args.chat_template))
@@ -270,7 +270,7 @@ def _validate_spec(args: ServerArgs) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from proto.serve_flags import build_parser as build  # noqa: PLC0415 - serve_flags imports this module
+    from common.serve_flags import build_parser as build  # noqa: PLC0415 - serve_flags imports this module
 
     return build()
 

@@ -2,14 +2,14 @@
 spellings that mean the same thing (shown next to it in ``--help``).
 
 An alias is listed only where the meaning matches; where the two engines differ in a detail the
-help text says how. ``proto.args.parse_server_args`` turns the parsed namespace into ServerArgs.
+help text says how. ``common.args.parse_server_args`` turns the parsed namespace into ServerArgs.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from proto.args import REASONING_PARSERS, TOOL_CALL_PARSERS, ArgError
+from common.args import REASONING_PARSERS, TOOL_CALL_PARSERS, ArgError
 
 USAGE = "tandem serve [MODEL] [--model-path DIR] [options]"
 
