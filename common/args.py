@@ -1,15 +1,22 @@
-"""ServerArgs: the frozen configuration every process receives, and its command-line parser.
+"""ServerArgs: the frozen configuration every process receives, each field declared once with
+its flags (``common.flags``): ``tandem serve``'s parser is built from these fields.
 
-Flags follow SGLang's spelling. A bad value raises ``ArgError`` whose message names the flag;
-the CLI prints it as one line and exits 2.
+Flags follow SGLang's spelling; vLLM's spellings for the same setting are further names of the
+flag (shown next to it in ``--help``). An alias is listed only where the meaning matches; where
+the two engines differ in a detail the help says how. A bad value raises ``ArgError`` whose
+message names the flag; the CLI prints it as one line and exits 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from common.flags import ArgError, flag_fields, opt, token_count
+from common.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+__all__ = ["ArgError", "BUNDLED_MODEL_DIR", "ServerArgs"]
 
 BUNDLED_MODEL_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-shakespeare"
@@ -17,76 +24,182 @@ BUNDLED_MODEL_DIR = os.path.join(
 
 SPEC_ALGORITHMS = ("FROZEN-KV-MTP",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 # vLLM's and SGLang's --dtype also take these torch short names
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# tokenizer_proc/tool_parsers' registry (kept equal by a unit test; proto imports no process package)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "gemma4")
-# tokenizer_proc/reasoning.py's registry (kept equal by a unit test); SGLang spells deepseek-r1
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+MODEL, SERVER, ENGINE, PARALLEL, SPEC, OPS, CHAT = (
+    "model", "server", "engine", "parallelism", "speculative decoding", "operations",
+    "chat: templates, tool calls, reasoning")
 
 
-class ArgError(ValueError):
-    """A flag value that cannot work; the message starts with the flag's name."""
+def _dtype(value: str) -> str:
+    return DTYPE_ALIASES.get(value, value)
+
+
+def _reasoning_name(value: str) -> str:
+    return value.replace("-", "_")  # SGLang's names use '-' (deepseek-r1), vLLM's '_'
 
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model_path: str
-    tokenizer_path: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    served_model_name: str | None = None
-    served_model_aliases: tuple[str, ...] = ()  # further names requests may use (--served-model-name a b)
-    page_size: int = 16
-    max_running_requests: int | None = None
-    max_total_tokens: int | None = None
-    chunked_prefill_size: int | None = None
-    context_length: int | None = None
-    mem_fraction_static: float = 0.85
-    load_format: str = "auto"  # auto | dummy
-    attention_backend: str = "auto"  # auto: triton (else flashinfer) on CUDA; torch on the CPU
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None  # default: min(256, max running requests)
-    cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
-    disable_piecewise_cuda_graph: bool = False  # prefill steps eager instead of piecewise graphs
-    log_level: str = "info"
-    num_threads: int | None = None  # worker torch threads on CPU; default all cores but one
-    random_seed: int = 0
-    tp_size: int = 1  # tensor parallelism: one worker process per rank (GPU)
-    disable_overlap_schedule: bool = False
-    overlap_depth: int = 3  # steps launched ahead of the last processed result (1 = no overlap)
-    disable_prefix_cache: bool = False
-    max_queued_requests: int = 4096
-    speculative_algorithm: str | None = None
-    speculative_draft_model_path: str | None = None
-    speculative_num_steps: int = 3
-    speculative_eagle_topk: int = 1
-    speculative_num_draft_tokens: int | None = None
-    metrics_compat: str | None = None  # None | vllm
-    transport: str = "ipc"  # ipc | tcp
-    tcp_base_port: int | None = None
-    run_dir: str | None = None
-    warmup: bool = True
-    # Operations (docs/architecture.md, "Operations").
-    shutdown_timeout: float = 30.0
-    restart_on_failure: bool = False
-    max_engine_restarts: int = 5  # consecutive engine deaths before the supervisor gives up
-    api_key: str | None = field(default=None, repr=False)  # or TANDEM_API_KEY
-    metrics_require_key: bool = False
-    curve_keys_dir: str | None = None  # tcp transport: default = fresh keys in the run dir
-    max_request_body_bytes: int = 8 * 1024 * 1024
-    # Tool calling (vLLM's flags): parse the model's calls into tool_calls for tool_choice "auto".
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    # Chat (vLLM's and SGLang's flags): a template file or inline Jinja; reasoning split.
-    chat_template: str | None = None
-    trust_request_chat_template: bool = False
-    reasoning_parser: str | None = None
-    constrained_json_disable_any_whitespace: bool = False  # JSON grammars: fixed separators
-    extra: dict = field(default_factory=dict)
+    model_path: str | None = opt(None, "--model-path", "--model", group=MODEL, metavar="DIR|HUB_ID",
+                          default_text="the bundled tiny-shakespeare pair, with MTP",
+                          help="the checkpoint: a local HF directory, or a Hugging Face Hub id (downloaded once "
+                          "into the HF cache; a local directory of that name wins)")
+    tokenizer_path: str | None = opt(None, "--tokenizer-path", "--tokenizer", group=MODEL, metavar="DIR|HUB_ID",
+                                     default_text="the model's", help="where tokenizer.json is")
+    revision: str | None = opt(None, "--revision", group=MODEL, metavar="REV", default_text="main",
+                               help="the Hub branch, tag or commit of a Hub id (every path resolved from the Hub)")
+    download_dir: str | None = opt(None, "--download-dir", group=MODEL, metavar="DIR",
+                                   default_text="the HF cache: $HF_HOME/hub",
+                                   help="where Hub checkpoints are downloaded and looked up")
+    dtype: str = opt("auto", "--dtype", group=MODEL, parse=_dtype, choices=DTYPES, metavar="DTYPE",
+                     help="weights and activations (half = float16, float = float32); "
+                     "auto: bfloat16 on CUDA, float32 on the CPU")
+    load_format: str = opt("auto", "--load-format", group=MODEL, choices=("auto", "dummy"), metavar="FORMAT",
+                           help="dummy: random weights of the checkpoint's shapes (config.json only)")
+    served_model_name: str | None = opt(None, "--served-model-name", group=MODEL, metavar="NAME", nargs="+",
+                                        default_text="the model path or Hub id",
+                                        help="the model name(s) requests may use; responses and metrics carry "
+                                        "the first (as in vLLM)")
+    served_model_aliases: tuple[str, ...] = ()  # the further names of --served-model-name a b
+    random_seed: int = opt(0, "--random-seed", "--seed", group=MODEL, metavar="N",
+                           help="seeds the worker's RNG (dummy weights) and the seeds drawn for requests without "
+                           "one: restarted with the same N, the same requests in the same order sample the same "
+                           "tokens, whatever the batching; a request's own `seed` always wins")
+    host: str = opt("127.0.0.1", "--host", group=SERVER, metavar="ADDR", help="the HTTP address to listen on")
+    port: int = opt(8000, "--port", group=SERVER, metavar="PORT", help="the HTTP port")
+    log_level: str = opt("info", "--log-level", group=SERVER, choices=LOG_LEVELS, metavar="LEVEL",
+                         help="every process's log level")
+    device: str = opt("auto", "--device", group=ENGINE, metavar="{auto,cpu,cuda,cuda:N}",
+                      help="where the model runs; auto: CUDA when a GPU is visible, else the CPU")
+    page_size: int = opt(16, "--page-size", "--block-size", group=ENGINE, metavar="N", positive=True,
+                         help="tokens per KV-cache page")
+    max_running_requests: int | None = opt(None, "--max-running-requests", "--max-num-seqs", group=ENGINE,
+                                           metavar="N", positive=True, default_text="256 on CUDA, 64 on the CPU",
+                                           help="requests (choices) decoded together at most")
+    max_total_tokens: int | None = opt(None, "--max-total-tokens", group=ENGINE, metavar="N", positive=True,
+                                       default_text="from memory", help="KV-cache size in tokens")
+    chunked_prefill_size: int | None = opt(
+        None, "--chunked-prefill-size", "--max-num-batched-tokens", group=ENGINE, metavar="N", parse=token_count,
+        positive=True, default_text="8192 on CUDA, 2048 on the CPU",
+        help="token budget of one engine step: decode rows first (1 token each, 1 + draft tokens with MTP), "
+        "then prefill chunks")
+    context_length: int | None = opt(
+        None, "--context-length", "--max-model-len", group=ENGINE, metavar="N", parse=token_count, positive=True,
+        default_text="the model's max_position_embeddings, capped by the KV cache",
+        help="longest prompt + completion; vLLM's 32k (32000) and 32K (32768) forms work too. Past the "
+        "model's max_position_embeddings only with --allow-long-context-length")
+    allow_long_context_length: bool = opt(
+        False, "--allow-long-context-length", group=ENGINE,
+        help="accept a --context-length past the model's max_position_embeddings (vLLM's "
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions the model never saw in training may give poor output")
+    mem_fraction_static: float = opt(
+        0.85, "--mem-fraction-static", "--gpu-memory-utilization", group=ENGINE, metavar="F",
+        help="share of the GPU's total memory for weights + KV cache + activations (vLLM's default is 0.9). "
+        "Unlike vLLM, memory other processes hold on the GPU counts against it, and activations are a "
+        "fixed reserve, not profiled")
+    attention_backend: str = opt("auto", "--attention-backend", group=ENGINE, choices=ATTENTION_BACKENDS,
+                                 metavar="NAME",
+                                 help="auto: triton (else flashinfer) on CUDA, torch on the CPU")
+    disable_cuda_graph: bool = opt(False, "--disable-cuda-graph", "--enforce-eager", group=ENGINE,
+                                   help="run every step eagerly on CUDA (no graphs at all)")
+    cuda_graph_max_bs: int | None = opt(None, "--cuda-graph-max-bs", group=ENGINE, metavar="N", positive=True,
+                                        default_text="min(256, --max-running-requests)",
+                                        help="largest decode batch captured")
+    cuda_graph_bs: tuple[int, ...] | None = opt(None, "--cuda-graph-bs", group=ENGINE, metavar="N", nargs="+",
+                                                default_text="1, 2, 4, 8, 12, 16, 24 ... 256, capped at --cuda-graph-max-bs",
+                                                help="decode batch sizes to capture")
+    disable_piecewise_cuda_graph: bool = opt(
+        False, "--disable-piecewise-cuda-graph", group=ENGINE,
+        help="run prefill steps eagerly (otherwise piecewise graphs per token bucket, attention eager)")
+    num_threads: int | None = opt(None, "--num-threads", group=ENGINE, metavar="N", positive=True,
+                                  default_text="all cores but one", help="worker CPU threads")
+    disable_overlap_schedule: bool = opt(False, "--disable-overlap-schedule", group=ENGINE,
+                                         help="plan each step after the previous one's result (= --overlap-depth 1)")
+    overlap_depth: int = opt(3, "--overlap-depth", group=ENGINE, metavar="N", choices=(1, 2, 3),
+                             help="steps launched ahead of the last processed result: 3 keeps the scheduler's "
+                             "round trip out of the step cycle where the host, not the GPU, bounds a step (small "
+                             "models, MTP); 2 plans step N+1 while N runs; 1 = --disable-overlap-schedule")
+    disable_prefix_cache: bool = opt(False, "--disable-prefix-cache", "--disable-radix-cache",
+                                     "--no-enable-prefix-caching", group=ENGINE, off=("--enable-prefix-caching",),
+                                     help="no prefix (radix) cache")
+    max_queued_requests: int = opt(4096, "--max-queued-requests", group=ENGINE, metavar="N", positive=True,
+                                   help="waiting (not yet running) requests beyond which new ones get 503 + "
+                                   "Retry-After")
+    warmup: bool = opt(True, "--skip-warmup", group=ENGINE, invert=True,
+                       help="report ready without sending a warm-up request round the engine first")
+    tp_size: int = opt(1, "--tp-size", "--tensor-parallel-size", "--tp", "-tp", group=PARALLEL, metavar="N",
+                       positive=True, help="tensor parallelism: shard the models over this many GPUs, one worker "
+                       "process each")
+    dp_size: int = opt(1, "--dp-size", "--data-parallel-size", "--dp", group=PARALLEL, metavar="N", positive=True,
+                       help="data parallelism: N engines (CUDA: one GPU each; CPU: sharing the cores) behind a "
+                       "cache-aware router on --port; 1 is a single engine, no router")
+    dp_base_port: int | None = opt(None, "--dp-base-port", group=PARALLEL, metavar="PORT",
+                                   default_text="--port + 1",
+                                   help="with --dp-size N: engine i listens on 127.0.0.1:PORT+i (its /metrics "
+                                   "too; the router's /metrics carries every engine's series, labelled "
+                                   "engine=127.0.0.1:PORT+i)")
+    speculative_algorithm: str | None = opt(None, "--speculative-algorithm", group=SPEC, metavar="NAME",
+                                            parse=str.upper, choices=SPEC_ALGORITHMS,
+                                            default_text="none (FROZEN-KV-MTP for the bundled pair)",
+                                            help="speculative decoding with a draft model")
+    speculative_draft_model_path: str | None = opt(None, "--speculative-draft-model-path", group=SPEC,
+                                                   metavar="DIR|HUB_ID", help="the draft (assistant) checkpoint")
+    speculative_num_steps: int = opt(3, "--speculative-num-steps", group=SPEC, metavar="N",
+                                     help="draft tokens per step (1..16)")
+    speculative_eagle_topk: int = opt(1, "--speculative-eagle-topk", group=SPEC, metavar="N",
+                                      help="draft branches per step (only 1, a chain)")
+    speculative_num_draft_tokens: int | None = opt(None, "--speculative-num-draft-tokens", group=SPEC, metavar="N",
+                                                   default_text="--speculative-num-steps + 1",
+                                                   help="tokens verified per step")
+    metrics_compat: str | None = opt(None, "--metrics-compat", group=OPS, choices=("vllm",), metavar="NAME",
+                                     help="also export /metrics under vLLM's names")
+    transport: str = opt("ipc", "--transport", group=OPS, choices=("ipc", "tcp"), metavar="NAME",
+                         help="the engine's internal channels: unix sockets in the run dir, or tcp (CURVE-encrypted)")
+    tcp_base_port: int | None = opt(None, "--tcp-base-port", group=OPS, metavar="PORT", default_text="--port + 1",
+                                    help="--transport tcp: the first of the four channel ports")
+    run_dir: str | None = opt(None, "--run-dir", group=OPS, metavar="DIR", default_text="a fresh temporary dir",
+                              help="where the engine's sockets live (0700)")
+    shutdown_timeout: float = opt(30.0, "--shutdown-timeout", group=OPS, metavar="S",
+                                  help="on SIGTERM, seconds running and queued requests get to finish")
+    restart_on_failure: bool = opt(False, "--restart-on-failure", group=OPS,
+                                   help="restart the engine (scheduler + worker) when one of them dies, instead "
+                                   "of exiting")
+    max_engine_restarts: int = opt(5, "--max-engine-restarts", group=OPS, metavar="N",
+                                   help="with --restart-on-failure: give up (exit 1) after this many consecutive "
+                                   "engine deaths")
+    api_key: str | None = opt(None, "--api-key", group=OPS, metavar="KEY", secret=True,
+                              default_text="none, or $TANDEM_API_KEY",
+                              help="require 'Authorization: Bearer KEY' on the API")
+    metrics_require_key: bool = opt(False, "--metrics-require-key", group=OPS,
+                                    help="require the API key on /health, /metrics, /load too")
+    curve_keys_dir: str | None = opt(None, "--curve-keys-dir", group=OPS, metavar="DIR",
+                                     default_text="fresh keys per run",
+                                     help="--transport tcp: CURVE keys from 'tandem keys generate DIR'")
+    max_request_body_bytes: int = opt(8 * 1024 * 1024, "--max-request-body-bytes", group=OPS, metavar="N",
+                                      positive=True, default_text="8 MiB", help="larger request bodies get 413")
+    chat_template: str | None = opt(None, "--chat-template", group=CHAT, metavar="FILE|JINJA",
+                                    default_text="the tokenizer's",
+                                    help="a Jinja chat template file, or the template itself (text with '{', '}' "
+                                    "or a newline)")
+    trust_request_chat_template: bool = opt(False, "--trust-request-chat-template", group=CHAT,
+                                            help="let requests bring their own template (the chat_template "
+                                            "field); refused with 400 otherwise")
+    enable_auto_tool_choice: bool = opt(False, "--enable-auto-tool-choice", group=CHAT,
+                                        help="answer tool_choice 'auto' (the default with tools) with parsed "
+                                        "tool_calls; needs --tool-call-parser")
+    tool_call_parser: str | None = opt(None, "--tool-call-parser", group=CHAT, metavar="NAME",
+                                       choices=tuple(TOOL_CALL_PARSERS), help="how the model writes tool calls")
+    reasoning_parser: str | None = opt(None, "--reasoning-parser", group=CHAT, metavar="NAME",
+                                       parse=_reasoning_name, choices=tuple(REASONING_PARSERS),
+                                       help="split <think> reasoning out of chat answers into reasoning_content")
+    constrained_json_disable_any_whitespace: bool = opt(
+        False, "--constrained-json-disable-any-whitespace", group=CHAT,
+        help="JSON-schema outputs (response_format, tool_choice required / named) use fixed separators instead "
+        "of allowing any whitespace between tokens, for models that run away on whitespace (vLLM's "
+        "disable_any_whitespace)")
 
     # --------------------------------------------------------------- derived values
     @property
@@ -122,10 +235,12 @@ class ServerArgs:
         return 1 if self.disable_overlap_schedule else self.overlap_depth
 
     def resolved_device(self) -> str:
+        """``auto`` made concrete by torch (the worker's view; the supervisor, which imports no
+        torch, asks ``common.devices`` instead)."""
         if self.device != "auto":
             return self.device
         try:
-            import torch  # noqa: PLC0415 - only the worker and CLI resolve devices
+            import torch  # noqa: PLC0415 - only the worker resolves devices this way
 
             return "cuda" if torch.cuda.is_available() else "cpu"
         except ImportError:
@@ -135,178 +250,6 @@ class ServerArgs:
         return dataclasses.replace(self, **changes)
 
 
-def _positive(flag: str, value: int | None) -> None:
-    if value is not None and value <= 0:
-        raise ArgError(f"{flag}: must be a positive integer, got {value}")
-
-
-def validate(args: ServerArgs) -> ServerArgs:
-    """Check what can be checked before any process starts. Raises ArgError."""
-    if not os.path.isdir(args.model_path):
-        raise ArgError(f"--model-path: {args.model_path!r} is not a directory (a local checkpoint; "
-                       "hub names are not downloaded)")
-    if not os.path.isfile(os.path.join(args.model_path, "config.json")):
-        raise ArgError(f"--model-path: no config.json in {args.model_path!r}")
-    tok = args.tokenizer_dir
-    if not (os.path.isfile(os.path.join(tok, "tokenizer.json"))):
-        raise ArgError(f"--tokenizer-path: no tokenizer.json in {tok!r}")
-    if not 0 < args.port < 65536:
-        raise ArgError(f"--port: must be in 1..65535, got {args.port}")
-    dev = args.device
-    if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
-        raise ArgError(f"--device: expected auto, cpu, cuda or cuda:N, got {dev!r}")
-    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ArgError(f"--dtype: expected auto, float32, bfloat16 or float16, got {args.dtype!r}")
-    for flag, val in (
-        ("--page-size", args.page_size),
-        ("--max-running-requests", args.max_running_requests),
-        ("--max-total-tokens", args.max_total_tokens),
-        ("--chunked-prefill-size", args.chunked_prefill_size),
-        ("--context-length", args.context_length),
-        ("--num-threads", args.num_threads),
-        ("--max-queued-requests", args.max_queued_requests),
-        ("--cuda-graph-max-bs", args.cuda_graph_max_bs),
-        ("--max-request-body-bytes", args.max_request_body_bytes),
-        ("--tp-size", args.tp_size),
-    ):
-        _positive(flag, val)
-    if args.overlap_depth not in (1, 2, 3):
-        raise ArgError(f"--overlap-depth: expected 1, 2 or 3, got {args.overlap_depth}")
-    if not 0.0 < args.mem_fraction_static <= 1.0:  # vLLM's --gpu-memory-utilization takes 1.0 too
-        raise ArgError(f"--mem-fraction-static (--gpu-memory-utilization): must be in (0, 1], "
-                       f"got {args.mem_fraction_static}")
-    if args.load_format not in ("auto", "dummy"):
-        raise ArgError(f"--load-format: expected auto or dummy, got {args.load_format!r}")
-    if args.attention_backend not in ATTENTION_BACKENDS:
-        raise ArgError(
-            f"--attention-backend: expected one of {', '.join(ATTENTION_BACKENDS)}, "
-            f"got {args.attention_backend!r}"
-        )
-    if args.cuda_graph_bs is not None and (not args.cuda_graph_bs or min(args.cuda_graph_bs) <= 0):
-        raise ArgError(f"--cuda-graph-bs: expected positive batch sizes, got {list(args.cuda_graph_bs or ())}")
-    if args.attention_backend == "flashinfer" and args.device == "cpu":
-        raise ArgError("--attention-backend flashinfer: needs a CUDA device (use triton or torch with --device cpu)")
-    if args.log_level not in LOG_LEVELS:
-        raise ArgError(f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
-    if args.metrics_compat not in (None, "vllm"):
-        raise ArgError(f"--metrics-compat: expected vllm, got {args.metrics_compat!r}")
-    if args.transport not in ("ipc", "tcp"):
-        raise ArgError(f"--transport: expected ipc or tcp, got {args.transport!r}")
-    _validate_ops(args)
-    _validate_spec(args)
-    _validate_tools(args)
-    _validate_chat(args)
-    return args
-
-
-def _validate_chat(args: ServerArgs) -> None:
-    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
-        raise ArgError(f"--reasoning-parser: expected one of {', '.join(REASONING_PARSERS)}, "
-                       f"got {args.reasoning_parser!r}")
-    if args.chat_template is None:
-        return
-    from common.jinja_env import compile_template, read_template_source  # noqa: PLC0415 - jinja2 only when asked
-
-    try:
-        compile_template(read_template_source(args.chat_template))
-    except ValueError as exc:
-        raise ArgError(f"--chat-template: {exc}") from None
-
-
-def _validate_tools(args: ServerArgs) -> None:
-    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ArgError(f"--tool-call-parser: expected one of {', '.join(TOOL_CALL_PARSERS)}, "
-                       f"got {args.tool_call_parser!r}")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ArgError("--enable-auto-tool-choice: requires --tool-call-parser "
-                       f"(one of {', '.join(TOOL_CALL_PARSERS)})")
-
-
-def _validate_ops(args: ServerArgs) -> None:
-    if args.shutdown_timeout < 0:
-        raise ArgError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
-    if args.max_engine_restarts < 0:
-        raise ArgError(f"--max-engine-restarts: must be >= 0, got {args.max_engine_restarts}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ArgError("--api-key: must not be empty (leave it out to serve without a key)")
-    if args.metrics_require_key and args.api_key is None:
-        raise ArgError("--metrics-require-key: needs --api-key (or TANDEM_API_KEY)")
-    if args.curve_keys_dir is not None:
-        if args.transport != "tcp":
-            raise ArgError("--curve-keys-dir: only used with --transport tcp")
-        from proto.curve import CurveKeyError, load_keys  # noqa: PLC0415 - zmq only when asked
-
-        try:
-            load_keys(args.curve_keys_dir)
-        except CurveKeyError as exc:
-            raise ArgError(f"--curve-keys-dir: {exc}") from None
-
-
-def _validate_spec(args: ServerArgs) -> None:
-    if args.speculative_algorithm is None:
-        return
-    if args.speculative_algorithm not in SPEC_ALGORITHMS:
-        raise ArgError(
-            f"--speculative-algorithm: expected one of {', '.join(SPEC_ALGORITHMS)}, "
-            f"got {args.speculative_algorithm!r}"
-        )
-    draft = args.speculative_draft_model_path
-    if not draft:
-        raise ArgError("--speculative-draft-model-path: required with --speculative-algorithm")
-    if not os.path.isfile(os.path.join(draft, "config.json")):
-        raise ArgError(f"--speculative-draft-model-path: no config.json in {draft!r}")
-    if not 1 <= args.speculative_num_steps <= 16:
-        raise ArgError(f"--speculative-num-steps: must be in 1..16, got {args.speculative_num_steps}")
-    if args.speculative_eagle_topk != 1:
-        raise ArgError(
-            f"--speculative-eagle-topk: only 1 (a draft chain) is supported, got {args.speculative_eagle_topk}"
-        )
-    n = args.speculative_num_draft_tokens
-    if n is not None and n != args.speculative_num_steps + 1:
-        raise ArgError(
-            f"--speculative-num-draft-tokens: with topk 1 it must equal --speculative-num-steps + 1 "
-            f"({args.speculative_num_steps + 1}), got {n}"
-        )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from common.serve_flags import build_parser as build  # noqa: PLC0415 - serve_flags imports this module
-
-    return build()
-
-
-def parse_server_args(argv: list[str]) -> ServerArgs:
-    """Parse and validate; with no --model-path, serve the bundled tiny pair with MTP on."""
-    ns = build_parser().parse_args(argv)
-    kw = {k: v for k, v in vars(ns).items() if k not in ("skip_warmup", "model_tag")}
-    kw["warmup"] = not ns.skip_warmup
-    kw["model_path"] = _model_path(ns.model_tag, ns.model_path)
-    if kw["reasoning_parser"]:  # SGLang's names use '-' (deepseek-r1), vLLM's '_'
-        kw["reasoning_parser"] = kw["reasoning_parser"].replace("-", "_")
-    kw["dtype"] = DTYPE_ALIASES.get(kw["dtype"], kw["dtype"])
-    kw["cuda_graph_bs"] = tuple(kw["cuda_graph_bs"]) if kw["cuda_graph_bs"] else None
-    names = kw.pop("served_model_name") or [None]
-    kw["served_model_name"], kw["served_model_aliases"] = names[0], tuple(n for n in dict.fromkeys(names[1:]) if n != names[0])
-    if kw["api_key"] is None and os.environ.get("TANDEM_API_KEY"):
-        kw["api_key"] = os.environ["TANDEM_API_KEY"]
-    if kw["model_path"] is None:
-        kw.update(bundled_model_defaults(kw))
-    kw["speculative_algorithm"] = (kw["speculative_algorithm"] or None) and kw["speculative_algorithm"].upper()
-    return validate(ServerArgs(**kw))
-
-
-def _model_path(positional: str | None, flag: str | None) -> str | None:
-    """vLLM's ``serve MODEL`` and ``--model``/``--model-path`` name one thing: both only if equal."""
-    if positional is not None and flag is not None and positional != flag:
-        raise ArgError(f"--model-path: {flag!r} differs from the positional MODEL {positional!r} (give one)")
-    return positional if positional is not None else flag
-
-
-def bundled_model_defaults(kw: dict) -> dict:
-    target = os.path.join(BUNDLED_MODEL_DIR, "target")
-    assistant = os.path.join(BUNDLED_MODEL_DIR, "assistant")
-    out: dict = {"model_path": target, "served_model_name": kw.get("served_model_name") or "tiny-shakespeare"}
-    if kw.get("speculative_algorithm") is None and os.path.isdir(assistant):
-        out["speculative_algorithm"] = "FROZEN-KV-MTP"
-        out["speculative_draft_model_path"] = kw.get("speculative_draft_model_path") or assistant
-    return out
+def flag_name(field_name: str) -> str:
+    """The flag error messages use for a field (its first spelling)."""
+    return next(fl.names[0] for path, _f, fl, _k in flag_fields(ServerArgs) if path == (field_name,))

@@ -112,7 +112,7 @@ def test_engines_are_healthchecked_restarted_drained_and_unpublished(profile, gp
 
 def test_every_flag_in_the_compose_commands_parses(gpu, cpu):
     """The real CLI parsers (tandem serve, tandem router) accept every command the stack runs."""
-    from common.args import build_parser
+    from common.serve_cli import build_parser
     from router.config import build_parser as router_parser
 
     for services in (gpu, cpu):
@@ -128,7 +128,8 @@ def test_every_flag_in_the_compose_commands_parses(gpu, cpu):
 def test_cpu_engine_commands_pass_tandem_serves_validation(cpu):
     """Beyond parsing: the cpu profile's engine command, validated as `tandem serve` does at
     start-up, serves the bundled pair with MTP on the CPU, on the port the healthcheck probes."""
-    from common.args import BUNDLED_MODEL_DIR, parse_server_args
+    from common.args import BUNDLED_MODEL_DIR
+    from common.serve_cli import parse_server_args
 
     for name in CPU_ENGINES:
         svc = cpu[name]

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from common import auth
-from common.args import ArgError, ServerArgs, parse_server_args
+from common.args import ArgError, ServerArgs
+from common.serve_cli import parse_server_args
 from tests.unit.front_harness import MODEL, start_stack
 from tests.unit.test_front_api_validation import assert_error
 
