@@ -235,16 +235,13 @@ class ServerArgs:
         return 1 if self.disable_overlap_schedule else self.overlap_depth
 
     def resolved_device(self) -> str:
-        """``auto`` made concrete by torch (the worker's view; the supervisor, which imports no
-        torch, asks ``common.devices`` instead)."""
+        """``auto`` made concrete: cuda when ``common.devices`` finds a usable GPU (a CUDA build
+        of torch and a driver that counts one), else cpu; found without importing torch."""
         if self.device != "auto":
             return self.device
-        try:
-            import torch  # noqa: PLC0415 - only the worker resolves devices this way
+        from common.devices import cuda_devices  # noqa: PLC0415 - loads the NVIDIA driver only when asked
 
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            return "cpu"
+        return "cuda" if cuda_devices().count else "cpu"
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)

@@ -4,7 +4,8 @@ The supervisor checks ``--device cuda`` and hands GPUs to ``--dp-size`` engines 
 worker starts, and it runs no model: importing torch there would cost ~200 MB and seconds. Two
 facts answer the question instead: the installed torch is a CUDA build (its version carries no
 ``+cpu`` tag), and the NVIDIA driver (``libcuda.so.1``) initialises and counts the devices
-``CUDA_VISIBLE_DEVICES`` leaves visible. The worker still asks torch itself.
+``CUDA_VISIBLE_DEVICES`` leaves visible. ``ServerArgs.resolved_device`` (``--device auto``)
+asks the same question, so the supervisor and the worker agree.
 """
 
 from __future__ import annotations

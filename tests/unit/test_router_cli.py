@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import pytest
 
@@ -135,3 +137,22 @@ def test_dp_hands_the_api_key_to_the_router(monkeypatch):
     assert "router" in router_cmd and "--metrics-require-key" in router_cmd and "sekrit" not in router_cmd
     assert router_env["TANDEM_API_KEY"] == "sekrit"
     assert all("--api-key" in cmd for cmd, _ in engines) and len(engines) == 2
+
+
+def test_the_dp_supervisor_imports_no_torch():
+    """`tandem serve --dp-size 2` parses, finds its device and starts its children without
+    importing torch (224 MB for a process that runs no model)."""
+    code = (
+        "import subprocess, sys, io\n"
+        "class P:\n"
+        "    def __init__(self, *a, **k): self.stdout = io.BytesIO()\n"
+        "subprocess.Popen = P\n"
+        "from tandem.cli import main\n"
+        "import tandem.dp as dp\n"
+        "dp.serve_dp = lambda args, e, r: dp.DataParallel(args, e, r).start() or 0\n"
+        "assert main(['serve', '--dp-size', '2', '--log-level', 'warning']) == 0\n"
+        "import tandem.supervisor\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'gpu_worker', 'transformers')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
