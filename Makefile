@@ -69,7 +69,7 @@ SHAPES ?=
 hopper-check: $(STAMP)
 	test -d .cache/triton-$(GPU_TRITON) || $(PIP) install -q --no-deps --target .cache/triton-$(GPU_TRITON) triton==$(GPU_TRITON)
 	rm -rf $(HOPPER) && mkdir -p $(HOPPER)
-	TRITON_INTERPRET=1 TANDEM_GEMV_MIN_WEIGHT=1 TANDEM_FUSED_GLUE=1 $(PY) -m tests.helpers.hopper_compile \
+	TRITON_INTERPRET=1 $(PY) -m tests.helpers.hopper_compile \
 	  $(if $(SHAPES),record-shapes,record) $(HOPPER)/launches.json $(HOPPER)/models
 	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 TRITON_CACHE_DIR=$(HOPPER)/cache $(PY) -m tests.helpers.hopper_compile compile $(HOPPER)/launches.json $(HOPPER)/venv.json >/dev/null
 	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=.cache/triton-$(GPU_TRITON) TRITON_CACHE_DIR=$(HOPPER)/cache-gpu $(PY) -m tests.helpers.hopper_compile compile $(HOPPER)/launches.json $(HOPPER)/gpu.json >/dev/null

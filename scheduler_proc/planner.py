@@ -39,7 +39,7 @@ def _needs_every_token(req: Req) -> bool:
 def _usable_pages(req: Req, page_size: int) -> int:
     """Full pages of ``req.fill`` a prefix hit may skip. At least one token is left to compute
     (its logits give the first sample). A constrained re-prefill stops at its prompt: its fresh
-    matcher replays the outputs only as the worker computes them (gpu_worker/grammar.py)."""
+    matcher replays the outputs only as the worker computes them (gpu_worker/structured/grammar.py)."""
     if _needs_every_token(req):
         return 0
     usable = (len(req.fill) - 1) // page_size

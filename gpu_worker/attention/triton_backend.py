@@ -12,7 +12,6 @@ CUDA graphs capture, with the split count a function of the batch size only.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,10 +66,8 @@ def launch_order(kv_lens: torch.Tensor, kv_heads: int, splits: int, sms: int) ->
     """The decode rows longest first, where the kernel's programs outnumber what the SMs hold
     at once (one split, rows x heads > 2 x SMs), so that the longest rows do not start last
     (kernels/attention_decode.py). One small sort per forward, shared by every layer; a
-    function of the batch size only, like the split count. On by default (the Qwen3 recipe's
-    decode step on the H200: 5.44 -> 5.13 ms, BENCHMARKS.md 2026-12-02 night); TANDEM_DECODE_LPT=0
-    turns it off."""
-    if splits > 1 or kv_lens.shape[0] * kv_heads <= 2 * sms or os.environ.get("TANDEM_DECODE_LPT", "1") == "0":
+    function of the batch size only, like the split count (docs/decisions/attention.md)."""
+    if splits > 1 or kv_lens.shape[0] * kv_heads <= 2 * sms:
         return None
     return torch.argsort(kv_lens, descending=True)
 
@@ -85,7 +82,7 @@ def decode_start(q_lens: np.ndarray, decode_q_lens: frozenset = frozenset({1})) 
     engine's decode steps use (``decode_q_lens``: 1 for decode and the draft's read, S+1 for
     MTP verify). A short prefill row of another count (a prompt or last chunk of a few tokens)
     goes to the extend kernel: the decode kernel's query count is a compile-time constant, so
-    each new count compiled a variant while serving (0.6 s on the H200 for an 8-token prompt)."""
+    each new count would compile a variant while serving (a latency spike)."""
     b = len(q_lens)
     first = b
     if b and q_lens[-1] <= DECODE_MAX_Q and int(q_lens[-1]) in decode_q_lens:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.kernels import next_pow2, use_triton
-from gpu_worker.spec import accepted_drafts, new_tokens
+from gpu_worker.spec.mtp import accepted_drafts, new_tokens
 
 try:
     import triton

@@ -147,7 +147,7 @@ def rope_store(q, k, v, positions, inv_freq, out_loc, k_cache, v_cache, *, norm:
     dummy = q_out
     hb = heads_per_prog or heads_per_program(t, hq)
     grid = (t, -(-hq // hb) + -(-hkv // hb))
-    on = pdl(q, "rope")
+    on = pdl(q)
     _rope_store_kernel[grid](
         q, k if store else dummy, v if store else dummy, q_out,
         k_cache if store else dummy, v_cache if store else dummy, positions,

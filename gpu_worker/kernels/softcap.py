@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.kernels import fused_glue, interpreting, use_triton
+from gpu_worker.kernels import interpreting, use_triton
 
 try:
     import triton
@@ -52,11 +52,10 @@ def softcap_reference(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 def softcap_float(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """logits [R, V] (any float dtype) -> float32 ``tanh(logits / cap) * cap``; no cap: the float
-    copy alone. One kernel where Triton runs the tensor unless ``TANDEM_FUSED_GLUE=0``
-    (``kernels.fused_glue``), torch's ops elsewhere."""
+    copy alone. One kernel where Triton runs the tensor, torch's ops elsewhere."""
     if cap is None:
         return logits.float()
-    if not fused_glue() or not use_triton(logits) or logits.dim() != 2 or logits.stride(1) != 1:
+    if not use_triton(logits) or logits.dim() != 2 or logits.stride(1) != 1:
         return softcap_reference(logits, cap)
     r, v = logits.shape
     out = torch.empty((r, v), dtype=torch.float32, device=logits.device)

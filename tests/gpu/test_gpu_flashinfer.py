@@ -17,7 +17,7 @@ from gpu_worker.attention import create_backend  # noqa: E402
 from gpu_worker.attention.base import RowLayout  # noqa: E402
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch  # noqa: E402
 from gpu_worker.kv_pool import KVLayerShape, KVPool  # noqa: E402
-from gpu_worker.staging import Staging  # noqa: E402
+from gpu_worker.step.staging import Staging  # noqa: E402
 from tests.helpers.checkpoints import build_llama  # noqa: E402
 from tests.helpers.inproc import InProcEngine, top_alternatives  # noqa: E402
 

@@ -13,7 +13,7 @@ from gpu_worker.kernels.decode_inputs import (decode_inputs, decode_inputs_refer
                                               draft_inputs_reference)
 from gpu_worker.kernels.embed import embed_scaled
 from gpu_worker.kernels.softcap import softcap_float, softcap_reference
-from gpu_worker.staging import Staging
+from gpu_worker.step.staging import Staging
 
 
 def _state(slots=40, cols=64, page=16):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.runner import ModelRunner
+from gpu_worker.step.runner import ModelRunner
 from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.inproc import InProcEngine
 

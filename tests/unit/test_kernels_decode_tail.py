@@ -9,8 +9,8 @@ import torch
 
 from gpu_worker.kernels import enable_cpu_kernels
 from gpu_worker.kernels.decode_tail import greedy_tail, greedy_tail_reference
-from gpu_worker.sampling import RowSampling
-from gpu_worker.spec import verify
+from gpu_worker.step.sampling import RowSampling
+from gpu_worker.spec.mtp import verify
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,18 +13,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gpu_worker.batch import PlanRows, build_draft_batch, build_target_batch, stage_target_batch
-from gpu_worker.cuda_graphs import DecodeBody, DecodeGraphs, greedy_tail_enabled
-from gpu_worker.grammar import GrammarRows
+from gpu_worker.step.batch import PlanRows, build_draft_batch, build_target_batch, stage_target_batch
+from gpu_worker.graphs.decode import DecodeBody, DecodeGraphs
+from gpu_worker.structured.grammar import GrammarRows
 from gpu_worker.kernels import enable_cpu_kernels
-from gpu_worker.prefill_graphs import PrefillGraphs
-from gpu_worker.processors import LogitProcessors
-from gpu_worker.prompt_logprobs import prompt_logprob_rows
-from gpu_worker.sampling import RowSampling, sample, token_logprobs
-from gpu_worker.slots import SlotState
-from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain, verify
-from gpu_worker.staging import StageBatch, Staging
-from gpu_worker.step_timer import StepTimer
+from gpu_worker.graphs.prefill import PrefillGraphs
+from gpu_worker.step.processors import LogitProcessors
+from gpu_worker.step.prompt_logprobs import prompt_logprob_rows
+from gpu_worker.step.sampling import RowSampling, sample, token_logprobs
+from gpu_worker.settings import DevSettings
+from gpu_worker.step.slots import SlotState
+from gpu_worker.spec.mtp import DRAFT_ROPE_OFFSET, draft_chain, verify
+from gpu_worker.step.staging import StageBatch, Staging
+from gpu_worker.step.timer import StepTimer
 from proto.messages import Logprobs, SlotError, StepPlan, StepResult
 
 
@@ -73,8 +74,10 @@ class ModelRunner:
     data crosses to the device in one staged copy (``staging.py``)."""
 
     def __init__(self, target, assistant, backend, state: SlotState, tokens_per_step: int, device,
-                 eos_ids: tuple[int, ...] = (), tokenizer_dir: str | None = None, json_any_whitespace: bool = True):
+                 eos_ids: tuple[int, ...] = (), tokenizer_dir: str | None = None, json_any_whitespace: bool = True,
+                 settings: DevSettings = DevSettings()):
         self.target = target
+        self.settings = settings
         self.proc = LogitProcessors(state.seq_len.shape[0], target.vocab_size, device, eos_ids)
         self.grammar = GrammarRows(tokenizer_dir, target.vocab_size, eos_ids, device, json_any_whitespace)
         self.assistant = assistant
@@ -89,7 +92,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill: PrefillGraphs | None = None
         self._last_timer: StepTimer | None = None
-        self.tick = _no_tick  # HostClock.tick when TANDEM_HOST_TIMING=1 (worker main)
+        self.tick = _no_tick  # HostClock.tick under DevSettings.host_timing (worker main)
         self._retire: Callable[[], None] | None = None  # this step's ``retire`` (``launch``)
         self.cpu_kernels = False  # CPU tensors through the Triton kernels (interpreter)
         backend.host_decode_lens = assistant is None  # see SlotState.seq_host
@@ -197,7 +200,7 @@ class ModelRunner:
     def _greedy_tail(self, rows: PlanRows, b: StageBatch) -> bool:
         """A graph step whose rows are all greedy, with no logit processors and no logprobs,
         selects its tokens and updates slot state inside the graphs (``DecodeGraphs.run_tail``)."""
-        return (greedy_tail_enabled() and "lp_idx" not in b and bool(self.state.greedy[rows.dec_slots].all())
+        return ("lp_idx" not in b and bool(self.state.greedy[rows.dec_slots].all())
                 and not self.proc.active(rows.dec_slots) and not self.grammar.active(rows.dec_slots))
 
     def _target_forward(self, fb) -> torch.Tensor:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.cuda_graphs import fitting_bucket
+from gpu_worker.graphs.decode import fitting_bucket
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 
 log = logging.getLogger("tandem.worker")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.argmax import argmax_last
 from gpu_worker.kernels.decode_inputs import decode_inputs, draft_inputs
 from gpu_worker.kernels.decode_tail import greedy_tail
-from gpu_worker.spec import DRAFT_ROPE_OFFSET, draft_chain
+from gpu_worker.spec.mtp import DRAFT_ROPE_OFFSET, draft_chain
 
 log = logging.getLogger("tandem.worker")
 
@@ -57,11 +56,6 @@ def graph_buckets(requested: tuple[int, ...] | None, max_bs: int | None, max_slo
     if not requested and (not base or base[-1] < cap):
         base.append(cap)
     return base
-
-
-def greedy_tail_enabled() -> bool:
-    """``TANDEM_GREEDY_TAIL=0`` sends all-greedy graph steps through the eager tail too (A/Bs)."""
-    return os.environ.get("TANDEM_GREEDY_TAIL", "1") != "0"
 
 
 def fitting_bucket(sizes: list[int], n: int) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.sampling import token_logprobs
+from gpu_worker.step.sampling import token_logprobs
 from proto.messages import Logprobs, PromptLogprobRows
 
 BLOCK_ROWS = 1024  # prompt positions whose logits are materialised at once

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.kernels.argmax import argmax_last
-from gpu_worker.sampling import SALT_ACCEPT, SALT_RESIDUAL, SALT_SAMPLE, RowSampling, sample_from, uniform
+from gpu_worker.step.sampling import SALT_ACCEPT, SALT_RESIDUAL, SALT_SAMPLE, RowSampling, sample_from, uniform
 
 # HF transformers' reference (SinglePositionMultiTokenCandidateGenerator) places every draft
 # query at the bonus token's own index, i.e. committed_len; sglang's text path uses

@@ -14,8 +14,8 @@ import torch
 
 from gpu_worker.attention.base import RowLayout
 from gpu_worker.forward_batch import ForwardBatch
-from gpu_worker.staging import StageBatch
-from gpu_worker.slots import SlotState
+from gpu_worker.step.staging import StageBatch
+from gpu_worker.step.slots import SlotState
 from proto.arrays import view_i32
 from proto.messages import StepPlan
 

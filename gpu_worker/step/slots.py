@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.staging import StageBatch
+from gpu_worker.step.staging import StageBatch
 from proto.arrays import view_i32
 from proto.messages import AdmitRow, PageAppend, SamplingParams
 

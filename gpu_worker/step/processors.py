@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gpu_worker.device import h2d
-from gpu_worker.staging import StageBatch
+from gpu_worker.step.staging import StageBatch
 from proto.messages import AdmitRow
 
 STOP_WIDTH = 8  # initial width of the per-slot stop-id and logit-bias tables; they grow on demand
