@@ -128,12 +128,12 @@ class ServerArgs:
     max_queued_requests: int = opt(4096, "--max-queued-requests", group=ENGINE, metavar="N", positive=True,
                                    help="waiting (not yet running) requests beyond which new ones get 503 + "
                                    "Retry-After")
-    warmup: bool = opt(True, "--skip-warmup", group=ENGINE, invert=True,
+    warmup: bool = opt(True, "--skip-warmup", "--skip-server-warmup", group=ENGINE, invert=True,
                        help="report ready without sending a warm-up request round the engine first")
     tp_size: int = opt(1, "--tp-size", "--tensor-parallel-size", "--tp", "-tp", group=PARALLEL, metavar="N",
                        positive=True, help="tensor parallelism: shard the models over this many GPUs, one worker "
                        "process each")
-    dp_size: int = opt(1, "--dp-size", "--data-parallel-size", "--dp", group=PARALLEL, metavar="N", positive=True,
+    dp_size: int = opt(1, "--dp-size", "--data-parallel-size", "--dp", "-dp", group=PARALLEL, metavar="N", positive=True,
                        help="data parallelism: N engines (CUDA: one GPU each; CPU: sharing the cores) behind a "
                        "cache-aware router on --port; 1 is a single engine, no router")
     dp_base_port: int | None = opt(None, "--dp-base-port", group=PARALLEL, metavar="PORT",

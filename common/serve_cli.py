@@ -1,6 +1,6 @@
 """The ``tandem serve`` command line: argparse built from ServerArgs' field declarations, the
-positional MODEL (``vllm serve MODEL``'s habit), and the vLLM flags that mean nothing here or
-cannot work (each accepted with its meaning in ``--help``, or refused with one line saying why).
+positional MODEL (``vllm serve MODEL``'s habit), and the vLLM and SGLang flags that mean nothing
+here or cannot work (each accepted with its meaning in ``--help``, or refused with one line saying why).
 
 ``parse_server_args`` is argv -> checked values -> Hub ids resolved (``common.hub``) ->
 validated ServerArgs; with no model it serves the bundled tiny pair with MTP on.
@@ -25,7 +25,7 @@ GROUPS = {PARALLEL: "With --dp-size N > 1, every --router-<flag> V is passed to 
 
 @dataclass(frozen=True)
 class Habit:
-    """A vLLM flag users pass by habit that has no setting of its own here."""
+    """A vLLM or SGLang flag users pass by habit that has no setting of its own here."""
     names: tuple[str, ...]
     help: str
     metavar: str | None = None  # None: a switch
@@ -41,7 +41,8 @@ def _pp(value: str | None) -> str | None:
 HABITS = (
     Habit(("--enable-chunked-prefill",), "accepted, no effect: prefill is always chunked (--chunked-prefill-size)"),
     Habit(("--disable-log-requests",), "accepted, no effect: requests are never logged one by one"),
-    Habit(("--pipeline-parallel-size", "-pp"), "accepted as 1 only (no pipeline parallelism; see --tp-size)",
+    Habit(("--enable-metrics",), "accepted, no effect: /metrics is always on (SGLang's switch)"),
+    Habit(("--pipeline-parallel-size", "-pp", "--pp-size"), "accepted as 1 only (no pipeline parallelism; see --tp-size)",
           metavar="1", refuse=_pp),
     Habit(("--trust-remote-code",), "refused: no checkpoint code is ever run; Tandem serves the architectures it "
           "implements itself", refuse=lambda value: "no checkpoint code is ever run here: Tandem implements each "
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the checkpoint directory or Hub id, as in `vllm serve MODEL` (same as --model-path)")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     add_flags(p, ServerArgs, GROUPS)
-    habits = p.add_argument_group("vLLM flags with no setting here")
+    habits = p.add_argument_group("vLLM and SGLang flags with no setting here")
     for h in HABITS:
         dest = "habit__" + h.names[0].lstrip("-").replace("-", "_")
         if h.metavar is None:
