@@ -3,7 +3,8 @@ positional MODEL (``vllm serve MODEL``'s habit), and the vLLM and SGLang flags t
 here or cannot work (each accepted with its meaning in ``--help``, or refused with one line saying why).
 
 ``parse_server_args`` is argv -> checked values -> Hub ids resolved (``common.hub``) ->
-validated ServerArgs; with no model it serves the bundled tiny pair with MTP on.
+validated ServerArgs (``prepare_server_args``, the same for a ServerArgs built in Python); with
+no model it serves the bundled tiny pair with MTP on.
 """
 
 from __future__ import annotations
@@ -70,7 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_server_args(argv: list[str]) -> ServerArgs:
     """Parse, resolve Hub ids and validate; raises ArgError (one line naming the flag)."""
-    return validate(resolve_model_paths(check_values(args_from_argv(argv))))
+    return prepare_server_args(args_from_argv(argv))
+
+
+def prepare_server_args(args: ServerArgs) -> ServerArgs:
+    """What ``tandem serve`` does with its ServerArgs before any process starts, for callers that
+    build one in Python (``tandem.LLM``): check the values, resolve Hub ids, validate."""
+    return validate(resolve_model_paths(check_values(args)))
 
 
 def args_from_argv(argv: list[str]) -> ServerArgs:

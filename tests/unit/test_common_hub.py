@@ -11,9 +11,9 @@ import sys
 import huggingface_hub.constants
 import pytest
 
-from common.args import BUNDLED_MODEL_DIR, ArgError
+from common.args import BUNDLED_MODEL_DIR, ArgError, ServerArgs
 from common.hub import looks_like_hub_id
-from common.serve_cli import parse_server_args
+from common.serve_cli import parse_server_args, prepare_server_args
 from tests.helpers.hub_cache import add_to_cache
 from tests.helpers.server import ROOT
 
@@ -39,6 +39,14 @@ def test_a_cached_id_resolves_to_its_snapshot_and_keeps_its_name(hub):
     named = parse_server_args(["--model", "org/tiny", "--download-dir", cache, "--served-model-name", "t"])
     assert named.model_names == ("t",)
     assert parse_server_args(["org/tiny", "--download-dir", cache, "--revision", "v1"]).model_path == snaps["v1"]
+
+
+def test_a_server_args_built_in_python_resolves_the_same(hub):
+    """tandem.LLM's path: a ServerArgs from keyword arguments, then the chain tandem serve runs."""
+    cache, snaps = hub
+    args = prepare_server_args(ServerArgs(model_path="org/tiny", download_dir=cache, device="cpu"))
+    assert args == parse_server_args(["org/tiny", "--download-dir", cache, "--device", "cpu"])
+    assert args.model_path == snaps["main"] and args.model_name == "org/tiny"
 
 
 def test_tokenizer_and_draft_paths_resolve_too(hub):
