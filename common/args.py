@@ -13,7 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from common.flags import ArgError, flag_fields, opt, token_count
+from common.flags import ArgError, opt, token_count
 from common.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 __all__ = ["ArgError", "BUNDLED_MODEL_DIR", "ServerArgs"]
@@ -246,7 +246,3 @@ class ServerArgs:
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
 
-
-def flag_name(field_name: str) -> str:
-    """The flag error messages use for a field (its first spelling)."""
-    return next(fl.names[0] for path, _f, fl, _k in flag_fields(ServerArgs) if path == (field_name,))
