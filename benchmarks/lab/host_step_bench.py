@@ -1,16 +1,15 @@
 """The worker's host half of a decode step, timed on the host alone (no device needed).
 
-On the H200 the small models are host-bound: the bundled pair's step cycle is ~0.7 ms for
-0.27 ms of GPU work, and ``ModelRunner.stage`` (slot frees, host mirrors, the staged arrays,
-the graph bucket's slot check) is a third of the worker's part (``TANDEM_HOST_TIMING=1``'s
-``l.stage``, BENCHMARKS.md). This times ``stage`` for a steady decode-only plan (the bucket
-already holds its slots, as in a running batch) on a runner built here, with CUDA graphs
-emulated on the CPU (the same host code as on the GPU; only the upload differs), so host-side
-changes can be measured where they are written. Between two timed calls it touches
-``--evict-mb`` of memory, as a step's other work does (a tight loop with warm caches reads ~3x
-faster than the same code inside a running engine):
+Small models are host-bound on a GPU: their step cycle is mostly the worker's host work, of
+which ``ModelRunner.prepare`` (slot frees, host mirrors, the typed inputs and their upload, the
+graph bucket's slot check) is a large part (``TANDEM_HOST_TIMING=1``'s ``l.prepare``). This
+times ``prepare`` for a steady decode-only plan (the bucket already holds its slots, as in a
+running batch) on a runner built here, with CUDA graphs emulated on the CPU (the same host code
+as on the GPU; only the upload differs), so host-side changes can be measured where they are
+written. Between two timed calls it touches ``--evict-mb`` of memory, as a step's other work
+does (a tight loop with warm caches reads ~3x faster than the same code inside a running engine):
 
-    python benchmarks/host_step_bench.py [--rows 1 8] [--iters 3000] [--evict-mb 16]
+    python benchmarks/lab/host_step_bench.py [--rows 1 8] [--iters 3000] [--evict-mb 16]
 """
 
 from __future__ import annotations
@@ -25,16 +24,17 @@ import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TANDEM_EMULATE_CUDA_GRAPHS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 
 from gpu_worker.main import build_runner  # noqa: E402
 from common.args import ServerArgs  # noqa: E402
+from gpu_worker.step.timer import StepTimer  # noqa: E402
 from proto.messages import StepPlan  # noqa: E402
 
 
-def time_stage(runner, rows: int, iters: int, evict_mb: int) -> list[float]:
+def time_prepare(runner, rows: int, iters: int, evict_mb: int) -> list[float]:
     slots = np.arange(1, rows + 1, dtype=np.int32)
     plan = StepPlan(step_id=1, decode_slots=slots.tobytes())
     bucket = runner.graphs.bucket(rows)
@@ -49,7 +49,7 @@ def time_stage(runner, rows: int, iters: int, evict_mb: int) -> list[float]:
             if evict_mb:
                 junk += 1.0  # the rest of a step runs between two stages: caches are not warm
             t0 = time.perf_counter()
-            runner.stage(plan)
+            runner.prepare(plan, StepTimer(runner.device, None))
             out.append(time.perf_counter() - t0)
     finally:
         gc.enable()
@@ -69,13 +69,13 @@ def main() -> None:
     runner, _ = build_runner(args)
     res = {}
     for r in a.rows:
-        t = time_stage(runner, r, a.iters, a.evict_mb)[a.iters // 10:]  # the first tenth: warm-up
+        t = time_prepare(runner, r, a.iters, a.evict_mb)[a.iters // 10:]  # the first tenth: warm-up
         res[r] = {"median_us": statistics.median(t) * 1e6, "mean_us": statistics.fmean(t) * 1e6}
-        print(f"{r} rows: stage() median {res[r]['median_us']:.1f} us, mean {res[r]['mean_us']:.1f} us "
+        print(f"{r} rows: prepare() median {res[r]['median_us']:.1f} us, mean {res[r]['mean_us']:.1f} us "
               f"({a.evict_mb} MiB touched between stages)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"stage_us": res}, f, indent=1)
+            json.dump({"prepare_us": res}, f, indent=1)
 
 
 if __name__ == "__main__":

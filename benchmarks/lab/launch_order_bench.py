@@ -5,7 +5,7 @@ Shape: Qwen3-0.6B (16 q / 8 KV heads, d 128, page 16), the nano-vllm recipe's mi
 contexts uniform in [100, 2048] (its prompts plus outputs), at the batch sizes it passes through.
 Bytes = each row's K and V over its context; the ceiling is the copy bandwidth of the same run.
 
-    python benchmarks/launch_order_bench.py [--json OUT]
+    python benchmarks/lab/launch_order_bench.py [--json OUT]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
 from gpu_worker.attention.triton_backend import decode_splits  # noqa: E402

@@ -1,5 +1,6 @@
-"""The device experiments behind issue 8's kernel choices, each timed inside a CUDA graph (as the
-engine runs them) with weights/KV rotated over more than L2 holds:
+"""Kernel launch-shape sweeps, each timed inside a CUDA graph (as the engine runs them) with
+weights / KV rotated over more than L2 holds (the measurements behind docs/decisions/gemv.md and
+attention.md; rerun it before changing a launch shape, and on a new card):
 
 - linear layers at decode shapes: cuBLAS (through F.linear, either BLAS library torch offers)
   against our split-N GEMV (``gpu_worker/kernels/gemv.py``, a config sweep) for M <= 4;
@@ -8,13 +9,12 @@ engine runs them) with weights/KV rotated over more than L2 holds:
 - (``wide``) the tensor-core GEMV at 32 and 64 rows against cuBLAS (Llama-8B projections);
 - (``narrow``) split K on short-K launches with few column tiles (1024-wide outputs, the 4-row
   verify's o);
-- paged decode attention launch shapes (BLOCK_N, warps, stages), split counts and, at one row,
-  the split cap by keys (``TANDEM_DECODE_MIN_SPLIT_KEYS``);
+- paged decode attention launch shapes (BLOCK_N, warps, stages) and split counts;
 - the logits tail: bf16 -> fp32 conversion and argmax over [rows, vocab] (torch's and ours,
   ``gpu_worker/kernels/argmax.py``).
 
-    python benchmarks/kernel_sweep.py [--json OUT] [--only gemm,gemv,attn,logits,wide,narrow]
-    SWEEP_ROTATE_MB=0 python benchmarks/kernel_sweep.py --only gemv   # weights left in L2
+    python benchmarks/lab/kernel_sweep.py [--json OUT] [--only gemm,gemv,attn,logits,wide,narrow]
+    SWEEP_ROTATE_MB=0 python benchmarks/lab/kernel_sweep.py --only gemv   # weights left in L2
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.attention_bench import setup as attention_setup  # noqa: E402
 from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
@@ -38,9 +38,9 @@ from gpu_worker.kernels.attention_decode import paged_decode  # noqa: E402
 from gpu_worker.kernels.argmax import argmax_last  # noqa: E402
 from gpu_worker.kernels.gemv import GEMV_MAX_M, gemv  # noqa: E402
 
-# Rotate over more than the H200's 50 MB L2. SWEEP_ROTATE_MB=0: one copy, so a weight that fits
-# stays in L2 between calls (what a kernel costs when its bytes are not the limit: latency,
-# ramp and tail; e.g. the one-row o projection, 2026-12-04 afternoon in BENCHMARKS.md).
+# Rotate over more than a Hopper card's 50 MB L2. SWEEP_ROTATE_MB=0: one copy, so a weight that
+# fits stays in L2 between calls (what a kernel costs when its bytes are not the limit: latency,
+# ramp and tail).
 L2_BYTES = int(float(os.environ.get("SWEEP_ROTATE_MB", "200")) * (1 << 20))
 # (label, M, N, K): Llama-3.1-8B's projections at 1 and 4 rows (decode, MTP verify at one
 # request) and 64, Qwen3-0.6B's at 256.
@@ -51,8 +51,6 @@ GEMM_SHAPES = [(f"llama {n}", m, nn, k) for m in (1, 4, 64) for n, nn, k in LLAM
 GEMV_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
                 for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))] + \
     [dict(block_n=bn, block_k=512, num_warps=8, num_stages=3) for bn in (16, 32)]
-# TANDEM_DECODE_MIN_SPLIT_KEYS values tried at one row (kernels/attention_decode.py: min_split_keys)
-ATTN_MIN_KEYS = (64, 128, 256)
 ATTN_TUNES = [dict(block_n=bn, num_warps=4, num_stages=st) for bn, st in itertools.product((32, 64, 128), (2, 3, 4))] + \
     [dict(block_n=bn, num_warps=8, num_stages=3) for bn in (64, 128)] + \
     [dict(block_n=16, num_warps=4, num_stages=2), dict(block_n=16, num_warps=8, num_stages=3),
@@ -132,11 +130,11 @@ def shape_rows(bw: float, label: str, m: int, n: int, k: int, variants) -> list[
 
 
 def gemv_rows(bw: float) -> list[dict]:
-    from gpu_worker.kernels.gemv import CONFIG, SKINNY_MAX_K, long_k_splits
+    from gpu_worker.kernels.gemv import CONFIG, LONG_K_SPLITS, SKINNY_MAX_K
 
     rows = []
     for label, m, n, k in ROW_SHAPES:
-        splits = long_k_splits() if k > SKINNY_MAX_K else 1
+        splits = LONG_K_SPLITS if k > SKINNY_MAX_K else 1
         cfgs = ([CONFIG] if m == 1 else []) + ROW_CONFIGS
         rows += shape_rows(bw, label, m, n, k, [(cfg, splits) for cfg in cfgs])
     return rows
@@ -198,12 +196,11 @@ def attn_rows(bw: float, sms: int) -> list[dict]:
         nbytes = bs * ctx * hkv * d * 2 * 2
         default = decode_splits(bs, hkv, sms)
         other = sorted({1, 2, 4, 8, 16} - {default}) if bs == 1 else []
-        cases = [(default, None, 0)] + [(default, t_, 0) for t_ in ATTN_TUNES] + [(s, None, 0) for s in other]
-        cases += [(default, None, mk) for mk in ATTN_MIN_KEYS] if bs == 1 else []  # the split cap, at one row
-        for sp, tune, mk in cases:
+        cases = [(default, None)] + [(default, t_) for t_ in ATTN_TUNES] + [(s, None) for s in other]
+        for sp, tune in cases:
             def run():
                 paged_decode(q, k, v, pt, slots, kv, q_pos, t=t, page_size=16, scale=d**-0.5, num_splits=sp,
-                             tune=tune, min_keys=mk)
+                             tune=tune)
             try:
                 sec = graph_time(run, 1)
             except Exception as exc:  # noqa: BLE001 - a config that does not fit: report, go on
@@ -211,10 +208,10 @@ def attn_rows(bw: float, sms: int) -> list[dict]:
                              "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
                 continue
             rows.append({"model": model, "bs": bs, "ctx": ctx, "shuffled": shuffle, "head_dim": d, "t": t,
-                         "splits": sp, "tune": tune or "default", "min_keys": mk,
-                         "is_default": tune is None and sp == default and mk == 0,
+                         "splits": sp, "tune": tune or "default",
+                         "is_default": tune is None and sp == default,
                          "us": sec * 1e6, "frac_of_copy_bw": nbytes / sec / bw})
-            print(f"attn-row {model} bs {bs} ctx {ctx} t {t} splits {sp} {tune or 'default'} min_keys {mk}: "
+            print(f"attn-row {model} bs {bs} ctx {ctx} t {t} splits {sp} {tune or 'default'}: "
                   f"{sec * 1e6:.2f} us", flush=True)  # the log keeps each row if the sweep is cut off
         del pool, k, v
         torch.cuda.empty_cache()
@@ -278,12 +275,7 @@ def summarize(out: dict) -> None:
     for key, b in best.items():
         d, bb = b.get("default"), b["best"]
         print(f"attn {key}: default {d['us'] if d else float('nan'):.1f} us (splits {d['splits'] if d else '?'}) "
-              f"best {bb['us']:.1f} us {bb['frac_of_copy_bw']:.1%} splits {bb['splits']} {bb['tune']}"
-              f"{' min_keys ' + str(bb['min_keys']) if bb.get('min_keys') else ''}")
-    for r in out.get("attn", []):
-        if r.get("min_keys") and "error" not in r:
-            print(f"attn {r['model']} bs {r['bs']} ctx {r['ctx']} splits {r['splits']} min_keys {r['min_keys']}: "
-                  f"{r['us']:.1f} us {r['frac_of_copy_bw']:.1%}")
+              f"best {bb['us']:.1f} us {bb['frac_of_copy_bw']:.1%} splits {bb['splits']} {bb['tune']}")
 
 
 if __name__ == "__main__":
