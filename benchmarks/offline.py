@@ -28,7 +28,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from proto.args import parse_server_args  # noqa: E402
+from common.serve_cli import parse_server_args  # noqa: E402
 from proto.messages import EngineInfo, GenerateReq, SamplingParams, SchedulerStats, Shutdown, StepOutputs  # noqa: E402
 from proto.transport import PullChannel, PushChannel, ipc_endpoints, make_run_dir  # noqa: E402
 from tandem.child import child_main  # noqa: E402
