@@ -29,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from proto.args import ServerArgs, parse_server_args  # noqa: E402
+from common.args import ServerArgs  # noqa: E402
+from common.serve_cli import parse_server_args  # noqa: E402
 from tandem import LLM, SamplingParams  # noqa: E402
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from proto.args import ServerArgs  # noqa: E402
+from common.args import ServerArgs  # noqa: E402
 from proto.arrays import pack_i32, view_i32  # noqa: E402
 from proto.messages import (GenerateReq, SamplingParams, Shutdown, StepOutputs, StepPlan,  # noqa: E402
                             StepResult, WorkerReady)

@@ -35,7 +35,7 @@ from gpu_worker.main import Worker, build_runner, inflight_limit
 from gpu_worker.main import run as run_worker
 from gpu_worker.parallel import comm
 from gpu_worker.parallel.state import all_gather_object, destroy_tp, init_tp
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import PlanMsg, Shutdown, StepPlan
 from proto.transport import Endpoints, make_run_dir
 

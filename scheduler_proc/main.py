@@ -16,7 +16,7 @@ import time
 import msgspec
 import zmq
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import (
     AbortReq,
     EngineInfo,

@@ -16,9 +16,9 @@ from collections import defaultdict, deque
 
 import msgspec
 
+from common.args import ServerArgs
 from gpu_worker.main import build_runner
 from proto.arrays import pack_i32, view_i32
-from proto.args import ServerArgs
 from proto.messages import GenerateReq, PlanMsg, ResultMsg, SamplingParams
 from scheduler_proc.core import SchedConfig, SchedulerCore
 from scheduler_proc.planner import Planner

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import itertools
 import time
 import weakref
@@ -29,9 +30,11 @@ from typing import Any, Callable, Sequence
 
 import msgspec
 
-from proto.args import ServerArgs, validate
+from common.args import ServerArgs
+from common.flags import flag_fields
+from common.jinja_env import read_template_source
+from common.serve_cli import prepare_server_args
 from proto.messages import SchedulerStats
-from proto.jinja_env import read_template_source
 from tandem.llm_batch import BatchRun, PlannedRequest
 from tandem.llm_engine import EngineError, EngineLink
 from tandem.llm_outputs import RequestOutput, completion_output, prompt_logprobs, request_metrics
@@ -61,14 +64,40 @@ class _NoText:
 
 
 def engine_args(model: str, **kwargs) -> ServerArgs:
-    """``ServerArgs`` for ``LLM(model, **kwargs)``, checked as ``tandem serve`` checks its flags
-    (ValueError naming the flag); an unknown name is a TypeError listing the known ones."""
-    known = {f.name for f in dataclasses.fields(ServerArgs)} - {"model_path"}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise TypeError(f"LLM(): unknown engine argument(s) {', '.join(unknown)}; engine arguments are "
-                        f"ServerArgs fields: {', '.join(sorted(known))}")
-    return validate(ServerArgs(model_path=model, **kwargs))
+    """``ServerArgs`` for ``LLM(model, **kwargs)``, prepared as ``tandem serve`` prepares its
+    flags (values checked, Hub ids resolved, checkpoints read: ValueError naming the flag). A
+    keyword is a ``ServerArgs`` field or any long name of its flag with ``_`` for ``-`` (vLLM's
+    ``tensor_parallel_size``, ``max_model_len``, ``seed`` ...); a string value is read as the
+    flag reads it (``max_model_len="32k"``, ``dtype="half"``). An unknown name is a TypeError."""
+    names, parsers = _argument_names()
+    fields: dict[str, object] = {}
+    for key, value in kwargs.items():
+        name = names.get(key)
+        if name is None:
+            raise TypeError(f"LLM(): unknown engine argument {key!r}; engine arguments are tandem serve's flags "
+                            "with '_' for '-' (see `tandem serve --help`)")
+        if name in fields:
+            raise TypeError(f"LLM(): {key!r} sets {name!r}, which another argument already set")
+        parse = parsers.get(name)
+        fields[name] = parse(value) if parse is not None and isinstance(value, str) else value
+    return prepare_server_args(ServerArgs(model_path=model, **fields))
+
+
+@functools.lru_cache(maxsize=1)
+def _argument_names() -> tuple[dict[str, str], dict[str, Callable]]:
+    """({keyword: ServerArgs field}, {field: its flag's parser}), from the fields' flag
+    declarations (``common.args``); a switch that stores the opposite (``--skip-warmup``) is
+    reachable by its field's name only."""
+    names = {f.name: f.name for f in dataclasses.fields(ServerArgs) if f.name != "model_path"}
+    parsers = {}
+    for path, f, flag, _ in flag_fields(ServerArgs):
+        if len(path) != 1 or f.name == "model_path":
+            continue
+        if flag.parse is not None:
+            parsers[f.name] = flag.parse
+        if not flag.invert:
+            names.update({n[2:].replace("-", "_"): f.name for n in flag.names if n.startswith("--")})
+    return names, parsers
 
 
 class LLM:

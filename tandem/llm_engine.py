@@ -18,7 +18,7 @@ from typing import Iterator
 
 import zmq
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import EngineInfo, SchedulerStats, Shutdown
 from proto.transport import PullChannel, PushChannel
 from tandem.supervisor import Supervisor

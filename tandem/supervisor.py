@@ -30,7 +30,7 @@ from typing import Callable
 
 import zmq
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.curve import generate_keys
 from proto.messages import EngineDead
 from proto.transport import Endpoints, PushChannel, ipc_endpoints, make_run_dir, tcp_endpoints, use_endpoint_security

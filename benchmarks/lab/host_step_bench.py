@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from gpu_worker.main import build_runner  # noqa: E402
+from common.args import ServerArgs  # noqa: E402
 from gpu_worker.step.timer import StepTimer  # noqa: E402
-from proto.args import ServerArgs  # noqa: E402
 from proto.messages import StepPlan  # noqa: E402
 
 

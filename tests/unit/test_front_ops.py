@@ -8,8 +8,9 @@ import hmac
 import httpx
 import pytest
 
-from proto import auth
-from proto.args import ArgError, ServerArgs, parse_server_args
+from common import auth
+from common.args import ArgError, ServerArgs
+from common.serve_cli import parse_server_args
 from tests.unit.front_harness import MODEL, start_stack
 from tests.unit.test_front_api_validation import assert_error
 

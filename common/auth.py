@@ -1,5 +1,5 @@
 """``--api-key``: ``Authorization: Bearer KEY`` on every route but the operational ones, for
-the engine's front and the router alike (both import it from here; they share only proto/).
+the engine's front and the router alike (both import it from here: the process packages share only proto/ and common/).
 
 A pure ASGI middleware (streams pass through untouched). The key is compared in constant time
 (``hmac.compare_digest`` on bytes), so response timing says nothing about how much of a guess
