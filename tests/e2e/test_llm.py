@@ -1,4 +1,4 @@
-"""``tandem.LLM`` on the bundled pair (MTP on) and on a tiny random Llama: one batch of mixed
+"""``tandem.LLM`` on the bundled pair (MTP on, by Hub ids) and on a tiny random Llama: one batch of mixed
 prompts (text, token ids, prompt dicts) and sampling params answers exactly as a real
 ``tandem serve`` answers the same requests (greedy and seeded sampling: equal tokens), greedy
 matches HF transformers, ``chat`` renders the model's template, bad input is a ValueError, and
@@ -13,13 +13,16 @@ import subprocess
 import sys
 
 import httpx
+import huggingface_hub.constants
 import pytest
 
 from benchmarks.stream_ends import engine_children
 from tandem import LLM, SamplingParams, StructuredOutputsParams
+from tandem.llm import engine_args
 from tandem.llm_engine import EngineError
 from tests.e2e.ops_util import pid_alive, wait_until
 from tests.helpers.checkpoints import hf_greedy
+from tests.helpers.hub_cache import add_to_cache
 from tests.helpers.server import ROOT, Server
 
 PAIR = os.path.join(ROOT, "models", "tiny-shakespeare")
@@ -44,18 +47,25 @@ CASES = [
 
 
 @pytest.fixture(scope="module", params=["pair", "llama"])
-def engines(request, ckpts):
+def engines(request, ckpts, tmp_path_factory):
     """An LLM and a server on one model, started together; the LLM's children are checked gone
-    after its ``shutdown``."""
-    if request.param == "pair":
-        path, llm_kw, server_argv = TARGET, MTP, (None,)
-    else:
-        path, llm_kw, server_argv = ckpts["llama"], {}, (ckpts["llama"],)
-    srv = Server(*server_argv, wait=False)
-    llm = LLM(path, **llm_kw, **QUIET)
+    after its ``shutdown``. The LLM names the bundled pair by Hub ids, served from an offline
+    cache as ``tandem serve`` resolves them; the server gets the directories."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "pair":
+            mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+            home = str(tmp_path_factory.mktemp("hf"))
+            add_to_cache(home, "org/tiny", TARGET)
+            add_to_cache(home, "org/tiny-draft", MTP["speculative_draft_model_path"])
+            model, llm_kw, server_argv = "org/tiny", {**MTP, "speculative_draft_model_path": "org/tiny-draft",
+                                                      "download_dir": os.path.join(home, "hub")}, (None,)
+        else:
+            model, llm_kw, server_argv = ckpts["llama"], {}, (ckpts["llama"],)
+        srv = Server(*server_argv, wait=False)
+        llm = LLM(model, **llm_kw, **QUIET)
     pids = [p.pid for p in llm._engine.sup.procs.values()]
     try:
-        yield request.param, path, llm, srv.wait_ready()
+        yield request.param, llm.args.model_path, llm, srv.wait_ready()
     finally:
         srv.stop()
         llm.shutdown()
@@ -166,10 +176,18 @@ def test_bad_requests_are_value_errors(engines):
 def test_engine_arguments_are_checked_before_any_process(tmp_path):
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM(TARGET, no_such_flag=1)
+    with pytest.raises(TypeError, match="'seed' sets 'random_seed', which another argument already set"):
+        LLM(TARGET, random_seed=1, seed=2)
     with pytest.raises(ValueError, match="--model-path"):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="--overlap-depth"):
         LLM(TARGET, overlap_depth=7)
+    with pytest.raises(ValueError, match="^--model-path: 'org/nope' is not a local directory"):
+        LLM("org/nope", download_dir=str(tmp_path))
+    # vLLM's keyword names are the flags' vLLM spellings; strings are read as the flag reads them
+    args = engine_args(TARGET, tensor_parallel_size=1, max_model_len="2k", seed=3, max_num_seqs=4, dtype="float")
+    assert (args.tp_size, args.context_length, args.random_seed, args.max_running_requests, args.dtype) == \
+        (1, 2000, 3, 4, "float32")
 
 
 def test_an_engine_that_cannot_start_is_one_line_and_no_process(tmp_path):
