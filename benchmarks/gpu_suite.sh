@@ -8,6 +8,7 @@
 # PARTS (default "tests llama gemma qwen pair attn"):
 #   tests    tests/gpu (TESTS= a subset; TESTS_STOP="" runs past a failure)
 #   llama    Llama-3.1-8B shape, 1 and 64 requests, 512 in / 256 out, overlap on and off
+#            (LLAMA_NO_OVERLAP=0: on only)
 #   gemma    Gemma-4 9B shape, one request, plain and frozen-KV MTP S=3 (step ratio)
 #   qwen     Qwen3-0.6B shape: nano-vllm's recipe (256 requests, lengths U[100, 1024]) + HF generate
 #   pair     the bundled pair, plain and MTP, 1 and 8 requests
@@ -69,7 +70,7 @@ if has profile; then
 fi
 if has llama; then
   echo "== Llama-3.1-8B shape: 1 and 64 requests, 512 in / 256 out, overlap on / off"
-  off llama_no_overlap 150 "${LLAMA8B[@]}" --disable-overlap-schedule --warmup-rounds 1
+  [ "${LLAMA_NO_OVERLAP:-1}" = 1 ] && off llama_no_overlap 150 "${LLAMA8B[@]}" --disable-overlap-schedule --warmup-rounds 1
   off llama_overlap 150 "${LLAMA8B[@]}" --warmup-rounds 1
 fi
 if has gemma; then
