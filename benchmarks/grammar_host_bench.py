@@ -1,4 +1,4 @@
-"""Host cost of structured output per step (gpu_worker/grammar.py), no GPU needed: the mask
+"""Host cost of structured output per step (gpu_worker/structured/grammar.py), no GPU needed: the mask
 building of ``GrammarRows.apply`` and the token feed of ``observe`` for B constrained rows of
 a JSON-schema grammar over a 150k-token vocabulary, with 1 and 4 positions per row (MTP S=3),
 plus one schema's compile. ``fill_ms`` is the host part (xgrammar's masks): it runs on the
@@ -25,7 +25,7 @@ SCHEMA = {"type": "object", "properties": {
 def make_rows(vocab: int):
     import xgrammar as xgr
 
-    from gpu_worker.grammar import GrammarRows
+    from gpu_worker.structured.grammar import GrammarRows
 
     # A byte-level-like vocabulary: single characters first (JSON needs them), then words.
     chars = [chr(c) for c in range(32, 127)]

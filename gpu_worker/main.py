@@ -21,18 +21,19 @@ import torch
 import zmq
 
 from gpu_worker.attention import create_backend, resolve_backend
-from gpu_worker.cuda_graphs import graph_buckets
+from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.models.eos import read_eos_token_ids
 from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
-from gpu_worker.prefill_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
-from gpu_worker.runner import ModelRunner
-from gpu_worker.slots import SlotState
-from gpu_worker.warmup import prefill_sizes, warm_prefill
+from gpu_worker.graphs.prefill import MAX_TOKENS as PIECEWISE_MAX_TOKENS
+from gpu_worker.step.runner import ModelRunner
+from gpu_worker.settings import DevSettings
+from gpu_worker.step.slots import SlotState
+from gpu_worker.graphs.warmup import prefill_sizes, warm_prefill
 from gpu_worker.sizing import plan_capacity
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import Shutdown, StepPlan, WorkerError, WorkerReady
 from proto.transport import ChannelRefused, Endpoints, PullChannel, PushChannel
 
@@ -55,6 +56,7 @@ def max_positions(model_dir: str) -> int:
 
 def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     """Load the models, size the pool and build the step runner (no sockets)."""
+    settings = DevSettings.from_env()
     device = rank_device(torch.device(args.resolved_device()))  # TP: this rank's GPU
     if device.type == "cpu":  # TP ranks on one host share its cores
         torch.set_num_threads(args.num_threads or max(1, ((os.cpu_count() or 2) - 1) // tp_size()))
@@ -79,14 +81,15 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     # keeps the min_tokens mask from indexing out of range.
     eos = tuple(i for i in read_eos_token_ids(args.model_path, args.tokenizer_dir) if 0 <= i < target.vocab_size)
     runner = ModelRunner(target, assistant, backend, state, t, device, eos, args.tokenizer_dir,
-                         not args.constrained_json_disable_any_whitespace)
+                         not args.constrained_json_disable_any_whitespace, settings)
     # On the CPU, --attention-backend triton runs every kernel (norms, RoPE too) in the interpreter.
     runner.cpu_kernels = name in ("triton", "flashinfer") and device.type != "cuda"  # flashinfer: tests' fake
     if device.type == "cuda":  # the CPU has no lazy kernel loading to pay ahead (and CI starts many engines)
         sizes = prefill_sizes(args.chunked_prefill_size or 8192, state.page_table.shape[1] * args.page_size)
         log.info("prefill warm-up: %s tokens in %.2f s", sizes, warm_prefill(runner, sizes))
-    _setup_graphs(args, runner, name, device, cap.max_slots)
-    log_compiles(log)  # TANDEM_LOG_COMPILES=1: what start-up did not warm
+    _setup_graphs(args, runner, name, device, cap.max_slots, settings.emulate_cuda_graphs)
+    if settings.log_compiles:
+        log_compiles(log)  # what start-up did not warm
     ready = WorkerReady(
         page_size=args.page_size,
         num_pages=cap.num_pages,
@@ -104,11 +107,11 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     return runner, ready
 
 
-def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: torch.device, max_slots: int):
+def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: torch.device, max_slots: int,
+                  emulate: bool):
     """CUDA graphs for decode steps, then piecewise graphs for prefill steps of up to the step
     budget (at most ``PIECEWISE_MAX_TOKENS``): on by default on CUDA with a graph-capable backend.
-    ``TANDEM_EMULATE_CUDA_GRAPHS=1`` runs the same bucket/padding paths eagerly (CPU tests)."""
-    emulate = os.environ.get("TANDEM_EMULATE_CUDA_GRAPHS") == "1"
+    ``emulate`` (``DevSettings``) runs the same bucket/padding paths eagerly off CUDA (CPU tests)."""
     if args.disable_cuda_graph or (device.type != "cuda" and not emulate):
         return
     if not hasattr(runner.backend, "decode_meta"):
@@ -125,15 +128,11 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
 
 
 class HostClock:
-    """Where the worker's host time goes (``TANDEM_HOST_TIMING=1``): per phase of the loop,
+    """Where the worker's host time goes (``DevSettings.host_timing``): per phase of the loop,
     logged every 200 steps. Off by default (one attribute check per tick)."""
 
     def __init__(self, on: bool):
         self.on, self.acc, self.steps, self.t = on, {}, 0, time.perf_counter()
-
-    @classmethod
-    def from_env(cls) -> "HostClock":
-        return cls(os.environ.get("TANDEM_HOST_TIMING") == "1")
 
     def tick(self, phase: str, step: bool = False) -> None:
         if not self.on:
@@ -171,7 +170,7 @@ class Worker:
         next plan is launched before the previous result is waited for (up to ``depth`` steps
         in flight); on CPU a step is done when launch returns, so its result goes out at once."""
         inflight: deque = deque()
-        clock = HostClock.from_env()
+        clock = HostClock(self.runner.settings.host_timing)
         if clock.on:
             self.runner.tick = clock.tick
         while True:

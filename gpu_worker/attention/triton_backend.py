@@ -12,7 +12,6 @@ CUDA graphs capture, with the split count a function of the batch size only.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +23,7 @@ from gpu_worker.device import h2d
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels.attention_decode import paged_decode
 from gpu_worker.kernels.attention_extend import extend_block_m, extend_blocks, paged_extend
+from gpu_worker.upload import staged
 
 DECODE_MAX_Q = 16
 CPU_SMS = 2  # under the interpreter every program is Python: split little, but still split
@@ -51,6 +51,11 @@ class ExtendPart:
 
 
 @dataclass
+class TritonStaged:
+    ext_blocks: torch.Tensor = staged()  # [3, NB] the extend kernel's query blocks
+
+
+@dataclass
 class TritonMeta:
     decode: DecodePart | None
     extend: ExtendPart | None
@@ -67,10 +72,8 @@ def launch_order(kv_lens: torch.Tensor, kv_heads: int, splits: int, sms: int) ->
     """The decode rows longest first, where the kernel's programs outnumber what the SMs hold
     at once (one split, rows x heads > 2 x SMs), so that the longest rows do not start last
     (kernels/attention_decode.py). One small sort per forward, shared by every layer; a
-    function of the batch size only, like the split count. On by default (the Qwen3 recipe's
-    decode step on the H200: 5.44 -> 5.13 ms, BENCHMARKS.md 2026-12-02 night); TANDEM_DECODE_LPT=0
-    turns it off."""
-    if splits > 1 or kv_lens.shape[0] * kv_heads <= 2 * sms or os.environ.get("TANDEM_DECODE_LPT", "1") == "0":
+    function of the batch size only, like the split count (docs/decisions/attention.md)."""
+    if splits > 1 or kv_lens.shape[0] * kv_heads <= 2 * sms:
         return None
     return torch.argsort(kv_lens, descending=True)
 
@@ -85,7 +88,7 @@ def decode_start(q_lens: np.ndarray, decode_q_lens: frozenset = frozenset({1})) 
     engine's decode steps use (``decode_q_lens``: 1 for decode and the draft's read, S+1 for
     MTP verify). A short prefill row of another count (a prompt or last chunk of a few tokens)
     goes to the extend kernel: the decode kernel's query count is a compile-time constant, so
-    each new count compiled a variant while serving (0.6 s on the H200 for an 8-token prompt)."""
+    each new count would compile a variant while serving (a latency spike)."""
     b = len(q_lens)
     first = b
     if b and q_lens[-1] <= DECODE_MAX_Q and int(q_lens[-1]) in decode_q_lens:
@@ -108,10 +111,9 @@ class TritonAttentionBackend(AttentionBackend):
         """Device-only metadata for B rows of t queries each (graph-capturable)."""
         return TritonMeta(decode_part(0, t, slots, kv_lens, q_pos, self.kv_heads, self.sms), None)
 
-    def stage(self, q_lens: np.ndarray, staged, **_) -> None:
+    def stage(self, q_lens: np.ndarray, slots=None, kv_exact=None) -> TritonStaged | None:
         first_dec = decode_start(q_lens, self.decode_q_lens)
-        if first_dec:
-            staged.put("ext_blocks", extend_blocks(q_lens[:first_dec], self.block_m))
+        return TritonStaged(extend_blocks(q_lens[:first_dec], self.block_m)) if first_dec else None
 
     def build(self, layout: RowLayout, windows: tuple[int, ...] = (), staged=None) -> TritonMeta:
         q_lens = np.asarray(layout.q_lens, dtype=np.int64)
@@ -125,7 +127,7 @@ class TritonAttentionBackend(AttentionBackend):
             dec = decode_part(tok_split, t, layout.slots[sl], layout.kv_lens[sl], layout.q_pos[tok_split:],
                               self.kv_heads, self.sms)
         if first_dec:
-            blocks = staged.get("ext_blocks") if staged is not None else None
+            blocks = staged.ext_blocks if staged is not None else None
             if blocks is None:
                 blocks = h2d(extend_blocks(q_lens[:first_dec], self.block_m), layout.q_pos.device)
             blocks = blocks.view(3, -1)

@@ -57,7 +57,7 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     t, n = gate.shape
     out = torch.empty((t, n), dtype=gate.dtype, device=gate.device)
     if t:
-        block, on = min(4096, next_pow2(n)), pdl(gate, "act")
+        block, on = min(4096, next_pow2(n)), pdl(gate)
         _gated_act_kernel[(t, triton.cdiv(n, block))](
             gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), ACT=ACTS[act], BLOCK=block,
             PDL=on, num_warps=4, launch_pdl=on == PDL_ON,

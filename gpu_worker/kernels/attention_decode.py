@@ -8,11 +8,10 @@ a sliding layer, ``j > q_pos - window`` — the backend contract of ``attention/
 
 Split-KV (flash-decoding): with few rows the key range is cut into ``num_splits`` pieces that
 run in parallel and are merged by log-sum-exp — by the last split of each (row, KV head) to
-finish, which takes a ticket (``kernels/__init__.py``) and reads the others' partials, or by a
-second kernel (``TANDEM_DECODE_FUSED_MERGE=0``); the split count depends only on the batch
-bucket, so the launch is the same on every CUDA-graph replay (splits past the row's keys store
-an empty partial at once; with ``TANDEM_DECODE_MIN_SPLIT_KEYS`` so do the pieces a short row does
-not need). A query row that saw no key of a split writes only its -inf log-sum-exp, and both
+finish, which takes a ticket (``kernels/__init__.py``) and reads the others' partials (a second
+kernel merges when the launch has more (row, KV head) pairs than tickets); the split count
+depends only on the batch bucket, so the launch is the same on every CUDA-graph replay (splits
+past the row's keys store an empty partial at once). A query row that saw no key of a split writes only its -inf log-sum-exp, and both
 merges skip such partials without reading them. Rows with no visible key (graph padding) produce
 zeros, never NaN.
 
@@ -30,9 +29,6 @@ row's arithmetic is the same.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 
@@ -89,16 +85,13 @@ if triton is not None:
         return m_new, l_i, acc
 
     # Per-call views (a row group's slice of q, out and the index arrays) start at varying offsets:
-    # specialising on their 16-byte alignment would JIT-compile new variants mid-serving. Unused
-    # pointers (order_ptr unordered, po_ptr / plse_ptr with one split) receive the whole page
-    # table, whose alignment never varies: given the slots / out views, the H200 compiled two
-    # variants mid-serving (0.55 s each, BENCHMARKS.md 2026-12-02 night).
-    # ``min_keys`` is a runtime value (not specialised: 0, off, and any cap share one binary).
-    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"],
-                do_not_specialize=["min_keys"])
+    # specialising on their 16-byte alignment would JIT-compile new variants mid-serving (each a
+    # latency spike). Unused pointers (order_ptr unordered, po_ptr / plse_ptr with one split)
+    # receive the whole page table, whose alignment never varies.
+    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"])
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, order_ptr, tk_ptr,
-        sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window, min_keys,
+        sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
         T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
@@ -126,11 +119,7 @@ if triton is not None:
         if USE_WINDOW:
             lo = tl.maximum(0, tl.min(tl.where(mvalid, qpos, 2147483647), axis=0) - window + 1)
         span = tl.maximum(hi - lo, 0)
-        # pieces in use: SPLITS, or with a cap as many as give each at least min_keys keys (the
-        # rest store an empty partial at once, which the merge skips)
-        used = tl.where(min_keys > 0, tl.minimum(SPLITS, tl.maximum(1, tl.cdiv(span, tl.maximum(min_keys, 1)))),
-                        SPLITS)
-        chunk = tl.cdiv(tl.cdiv(span, used), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
         s_lo = lo + split * chunk
         s_hi = tl.minimum(hi, s_lo + chunk)
         dv = tl.arange(0, BLOCK_DV)
@@ -229,8 +218,7 @@ if triton is not None:
 
 def decode_blocks(d: int, dv: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) by head size: the K and V tiles must fit in registers
-    and SMEM. Head dim 128: 3 stages measured 5 % faster than 2 at 256 rows of Qwen3-0.6B
-    (GQA 2) and the same at Llama-8B's 1 and 64 rows (benchmarks/kernel_sweep.py, H200)."""
+    and SMEM (docs/decisions/attention.md)."""
     big = max(d, dv)
     if big <= 128:
         return 64, 4, 3
@@ -239,57 +227,16 @@ def decode_blocks(d: int, dv: int) -> tuple[int, int, int]:
     return 16, 8, 2
 
 
-def fused_merge_enabled() -> bool:
-    """Split-KV partials merged by the last split of each (row, KV head) inside the decode kernel
-    (one launch fewer per layer at small batches); ``TANDEM_DECODE_FUSED_MERGE=0``: the separate
-    merge kernel."""
-    return os.environ.get("TANDEM_DECODE_FUSED_MERGE", "1") != "0"
-
-
-def min_split_keys() -> int:
-    """``TANDEM_DECODE_MIN_SPLIT_KEYS=N``: a split-KV launch uses only as many of its pieces as
-    give each at least N keys, decided in the kernel from the row's length (so a graph replay
-    still launches what its capture did). At short context the pieces' fixed costs (a wait, a
-    partial, the merge's reads) outweigh their keys: on the H200, 10-13 pieces of 48-64 keys made
-    a 600-key layer of the Gemma MTP step cost 8-16x its bytes (BENCHMARKS.md 2026-12-05 third
-    session). Unset or 0: every piece takes an equal share (the default until measured)."""
-    raw = os.environ.get("TANDEM_DECODE_MIN_SPLIT_KEYS", "0").strip() or "0"
-    if not raw.isdigit():
-        raise ValueError(f"TANDEM_DECODE_MIN_SPLIT_KEYS: expected a key count >= 0, got {raw!r}")
-    return int(raw)
-
-
-_TUNE_KEYS = ("block_n", "num_warps", "num_stages")
-
-
-@functools.cache
-def env_tune() -> dict | None:
-    """``TANDEM_DECODE_TUNE="block_n=32,num_stages=2"``: the decode kernel's launch shape for
-    every call instead of ``decode_blocks`` (an engine A/B of what ``kernel_sweep.py`` finds on
-    uniform shapes, on a served mix of lengths: ``gpu_suite.sh`` part ``tune``). It applies to
-    every layer, whatever its head dim: meant for one-head-dim models. Unset: None. Read once."""
-    tune = {}
-    for item in filter(None, (x.strip() for x in os.environ.get("TANDEM_DECODE_TUNE", "").split(","))):
-        key, _, val = item.partition("=")
-        n = int(val) if val.isdigit() else 0
-        if key not in _TUNE_KEYS or n <= 0 or (key != "num_stages" and n & (n - 1)):
-            raise ValueError(f"TANDEM_DECODE_TUNE: expected comma-separated {'/'.join(_TUNE_KEYS)}=N "
-                             f"(positive; block_n and num_warps powers of 2), got {item!r}")
-        tune[key] = n
-    return tune or None
-
-
 def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: int, page_size: int,
                  scale: float, window: int | None = None, softcap: float | None = None, num_splits: int = 1,
                  out: torch.Tensor | None = None, tune: dict | None = None,
-                 order: torch.Tensor | None = None, min_keys: int | None = None) -> torch.Tensor:
+                 order: torch.Tensor | None = None) -> torch.Tensor:
     """q [B*t, Hq, D] (row b owns tokens b*t..b*t+t-1) -> out [B*t, Hq, Dv].
 
     ``slots`` [B], ``kv_lens`` [B] and ``q_pos`` [B*t] are device tensors; nothing here reads
     them on the host, so the call is CUDA-graph safe for a fixed B, t and ``num_splits``.
     ``order`` [B] (a permutation of the rows, longest first) sets the launch order.
-    ``tune`` overrides the launch shape (block_n, num_warps, num_stages) for benchmark sweeps;
-    ``min_keys`` the split cap (``min_split_keys``, from the environment when None)."""
+    ``tune`` overrides the launch shape (block_n, num_warps, num_stages) for benchmark sweeps."""
     n, hq, d = q.shape
     b = slots.shape[0]
     hkv, dv = k_cache.shape[1], v_cache.shape[-1]
@@ -299,15 +246,14 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
     if b == 0:
         return out
     block_n, warps, stages = decode_blocks(d, dv)
-    tune = tune or env_tune()
     if tune:
         block_n, warps, stages = (tune.get("block_n", block_n), tune.get("num_warps", warps),
                                   tune.get("num_stages", stages))
     bdv = next_pow2(dv)
     splits = next_pow2(max(1, num_splits))
     part = lse = tk = page_table  # stand-ins when unused (one split): a whole tensor, fixed alignment
-    on = pdl(q, "attn")
-    fused = splits > 1 and b * hkv <= TICKETS and fused_merge_enabled()
+    on = pdl(q)
+    fused = splits > 1 and b * hkv <= TICKETS
     if splits > 1:
         part = torch.empty((n, hq, splits, bdv), dtype=torch.float32, device=q.device)
         lse = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
@@ -319,7 +265,7 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
         order if order is not None else page_table, tk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
-        min_split_keys() if min_keys is None else min_keys, T=t, G=g, HKV=hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
+        T=t, G=g, HKV=hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
         BLOCK_M=max(16, next_pow2(t * g)), BLOCK_N=block_n, SPLITS=splits, USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), PDL=on,
         ORDERED=order is not None, FUSED_MERGE=fused,

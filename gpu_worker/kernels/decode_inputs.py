@@ -9,21 +9,20 @@ A graph-replayed decode step starts from slot ids alone (``cuda_graphs.py``). Pe
     seq_out[b]       = seq
     tokens[b, 0]     = last_token[slot]            (plain decode: the bonus is the input token)
 
-In torch that is about a dozen gathers and elementwise ops, ~1.5 us each plus a gap at one row
-(the H200 trace of the 8B step, BENCHMARKS.md 2026-12-04 night): ~20 us a step before the
-first layer. Padding rows (slot 0, length 0, page 0) get positions 0..t-1 on page 0.
+In torch that is about a dozen gathers and elementwise ops, each a launch before the first
+layer of a one-row step; here it is one. Padding rows (slot 0, length 0, page 0) get positions 0..t-1 on page 0.
 
 ``draft_inputs`` is the same for the head of the MTP draft loop (``cuda_graphs.DecodeBody.draft``):
 the bonus into ``tokens[:, 0]``, the committed length, the Q-only position ``seq - 1``, the draft's
-RoPE position ``seq + offset`` and each row's hidden seed ``hidden[slot]``: six torch kernels
-(~12 us at one row on the Gemma-4 9B trace, BENCHMARKS.md 2026-12-04 late) in one.
+RoPE position ``seq + offset`` and each row's hidden seed ``hidden[slot]``: six torch kernels in
+one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import fused_glue, next_pow2, use_triton
+from gpu_worker.kernels import next_pow2, use_triton
 
 try:
     import triton
@@ -79,8 +78,8 @@ def draft_inputs(slots: torch.Tensor, seq_len: torch.Tensor, last_token: torch.T
                  tokens: torch.Tensor, offset: int):
     """slots [B] -> (seq [B], q_pos = seq - 1 [B], rope_pos = seq + offset [B], hidden[slots] [B, H]),
     and ``tokens[:, 0] = last_token[slots]``. Graph-capturable (fixed shapes, no host reads).
-    The kernel unless ``TANDEM_FUSED_GLUE=0`` (``kernels.fused_glue``)."""
-    if not fused_glue() or not use_triton(slots) or hidden.stride(1) != 1:
+    The kernel where Triton runs the tensors, the torch twin elsewhere."""
+    if not use_triton(slots) or hidden.stride(1) != 1:
         return draft_inputs_reference(slots, seq_len, last_token, hidden, tokens, offset)
     b, h = slots.shape[0], hidden.shape[1]
     seq = torch.empty(b, dtype=torch.int64, device=slots.device)

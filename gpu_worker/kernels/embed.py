@@ -3,8 +3,7 @@ a scaled embedding (``embed_scaled``).
 
 Each of the S draft steps feeds the assistant's pre-projection ``[R, 2H]``: the target's scaled
 embedding of the token just drafted, then the previous hidden. In torch that is a gather, a
-multiply and a cat, three launches of ~2 us each at one row (the H200 trace of the Gemma-4 9B
-MTP step, BENCHMARKS.md 2026-12-04 evening), on the draft loop's critical path.
+multiply and a cat, three launches at one row on the draft loop's critical path.
 
 Bitwise torch's result: a bf16 / fp16 tensor times a Python float is computed in float32 and
 rounded once to the tensor's dtype; the tail is copied as is. Both halves are rounded to the
@@ -16,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels import PDL_ON, fused_glue, next_pow2, pdl, use_triton
+from gpu_worker.kernels import PDL_ON, next_pow2, pdl, use_triton
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
@@ -62,7 +61,7 @@ def embed_cat(ids: torch.Tensor, table: torch.Tensor, scale: float, tail: torch.
     r, h, ht = ids.shape[0], table.shape[1], tail.shape[1]
     out = torch.empty((r, h + ht), dtype=table.dtype, device=tail.device)
     if r:
-        on = pdl(tail, "norm")
+        on = pdl(tail)
         _embed_cat_kernel[(r, 2)](ids, table, tail, out, h, ht, ids.stride(0), table.stride(0), tail.stride(0),
                                   out.stride(0),
                                   float(scale), BLOCK=min(MAX_BLOCK, next_pow2(max(h, ht))), PDL=on,
@@ -72,15 +71,15 @@ def embed_cat(ids: torch.Tensor, table: torch.Tensor, scale: float, tail: torch.
 
 def embed_scaled(ids: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
     """ids [R] -> ``table[ids] * scale`` [R, H] in the table's dtype, one launch (the Gemma target's
-    input embedding: torch's gather and multiply are two, ~6 us at one decode row on the H200).
-    The kernel unless ``TANDEM_FUSED_GLUE=0`` (``kernels.fused_glue``)."""
+    input embedding: torch's gather and multiply are two launches). The kernel where Triton runs
+    the tensors, torch's ops elsewhere."""
     assert ids.dim() == 1, ids.shape
-    if not fused_glue() or not use_triton(table) or table.stride(1) != 1:
+    if not use_triton(table) or table.stride(1) != 1:
         return F.embedding(ids, table) * scale
     r, h = ids.shape[0], table.shape[1]
     out = torch.empty((r, h), dtype=table.dtype, device=table.device)
     if r:
-        on = pdl(out, "norm")
+        on = pdl(out)
         _embed_cat_kernel[(r, 1)](ids, table, table, out, h, 0, ids.stride(0), table.stride(0), 0, out.stride(0),
                                   float(scale), BLOCK=min(MAX_BLOCK, next_pow2(h)), PDL=on, num_warps=4,
                                   launch_pdl=on == PDL_ON)

@@ -1,7 +1,7 @@
 """Device-side halves of programmatic dependent launch (see ``kernels/__init__.py``, "PDL").
 
 ``gdc_enter``: at ``PDL_ON``, wait for the previous kernel in the stream to complete (its writes
-visible); from ``PDL_TRIGGER`` up, then let the next kernel launch. Called by every program of
+visible), then let the next kernel launch. Called by every program of
 a kernel before its first read of what the previous kernel writes, and before its first write,
 so the whole chain stays ordered (each kernel completes only after its predecessor did).
 ``prefetch_l2``: at ``PDL_ON``, a hint that pulls weight lines into L2 while the previous
@@ -37,7 +37,6 @@ elif triton is not None:
     def gdc_enter(PDL: tl.constexpr):
         if PDL == 2:  # PDL_ON
             tl.extra.cuda.gdc_wait()
-        if PDL >= 1:  # PDL_TRIGGER or PDL_ON
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit

@@ -97,7 +97,7 @@ def expert_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ids: torch.
         raise ValueError(f"the MoE decode path takes at most {DECODE_MAX_TOKENS} tokens, got {t}")
     n, k = out.shape[1], w.shape[2]
     tiles = triton.cdiv(n, cfg["block_n"] // 2 if act >= 0 else cfg["block_n"])  # a gated tile: BLOCK_N / 2 outputs
-    on = pdl(a, "gemv")
+    on = pdl(ids)  # by the token count (the down pass reads T*K rows)
     _moe_gemv_kernel[(t * top_k, tiles)](
         a, w, out, ids, topk_weights if topk_weights is not None else out, n, k, a.stride(0), w.stride(0),
         w.stride(1), out.stride(0), T=t, TOP_K=top_k, BLOCK_TK=next_pow2(top_k), ACT=act, MP=MP,

@@ -99,7 +99,7 @@ def moe_sum(pairs: torch.Tensor, top_k: int) -> torch.Tensor:
     out = torch.empty((t, h), dtype=pairs.dtype, device=pairs.device)
     if t:
         block = min(1024, next_pow2(h))
-        on = pdl(out, "norm")
+        on = pdl(out)
         _moe_sum_kernel[(t, triton.cdiv(h, block))](pairs, out, h, TOP_K=top_k, BLOCK_H=block, PDL=on, num_warps=4,
                                                     launch_pdl=on == PDL_ON)
     return out
@@ -111,7 +111,7 @@ def gemma_moe_inputs(x: torch.Tensor, scale: torch.Tensor, pre_norm2: torch.Tens
     t, h = x.shape
     r, e = torch.empty_like(x), torch.empty_like(x)
     if t:
-        on = pdl(x, "norm")
+        on = pdl(x)
         _gemma_inputs_kernel[(t,)](x, scale, pre_norm2, r, e, h, x.stride(0), eps, root, BLOCK=next_pow2(h), PDL=on,
                                    num_warps=4 if h <= 4096 else 8, launch_pdl=on == PDL_ON)
     return r, e
@@ -123,7 +123,7 @@ def gemma_moe_combine(dense: torch.Tensor, moe: torch.Tensor, w1: torch.Tensor, 
     t, h = dense.shape
     out = torch.empty((t, h), dtype=dense.dtype, device=dense.device)
     if t:
-        on = pdl(dense, "norm")
+        on = pdl(dense)
         _gemma_combine_kernel[(t,)](dense, moe.contiguous(), w1, w2, out, h, dense.stride(0), eps, BLOCK=next_pow2(h),
                                     PDL=on, num_warps=4 if h <= 4096 else 8, launch_pdl=on == PDL_ON)
     return out
@@ -137,7 +137,7 @@ def gemma_moe_tail(dense: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, w1
     t, h = x.shape
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t:
-        on = pdl(x, "norm")
+        on = pdl(x)
         _gemma_tail_kernel[(t,)](dense, slots, x, w1, w2, w_post, w_next, scale, out, h, dense.stride(0), x.stride(0),
                                  eps, TOP_K=top_k, BLOCK=next_pow2(h), PDL=on, num_warps=4 if h <= 4096 else 8,
                                  launch_pdl=on == PDL_ON)

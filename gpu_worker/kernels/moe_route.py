@@ -67,7 +67,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, expert_scale
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     if t:
-        on = pdl(logits, "act")
+        on = pdl(logits)
         _route_kernel[(t,)](
             logits, expert_scale if expert_scale is not None else weights, ids, weights, e, logits.stride(0),
             K=top_k, BLOCK_E=next_pow2(e), BLOCK_K=next_pow2(top_k), RENORM=renormalize, ROUND=round_weights,

@@ -94,7 +94,7 @@ def launch_norm(mode: int, x, residual, w1, w2, scale, eps: float, gemma: bool) 
     want_out = mode != MODE_NORM_ADD or w2 is not None
     out = torch.empty_like(x2) if want_out else x2
     if n_rows:
-        block, on = next_pow2(n_cols), pdl(x2, "norm")
+        block, on = next_pow2(n_cols), pdl(x2)
         _norm_kernel[(n_rows,)](
             x2, r2, w1 if w1 is not None else x2, w2 if w2 is not None else x2,
             scale if scale is not None else x2, out, n_cols, x2.stride(0), r2.stride(0), out.stride(0), eps,

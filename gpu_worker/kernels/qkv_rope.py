@@ -18,14 +18,11 @@ qkv bias, no per-head q/k norm, one K split (the dispatch is ``applies``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from gpu_worker.kernels import PDL_ON, pdl
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
-from gpu_worker.kernels.gemv import (CONFIG, SKINNY_MAX_K, _skinny, launch_config, launch_tiles, prefetch_cols,
-                                     short_k_splits)
+from gpu_worker.kernels.gemv import CONFIG, SKINNY_MAX_K, launch_config, launch_tiles, prefetch_cols, short_k_splits, skinny
 
 try:
     import triton
@@ -36,16 +33,11 @@ except ImportError:
     triton = None
 
 
-def enabled() -> bool:
-    """``TANDEM_GEMV_ROPE=0`` keeps the GEMV and the RoPE launch apart (A/Bs)."""
-    return os.environ.get("TANDEM_GEMV_ROPE", "1") != "0"
-
-
 def applies(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
     """Whether the one-row qkv GEMV (FMA kernel, one K split) would run for ``x`` through ``w``,
     and ``head_dim`` splits into whole program tiles."""
     pairs = CONFIG["block_n"] // 2
-    return (enabled() and x.dim() == 2 and x.shape[0] == 1 and _skinny(x, w) and w.shape[1] <= SKINNY_MAX_K
+    return (x.dim() == 2 and x.shape[0] == 1 and skinny(x, w) and w.shape[1] <= SKINNY_MAX_K
             and short_k_splits(launch_tiles(w.shape[0], CONFIG), w.shape[1], CONFIG["block_k"], x.device) == 1
             and launch_config(1, w) is CONFIG and head_dim % 2 == 0
             and (head_dim // 2) % pairs == 0)
@@ -108,7 +100,7 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, in
         q_out = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
     assert q_out.is_contiguous()
     pairs = CONFIG["block_n"] // 2
-    on = pdl(x, "gemv")
+    on = pdl(x)
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // pairs),)
     _qkv_rope_kernel[grid](
         x, w, q_out, k_cache, v_cache, positions, out_loc, inv_freq, x.shape[1], w.stride(0),

@@ -1,8 +1,7 @@
 """Final-logit softcapping in one pass: ``tanh(float(x) / cap) * cap``, float32 out.
 
 Gemma's LM head returns model-dtype logits; torch's float copy, divide, tanh and multiply are four
-launches over [rows, vocab] (~11 us at four rows of a 262k vocabulary on the H200, the Gemma-4
-9B MTP trace in BENCHMARKS.md 2026-12-04 late), on every decode step. The kernel does torch's
+launches over [rows, vocab] on every decode step, each a pass over a 262k vocabulary. The kernel does torch's
 float32 operations in its order: the division as torch's CUDA kernel does it for a scalar
 divisor, a multiply by the float32 reciprocal (``div_true_kernel_cuda``), then libdevice's
 ``tanh`` (torch calls the CUDA toolkit's ``tanhf``; the GPU test allows 2 ulp there), then the
@@ -15,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.kernels import fused_glue, interpreting, use_triton
+from gpu_worker.kernels import interpreting, use_triton
 
 try:
     import triton
@@ -52,11 +51,10 @@ def softcap_reference(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 def softcap_float(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """logits [R, V] (any float dtype) -> float32 ``tanh(logits / cap) * cap``; no cap: the float
-    copy alone. One kernel where Triton runs the tensor unless ``TANDEM_FUSED_GLUE=0``
-    (``kernels.fused_glue``), torch's ops elsewhere."""
+    copy alone. One kernel where Triton runs the tensor, torch's ops elsewhere."""
     if cap is None:
         return logits.float()
-    if not fused_glue() or not use_triton(logits) or logits.dim() != 2 or logits.stride(1) != 1:
+    if not use_triton(logits) or logits.dim() != 2 or logits.stride(1) != 1:
         return softcap_reference(logits, cap)
     r, v = logits.shape
     out = torch.empty((r, v), dtype=torch.float32, device=logits.device)

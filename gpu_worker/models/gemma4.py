@@ -64,7 +64,6 @@ class Gemma4Attention(nn.Module):
         else:
             self.q_proj = factory.column(h, parts["q_proj"], bias=spec.attention_bias)
         self.o_proj = factory.row(parts["q_proj"], h, bias=spec.attention_bias)
-        self.o_proj.after_attention = True  # its GEMV's prefetch: kernels/gemv.py prefetch_mb
 
     def forward(self, x: torch.Tensor, rotary: Rotary, fb: ForwardBatch, backend):
         t = x.shape[0]

@@ -32,7 +32,6 @@ class LlamaAttention(nn.Module):
         self.attn = attn
         self.qkv_proj = factory.merged(h, parts, bias=spec.qkv_bias)
         self.o_proj = factory.row(parts["q_proj"], h, bias=spec.o_bias)
-        self.o_proj.after_attention = True  # its GEMV's prefetch: kernels/gemv.py prefetch_mb
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)

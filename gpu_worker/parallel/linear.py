@@ -16,14 +16,10 @@ from gpu_worker.kernels.gemv import linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py).
-    ``after_attention`` (set by the attention block on its output projection) sizes the GEMV's
-    PDL prefetch for the idle HBM time of the attention kernel before it (``gemv.prefetch_mb``)."""
-
-    after_attention = False
+    """nn.Linear whose few-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, after_attention=self.after_attention)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

@@ -1,4 +1,4 @@
-"""Decode rows launched longest first (TANDEM_DECODE_LPT, attention/triton_backend.py) on the
+"""Decode rows launched longest first (attention/triton_backend.py: launch_order) on the
 GPU: the kernel gives the default order's bits inside a CUDA graph, and an engine whose batch is
 large enough to take the order gives the same greedy tokens with it on and off."""
 
@@ -40,10 +40,10 @@ def test_engine_tokens_equal_with_and_without_the_order(tmp_path, monkeypatch):
     d = build_qwen3(str(tmp_path / "qwen3"))
     prompts = [[(5 * j + i) % 300 + 6 for j in range(3 + (37 * i) % 120)] for i in range(160)]
     used, real = [], triton_backend.launch_order
-    monkeypatch.setattr(triton_backend, "launch_order", lambda *a: used.append(o := real(*a)) or o)
     runs = []
-    for on in ("0", "1"):
-        monkeypatch.setenv("TANDEM_DECODE_LPT", on)
+    for on in (False, True):
+        monkeypatch.setattr(triton_backend, "launch_order",
+                            lambda *a: used.append(o := real(*a)) or o if on else None)
         eng = InProcEngine(d, device="cuda", dtype="bfloat16", max_running_requests=160, max_total_tokens=65536)
         for i, p in enumerate(prompts):
             eng.submit(f"r{i}", p, max_new_tokens=16, ignore_eos=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.prefill_graphs import PrefillGraphs
+from gpu_worker.graphs.prefill import PrefillGraphs
 from tests.gpu.test_gpu_parity import ckpts, hf_greedy_cuda  # noqa: F401  (fixture)
 from tests.helpers.inproc import InProcEngine
 

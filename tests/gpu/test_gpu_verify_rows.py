@@ -1,4 +1,4 @@
-"""The GEMV at two to four rows on the GPU (kernels/gemv.py, ``TANDEM_GEMV_ROWS``): MTP's verify
+"""The GEMV at two to four rows on the GPU (kernels/gemv.py, GEMV_MAX_M): MTP's verify
 at one request runs T = 4 rows per projection. At Llama-8B and Gemma-4 9B widths each row
 matches F.linear, rows are independent of each other and launches repeat bitwise; and a
 Gemma-4-shaped MTP engine decodes the same tokens with the verify's projections in the GEMV as
@@ -27,7 +27,6 @@ TOKENIZER = os.path.join(ROOT, "models", "tiny-shakespeare", "target")
 def test_several_rows_match_torch(monkeypatch, m, n, k):
     """Each row as F.linear's within bf16 rounding (split-K past SKINNY_MAX_K), a row's bits
     the same whatever the other rows hold, repeat launches bitwise equal, tickets left clear."""
-    monkeypatch.setenv("TANDEM_GEMV_ROWS", "4")
     torch.manual_seed(m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -78,8 +77,9 @@ def _run(target: str, draft: str, overlap: bool) -> InProcEngine:
 def test_mtp_engine_tokens_track_cublas_verify(tmp_path, monkeypatch, overlap):
     target, draft = _gemma_pair(str(tmp_path))
     runs = []
-    for rows in ("4", "1"):
-        monkeypatch.setenv("TANDEM_GEMV_ROWS", rows)
+    real = G.skinny
+    for rows in (G.GEMV_MAX_M, 1):  # the verify's four rows in the GEMV, then in cuBLAS
+        monkeypatch.setattr(G, "skinny", lambda x, w: x.shape[0] <= rows and real(x, w))
         runs.append(_run(target, draft, overlap))
         torch.cuda.empty_cache()
     gemv_run, cublas_run = runs

@@ -38,7 +38,7 @@ import torch
 
 TARGET = ("cuda", 90, 32)  # H100/H200: backend, compute capability 9.0, warp size
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB, opt-in maximum)
-PDL_LEVELS = (0, 1, 2)  # kernels/__init__.py: PDL_OFF, PDL_TRIGGER, PDL_ON
+PDL_LEVELS = (0, 2)  # kernels/__init__.py: PDL_OFF, PDL_ON
 
 
 def _encode(v: Any) -> Any:
@@ -116,8 +116,8 @@ def cuda_launch_choices(sms: int) -> Iterator[None]:
     import gpu_worker.kernels as kernels
     from gpu_worker.attention import triton_backend
 
-    def cuda_pdl(x, kind: str) -> int:
-        return kernels.pdl_level(x.shape[0], kind)
+    def cuda_pdl(x) -> int:
+        return kernels.pdl_level(x.shape[0])
 
     names = [f"gpu_worker.kernels.{m.name}" for m in pkgutil.iter_modules(kernels.__path__)]
     patched = [(m, attr) for m in map(importlib.import_module, names)
@@ -161,8 +161,7 @@ def _variants(kwargs: dict, first_dtype: str | None) -> list[dict]:
     """The launch as the GPU would make it: the constexprs the host sets by device at their CUDA
     values (gemv.py ``F32``: the interpreter's exact-fp32 dot; softcap.py ``LIBDEVICE``: tanh;
     attention ``IEEE``: exact dots for fp32 queries only); a kernel with a ``PDL`` constexpr also
-    at the level its recorded one is not (``TANDEM_PDL``'s kind lists make TRIGGER, and every
-    kernel runs both off and on, by token count)."""
+    at the level its recorded one is not (every kernel runs both off and on, by token count)."""
     cuda = {"F32": False, "LIBDEVICE": True, "IEEE": first_dtype == "float32"}
     kw = {**kwargs, **{k: v for k, v in cuda.items() if k in kwargs}}
     if "PDL" not in kw:
@@ -239,21 +238,21 @@ def launchable_kernels() -> set[str]:
             for name in re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\n\s*def (\w+_kernel)\b", path.read_text())}
 
 
-# (model, draft, dtype, CUDA-graph emulation, SMs, extra environment): the engine paths whose
+# (model, draft, dtype, CUDA-graph emulation, SMs, merge kernel): the engine paths whose
 # kernels the GPU runs -- fp32 and bf16 (the GEMV and the fused QKV+RoPE take only half dtypes),
 # eager and graph decode, chunked prefill, Gemma 4's windows and softcaps, frozen-KV MTP with
-# sampling and penalties; split-KV decode with its merge fused and separate (132 SMs: the tiny
-# models' few rows x heads split 16 ways) and unsplit, longest row first (2 SMs: what the H200
-# launches for large batches); MoE targets (routing, the experts' decode and grouped paths, the
-# Gemma 4 MoE norms), with frozen-KV MTP on Gemma 4's.
+# sampling and penalties; split-KV decode with its merge fused and separate (no tickets left: the
+# merge kernel) (132 SMs: the tiny models' few rows x heads split 16 ways) and unsplit, longest
+# row first (2 SMs: what a Hopper card launches for large batches); MoE targets (routing, the
+# experts' decode and grouped paths, the Gemma 4 MoE norms), with frozen-KV MTP on Gemma 4's.
 ENGINE_RUNS = (
-    ("llama", None, "float32", False, 2, {}),
-    ("llama", None, "bfloat16", True, H200_SMS, {"TANDEM_DECODE_FUSED_MERGE": "0"}),
-    ("qwen3", None, "bfloat16", True, 2, {}),
-    ("gemma4", "assistant", "bfloat16", True, H200_SMS, {}),
-    ("gemma4", "assistant", "float32", False, 2, {}),
-    ("qwen3_moe", None, "bfloat16", True, H200_SMS, {}),
-    ("gemma4_moe", "assistant_moe", "bfloat16", True, H200_SMS, {}),
+    ("llama", None, "float32", False, 2, False),
+    ("llama", None, "bfloat16", True, H200_SMS, True),
+    ("qwen3", None, "bfloat16", True, 2, False),
+    ("gemma4", "assistant", "bfloat16", True, H200_SMS, False),
+    ("gemma4", "assistant", "float32", False, 2, False),
+    ("qwen3_moe", None, "bfloat16", True, H200_SMS, False),
+    ("gemma4_moe", "assistant_moe", "bfloat16", True, H200_SMS, False),
 )
 # Prompts longer than the Gemma 4 test window (8) and the page, of unequal lengths (3 rows take
 # bucket 4, with a padding row); a lone request first, so the one-row kernels run too.
@@ -271,21 +270,23 @@ def _run_engine(eng) -> None:
 
 def record_engine(root) -> set[str]:
     """Run ``ENGINE_RUNS`` on tiny checkpoints under ``root`` with the triton backend (the caller
-    set ``TRITON_INTERPRET=1``, and ``TANDEM_GEMV_MIN_WEIGHT=1`` so tiny weights take the GEMV)
-    and return every launch recorded."""
+    set ``TRITON_INTERPRET=1``; ``main`` lets tiny weights take the GEMV) and return every launch
+    recorded."""
     import os
     import pathlib
     from unittest import mock
 
+    from gpu_worker.kernels import attention_decode
     from tests.helpers.checkpoints import build_engine_set
     from tests.helpers.inproc import InProcEngine
 
     ck = build_engine_set(pathlib.Path(root))
     ck.update(build_moe_set(pathlib.Path(root)))
     with recording() as seen:
-        for model, draft, dtype, graphs, sms, env in ENGINE_RUNS:
-            with mock.patch.dict(os.environ, env, TANDEM_EMULATE_CUDA_GRAPHS="1" if graphs else "0"), \
-                    cuda_launch_choices(sms):
+        for model, draft, dtype, graphs, sms, merge_kernel in ENGINE_RUNS:
+            tickets = 0 if merge_kernel else attention_decode.TICKETS
+            with mock.patch.dict(os.environ, TANDEM_EMULATE_CUDA_GRAPHS="1" if graphs else "0"), \
+                    mock.patch.object(attention_decode, "TICKETS", tickets), cuda_launch_choices(sms):
                 _run_engine(InProcEngine(ck[model], draft=ck[draft] if draft else None, attention_backend="triton",
                                          dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4)))
         with cuda_launch_choices(H200_SMS):
@@ -381,7 +382,9 @@ def main(argv: list[str]) -> int:
     (without it; exit status 1 when a variant failed)."""
     if len(argv) == 3 and argv[0] in ("record", "record-shapes"):
         import tests.conftest  # noqa: F401 -- the test session's interpreter set-up and fast path
+        from gpu_worker.kernels import gemv
 
+        gemv.SKINNY_MIN_WEIGHT = 1  # the tiny test weights take the GEMV too
         record = record_engine if argv[0] == "record" else record_shapes
         json.dump(sorted(record(argv[2])), open(argv[1], "w"))
     elif len(argv) == 3 and argv[0] == "compile":  # a file: ptxas prints a failing PTX to stdout

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.graphs.decode import DecodeGraphs
 
 
 class _Body:

@@ -50,12 +50,11 @@ def test_triton_backend_mtp_graph_path_is_lossless(ckpts, overlap, monkeypatch):
 
 @pytest.mark.parametrize("arch,draft,graphs", [("qwen3", False, True), ("gemma4", False, False), ("gemma4", True, True)])
 def test_longest_first_launch_order_keeps_hf_tokens(ckpts, arch, draft, graphs, monkeypatch):
-    """TANDEM_DECODE_LPT=1: decode rows launched longest first (3 rows x 2 KV heads are more
-    programs than the interpreter's 2 "SMs" hold twice), on the graph and eager paths, for the
-    draft's read too: still HF's tokens."""
+    """Decode rows launched longest first (3 rows x 2 KV heads are more programs than the
+    interpreter's 2 "SMs" hold twice), on the graph and eager paths, for the draft's read too:
+    still HF's tokens."""
     from gpu_worker.attention import triton_backend
 
-    monkeypatch.setenv("TANDEM_DECODE_LPT", "1")
     if graphs:
         monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
     orders = []

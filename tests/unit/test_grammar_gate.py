@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from gpu_worker.grammar import GrammarRows
+from gpu_worker.structured.grammar import GrammarRows
 from proto.arrays import pack_i32
 from proto.messages import AbortReq, GenerateReq, GrammarCompile, GrammarDone, GrammarSpec, SamplingParams, StepResult
 from scheduler_proc.request import Phase

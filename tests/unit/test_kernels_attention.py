@@ -105,6 +105,7 @@ def test_split_merge_in_the_decode_kernel(monkeypatch, t, splits, window):
     """Split-KV partials merged by the last split of each (row, KV head) inside the decode kernel
     give the merge kernel's result (the same arithmetic, summed in split order), the same bits
     on every launch, zeros for a row with no keys, and leave every ticket at 0."""
+    from gpu_worker.kernels import attention_decode as ad
     from gpu_worker.kernels import tickets_clear
 
     ps, hkv, hq, d = 4, 2, 4, 32
@@ -112,9 +113,9 @@ def test_split_merge_in_the_decode_kernel(monkeypatch, t, splits, window):
     pt = _page_table(6, 8, 40, seed=10)
     slots, kv_lens, q_pos, q = _five_rows(t, hq, d, longest=23)
     kw = dict(t=t, page_size=ps, scale=d**-0.5, num_splits=splits, window=window)
-    monkeypatch.setenv("TANDEM_DECODE_FUSED_MERGE", "0")
+    monkeypatch.setattr(ad, "TICKETS", 0)  # more (row, KV head) pairs than tickets: the merge kernel
     two_kernels = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
-    monkeypatch.setenv("TANDEM_DECODE_FUSED_MERGE", "1")
+    monkeypatch.undo()
     fused = [paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw) for _ in range(2)]
     assert tickets_clear()
     assert torch.equal(fused[0], fused[1])
@@ -186,9 +187,9 @@ def test_extend_blocks_cover_every_token_once():
     assert list(b[0]) == [1, 2, 2, 3, 3, 3, 4]
 
 
-def test_decode_launch_shape_from_the_environment(monkeypatch):
-    """TANDEM_DECODE_TUNE overrides the decode kernel's launch shape on every call (an engine
-    A/B knob): same values as the default shape within rounding; a bad value is one clear error."""
+def test_decode_launch_shape_override(monkeypatch):
+    """``tune`` (benchmark sweeps) overrides the decode kernel's launch shape: same values as the
+    default shape within rounding."""
     from gpu_worker.kernels import attention_decode as ad
 
     ps, hkv, hq, d = 4, 2, 4, 32
@@ -198,26 +199,14 @@ def test_decode_launch_shape_from_the_environment(monkeypatch):
     kv_lens = torch.tensor([9, 23, 30], device=DEV)
     q = torch.randn(3, hq, d).to(DEV)
     kw = dict(t=1, page_size=ps, scale=d**-0.5)
-    ad.env_tune.cache_clear()
-    monkeypatch.delenv("TANDEM_DECODE_TUNE", raising=False)
-    assert ad.env_tune() is None
     plain = paged_decode(q, kc, vc, pt, slots, kv_lens, kv_lens - 1, **kw)
     seen = []
     real = ad._decode_kernel.__getitem__
-    ad.env_tune.cache_clear()
-    monkeypatch.setenv("TANDEM_DECODE_TUNE", "block_n=16, num_stages=2")
-    assert ad.env_tune() == {"block_n": 16, "num_stages": 2}
     monkeypatch.setattr(type(ad._decode_kernel), "__getitem__",
                         lambda self, grid: (lambda *a, **k: seen.append(k["BLOCK_N"]) or real(grid)(*a, **k)))
-    tuned = paged_decode(q, kc, vc, pt, slots, kv_lens, kv_lens - 1, **kw)
+    tuned = paged_decode(q, kc, vc, pt, slots, kv_lens, kv_lens - 1, tune={"block_n": 16, "num_stages": 2}, **kw)
     assert seen == [16]
     assert _rel_err(tuned, plain.double().cpu()) < TOL[torch.float32]
-    for bad in ("block_n=48", "warps=4", "num_stages=0", "block_n"):
-        ad.env_tune.cache_clear()
-        monkeypatch.setenv("TANDEM_DECODE_TUNE", bad)
-        with pytest.raises(ValueError, match="TANDEM_DECODE_TUNE"):
-            ad.env_tune()
-    ad.env_tune.cache_clear()
 
 
 @pytest.mark.parametrize("t,splits,window", [(3, 1, None), (1, 4, None), (3, 2, 5)])
@@ -256,28 +245,25 @@ def test_pdl_prologue_reads_no_fresh_key_and_changes_no_bit(monkeypatch, t, spli
         waits.append(level)
         kc[fresh], vc[fresh] = real_k, real_v
 
-    monkeypatch.setattr(ad, "pdl", lambda x, kind: PDL_ON)
+    monkeypatch.setattr(ad, "pdl", lambda x: PDL_ON)
     monkeypatch.setattr(ad, "gdc_enter", store_at_wait)
     got = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
     assert waits and not torch.isnan(got).any()
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("t,window,min_keys", [(1, None, 8), (4, None, 5), (1, 5, 3), (2, None, 1)])
-def test_split_cap_by_keys(monkeypatch, t, window, min_keys):
-    """TANDEM_DECODE_MIN_SPLIT_KEYS: a row uses only as many of the launch's pieces as give each
-    at least that many keys (the rest store an empty partial). Both merges skip partials no key
-    was seen for (their buffers are poisoned with NaN here, as fresh GPU memory may be), the
-    result matches the reference, and a cap above every row's length gives the bits of the
-    unsplit launch: one piece in use, merged with weight 1."""
+@pytest.mark.parametrize("t,window", [(1, None), (4, None), (1, 5), (2, None)])
+def test_splits_without_keys_are_skipped_by_both_merges(monkeypatch, t, window):
+    """Eight pieces of short rows: the pieces past a row's keys store an empty partial at once,
+    and both merges (in the decode kernel, and the merge kernel when tickets run out) skip the
+    partials no key was seen for (their buffers are poisoned with NaN here, as fresh GPU memory
+    may be); the result matches the reference."""
     from gpu_worker.kernels import attention_decode as ad
     from gpu_worker.kernels import tickets_clear
 
     ps, hkv, hq, d, splits = 4, 2, 4, 32, 8
-    # key tiles of 4, so that 8 equal pieces of these short rows are several non-empty ones; compiled
-    # (CUDA), tl.dot needs tiles of 16 keys: every length and the cap x 4
+    # compiled (CUDA), tl.dot needs tiles of 16 keys: every length x 4
     x = 4 if DEV == "cuda" else 1
-    min_keys *= x
     kc, vc = _pool(40 * x, ps, hkv, d, d, torch.float32, seed=13 + t)
     pt = _page_table(6, 10 * x, 40 * x, seed=14)
     slots, kv_lens, q_pos, q = _five_rows(t, hq, d, longest=37 * x)
@@ -285,22 +271,11 @@ def test_split_cap_by_keys(monkeypatch, t, window, min_keys):
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda x: x.fill_(float("nan")) if x.is_floating_point()
                                                          else x)(real_empty(*a, **k)))
-    monkeypatch.setenv("TANDEM_DECODE_MIN_SPLIT_KEYS", str(min_keys))
-    assert ad.min_split_keys() == min_keys
-    got = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("TANDEM_DECODE_FUSED_MERGE", fused)
-        got[fused] = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
-        assert not torch.isnan(got[fused]).any()
-    assert tickets_clear()
-    torch.testing.assert_close(got["1"], got["0"], rtol=1e-5, atol=1e-6)
-    assert torch.equal(got["1"], paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, min_keys=min_keys, **kw))
+    fused = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
+    monkeypatch.setattr(ad, "TICKETS", 0)
+    separate = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **kw)
+    assert not torch.isnan(fused).any() and not torch.isnan(separate).any() and tickets_clear()
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
     ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), pt.cpu(), slots.repeat_interleave(t).cpu(),
                               kv_lens.repeat_interleave(t).cpu(), q_pos.cpu(), ps, d**-0.5, window)
-    assert _rel_err(got["1"], ref) < 2e-5
-    one_piece = paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, **{**kw, "num_splits": 1})
-    assert torch.equal(paged_decode(q, kc, vc, pt, slots, kv_lens, q_pos, min_keys=64 * x, **kw), one_piece)
-    for bad in ("-1", "x", "1.5"):
-        monkeypatch.setenv("TANDEM_DECODE_MIN_SPLIT_KEYS", bad)
-        with pytest.raises(ValueError, match="TANDEM_DECODE_MIN_SPLIT_KEYS"):
-            ad.min_split_keys()
+    assert _rel_err(fused, ref) < 2e-5

@@ -1,6 +1,6 @@
-"""TANDEM_LOG_COMPILES=1 (kernels/__init__.py: log_compiles): Triton's JIT hooks log each variant
-specialised after start-up with its cost, never skip a compile; without the variable nothing
-is installed."""
+"""``TANDEM_LOG_COMPILES=1`` (gpu_worker/settings.py, then kernels/__init__.py: log_compiles):
+Triton's JIT hooks log each variant specialised after start-up with its cost and never skip a
+compile; the worker installs them only under the setting."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ import logging
 import pytest
 
 from gpu_worker.kernels import log_compiles
+from gpu_worker.settings import DevSettings
 
 pytest.importorskip("triton")
+
+
+def test_settings_are_read_from_the_environment():
+    assert DevSettings.from_env({}) == DevSettings()
+    on = DevSettings.from_env({"TANDEM_LOG_COMPILES": "1", "TANDEM_HOST_TIMING": "1",
+                               "TANDEM_EMULATE_CUDA_GRAPHS": "0"})
+    assert on.log_compiles and on.host_timing and not on.emulate_cuda_graphs
 
 
 def test_hooks_log_and_never_skip(monkeypatch, caplog):
@@ -18,10 +26,6 @@ def test_hooks_log_and_never_skip(monkeypatch, caplog):
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    monkeypatch.delenv("TANDEM_LOG_COMPILES", raising=False)
-    log_compiles(logging.getLogger("t"))
-    assert knobs.runtime.jit_cache_hook is None
-    monkeypatch.setenv("TANDEM_LOG_COMPILES", "1")
     log_compiles(logging.getLogger("t"))
     assert not knobs.runtime.jit_cache_hook(key=("k", 1), repr="ignored")  # falsy: compile goes on
     with caplog.at_level(logging.WARNING):

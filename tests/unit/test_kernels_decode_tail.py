@@ -1,6 +1,6 @@
 """The greedy decode tail (kernels/decode_tail.py) against the eager path it replaces: argmax
 token selection, MTP's greedy accept (``spec.verify``) and the slot-state update
-(``runner._update_state``); padding rows (slot 0) leave every slot untouched."""
+(``ModelRunner._commit``); padding rows (slot 0) leave every slot untouched."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from gpu_worker.kernels import enable_cpu_kernels
 from gpu_worker.kernels.decode_tail import greedy_tail, greedy_tail_reference
-from gpu_worker.sampling import RowSampling
-from gpu_worker.spec import verify
+from gpu_worker.step.sampling import RowSampling
+from gpu_worker.spec.mtp import verify
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -58,8 +58,8 @@ def test_gemv_strided_rows():
 
 
 def test_linear_dispatch(monkeypatch):
-    """One bf16 row through a large-enough weight takes the kernel; everything else F.linear."""
-    monkeypatch.setenv("TANDEM_GEMV_ROWS", "1")
+    """A bf16 row through a large-enough weight takes the kernel; float32, small weights and a
+    bias take F.linear."""
     calls = []
     monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append(x.shape) or F.linear(x, w))
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 64 * 32)
@@ -68,7 +68,6 @@ def test_linear_dispatch(monkeypatch):
         w = torch.randn(64, 32).to(torch.bfloat16).to(DEV)
         G.linear(torch.randn(1, 32).to(torch.bfloat16).to(DEV), w)
         assert calls == [(1, 32)]
-        G.linear(torch.randn(2, 32).to(torch.bfloat16).to(DEV), w)  # two rows: cuBLAS (TANDEM_GEMV_ROWS=1)
         G.linear(torch.randn(1, 32).to(DEV), w.float())  # float32: cuBLAS
         G.linear(torch.randn(1, 32).to(torch.bfloat16).to(DEV), w[:32])  # too small: cuBLAS
         G.linear(torch.randn(1, 32).to(torch.bfloat16).to(DEV), w, torch.zeros(64, dtype=w.dtype, device=DEV))
@@ -78,10 +77,9 @@ def test_linear_dispatch(monkeypatch):
 
 
 def test_several_rows_dispatch(monkeypatch):
-    """Up to TANDEM_GEMV_ROWS rows (default 4: MTP's verify at one request) take the GEMV: big
-    weights the tensor-core variant (BIG_CONFIG) at every row count, smaller ones the FMA
-    kernel at one row and ROWS_CONFIG above; TANDEM_GEMV_DOT=0 leaves the FMA kernel at one row
-    and cuBLAS above; bad values are errors naming the variable."""
+    """Up to GEMV_MAX_M rows (4: MTP's verify at one request) take the GEMV: big weights the
+    tensor-core variant (BIG_CONFIG) at every row count, smaller ones the FMA kernel at one row
+    and ROWS_CONFIG above; five rows take cuBLAS."""
     calls = []
     monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append((x.shape[0], w.shape[0], kw)) or F.linear(x, w))
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 64 * 32)
@@ -91,27 +89,13 @@ def test_several_rows_dispatch(monkeypatch):
     rows = [torch.randn(m, 32).to(torch.bfloat16).to(DEV) for m in (1, 2, 4, 5)]
     enable_cpu_kernels(True)
     try:
-        monkeypatch.delenv("TANDEM_GEMV_ROWS", raising=False)
         for x in rows:
             G.linear(x, small)
             G.linear(x, big)
-        cfg = {(m, n): {k: v for k, v in kw.items() if k not in ("splits", "after_attention")} for m, n, kw in calls}
+        cfg = {(m, n): {k: v for k, v in kw.items() if k != "splits"} for m, n, kw in calls}
         assert sorted(cfg) == [(m, n) for m in (1, 2, 4) for n in (64, 128)]  # five rows: cuBLAS
         assert cfg[1, 64] == G.CONFIG and cfg[2, 64] == cfg[4, 64] == G.ROWS_CONFIG
         assert cfg[1, 128] == cfg[2, 128] == cfg[4, 128] == G.BIG_CONFIG
-        calls.clear()
-        monkeypatch.setenv("TANDEM_GEMV_DOT", "0")
-        for x in rows[:3]:
-            G.linear(x, big)
-        assert [(m, kw.get("dot", False)) for m, _, kw in calls] == [(1, False)]
-        monkeypatch.delenv("TANDEM_GEMV_DOT")
-        monkeypatch.setenv("TANDEM_GEMV_ROWS", "1")
-        G.linear(rows[1], small)
-        assert len(calls) == 1
-        for bad in ("5", "0", "x"):
-            monkeypatch.setenv("TANDEM_GEMV_ROWS", bad)
-            with pytest.raises(ValueError, match="TANDEM_GEMV_ROWS"):
-                G.linear(rows[0], small)
     finally:
         enable_cpu_kernels(False)
 
@@ -196,8 +180,7 @@ def test_split_k_is_deterministic_and_leaves_tickets_clear():
 
 
 def test_linear_takes_split_k_past_max_k(monkeypatch):
-    """One row through a weight with K > SKINNY_MAX_K takes the split-K GEMV (TANDEM_GEMV_SPLITK
-    splits), and cuBLAS with TANDEM_GEMV_SPLITK=0."""
+    """One row through a weight with K > SKINNY_MAX_K takes the split-K GEMV (LONG_K_SPLITS)."""
     calls = []
     real = G.gemv
     monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append(kw.get("splits", 1)) or real(x, w, **kw))
@@ -208,26 +191,19 @@ def test_linear_takes_split_k_past_max_k(monkeypatch):
     x = torch.randn(1, 256).to(torch.bfloat16).to(DEV)
     enable_cpu_kernels(True)
     try:
-        monkeypatch.setenv("TANDEM_GEMV_SPLITK", "3")
         y = G.linear(x, w)
         G.linear(x[:, :64], w[:, :64].contiguous())
-        assert calls == [3, 1]
-        monkeypatch.setenv("TANDEM_GEMV_SPLITK", "0")
-        G.linear(x, w)
-        assert calls == [3, 1]
-        monkeypatch.setenv("TANDEM_GEMV_SPLITK", "four")
-        with pytest.raises(ValueError, match="TANDEM_GEMV_SPLITK"):
-            G.linear(x, w)
+        assert calls == [G.LONG_K_SPLITS, 1]
     finally:
         enable_cpu_kernels(False)
     torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2e-2, atol=0.2)
 
 
 def test_gated_linear_dispatch(monkeypatch):
-    """``TANDEM_GATED_GEMV``: by default (``auto``) the activation rides in gate_up's GEMV
-    wherever that is the tensor-core kernel (a big weight at 1-4 rows, or 2-4 rows through a
-    smaller one) and nowhere else; ``1`` adds the FMA variant at one row; ``0`` never. None
-    means the caller runs the merged projection and the activation separately."""
+    """The activation rides in gate_up's GEMV wherever that is the tensor-core kernel (a big
+    weight at 1-4 rows, 2-4 rows through a smaller one, a decode batch of up to 64 rows through a
+    big one) and nowhere else. None means the caller runs the merged projection and the
+    activation separately."""
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 16 * 32)
     g = torch.Generator().manual_seed(5)
     w = torch.randn(32, 32, generator=g).to(torch.bfloat16).to(DEV)
@@ -237,8 +213,7 @@ def test_gated_linear_dispatch(monkeypatch):
     real = G.gemv
     monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append((x.shape[0], kw.get("dot", False))) or real(x, w, **kw))
 
-    def check(x, mode, big=False):
-        monkeypatch.setenv("TANDEM_GATED_GEMV", mode)
+    def check(x, big=False):
         monkeypatch.setattr(G, "BIG_WEIGHT", w.numel() if big else 48 << 20)
         calls.clear()
         out = G.gated_linear(x, w, "silu")
@@ -249,49 +224,34 @@ def test_gated_linear_dispatch(monkeypatch):
         return None
 
     if DEV == "cpu":
-        assert check(one, "1") is None  # kernels off: the torch reference path
+        assert check(two) is None  # kernels off: the torch reference path
     enable_cpu_kernels(True)
     try:
-        assert check(one, "auto") is None  # one row, FMA config: the measured-slower variant is off
-        assert check(one, "") is None
-        assert check(one, "1") is False  # ... unless asked for
-        assert check(one, "auto", big=True) is True  # a big weight: the tensor-core GEMV
-        assert check(two, "auto") is True  # 2-4 rows: tensor core whatever the size
-        assert check(two, "1") is True
-        assert check(one, "0", big=True) is None and check(two, "0") is None
+        assert check(one) is None  # one row through a small weight: the FMA GEMV, then the activation
+        assert check(one, big=True) is True  # a big weight: the tensor-core GEMV
+        assert check(two) is True  # 2-4 rows: tensor core whatever the size
         eight = torch.randn(8, 32, generator=g).to(torch.bfloat16).to(DEV)
-        assert check(eight, "auto") is None  # a decode batch through a small weight: cuBLAS
-        assert check(eight, "auto", big=True) is True  # ... through a big one: the gated GEMV
-        monkeypatch.setenv("TANDEM_GATED_MAX_M", "4")
-        assert check(eight, "auto", big=True) is None
-        monkeypatch.delenv("TANDEM_GATED_MAX_M")
-        assert check(torch.randn(65, 32).to(torch.bfloat16).to(DEV), "auto", big=True) is None  # past 64 rows
-        monkeypatch.setenv("TANDEM_GATED_GEMV", "auto")
+        assert check(eight) is None  # a decode batch through a small weight: cuBLAS
+        assert check(eight, big=True) is True  # ... through a big one: the gated GEMV
+        assert check(torch.randn(65, 32).to(torch.bfloat16).to(DEV), big=True) is None  # past 64 rows
         assert G.gated_linear(one, w, "relu2") is None
-        monkeypatch.setenv("TANDEM_GEMV_ROWS", "1")
-        assert check(two, "auto") is None  # more rows than the GEMV takes: cuBLAS
-        monkeypatch.setenv("TANDEM_GATED_GEMV", "yes")
-        with pytest.raises(ValueError, match="TANDEM_GATED_GEMV"):
-            G.gated_linear(one, w, "silu")
     finally:
         enable_cpu_kernels(False)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-@pytest.mark.parametrize("mode,big,rows", [("1", False, 1), ("auto", True, 1), ("auto", False, 3)])
-def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
-    """GatedMLP at 1-4 rows takes the gated GEMV where ``TANDEM_GATED_GEMV`` allows it (the FMA
-    variant when asked for, the tensor-core one by default for a big weight or several rows),
+@pytest.mark.parametrize("big,rows", [(True, 1), (False, 3)])
+def test_gated_mlp_equals_unfused(monkeypatch, act, big, rows):
+    """GatedMLP at 1-4 rows takes the gated tensor-core GEMV (a big weight, or several rows),
     then a split-K down, and gives exactly the unfused kernels' output."""
-    from gpu_worker.models.layers import GatedMLP
+    from gpu_worker.models import layers as L
 
     monkeypatch.setattr(G, "SKINNY_MIN_WEIGHT", 1)
     monkeypatch.setattr(G, "SKINNY_MAX_K", 64)
     if big:
         monkeypatch.setattr(G, "BIG_WEIGHT", 1)
-    monkeypatch.setenv("TANDEM_GATED_GEMV", mode)
     torch.manual_seed(3)
-    mlp = GatedMLP(64, 96, act).to(torch.bfloat16).to(DEV)
+    mlp = L.GatedMLP(64, 96, act).to(torch.bfloat16).to(DEV)
     x = torch.randn(rows, 64).to(torch.bfloat16).to(DEV)
     calls = []
     real = G.gemv
@@ -299,21 +259,17 @@ def test_gated_mlp_equals_unfused(monkeypatch, act, mode, big, rows):
     enable_cpu_kernels(True)
     try:
         fused = mlp(x)
-        assert calls == [(act, 1), (None, G.long_k_splits())]  # gated gate_up, then down (K = 96 > 64) split
-        monkeypatch.setenv("TANDEM_GATED_GEMV", "0")
+        assert calls == [(act, 1), (None, G.LONG_K_SPLITS)]  # gated gate_up, then down (K = 96 > 64) split
+        monkeypatch.setattr(L, "gated_linear", lambda *a: None)
         unfused = mlp(x)
     finally:
         enable_cpu_kernels(False)
     assert torch.equal(fused, unfused)
 
 
-def test_short_k_splits_fill_the_gpu(monkeypatch):
+def test_short_k_splits_fill_the_gpu():
     """Short-K launches split K only when they have fewer column tiles than the GPU has SMs (132
-    off CUDA, the H200's), into FILL_PER_SM programs per SM, each split at least MIN_SPLIT_TILES
-    K tiles; TANDEM_GEMV_SPLITK_SHORT forces a count, TANDEM_GEMV_FILL=0 never splits on this
-    account."""
-    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_FILL"):
-        monkeypatch.delenv(var, raising=False)
+    off CUDA), into FILL_PER_SM programs per SM, each split at least MIN_SPLIT_TILES K tiles."""
     cpu = torch.device("cpu")
     cfg = G.CONFIG  # 8 rows x 512 K a tile
     want = G.FILL_PER_SM * 132
@@ -328,23 +284,11 @@ def test_short_k_splits_fill_the_gpu(monkeypatch):
     assert G.short_k_splits(128, 512, 512, cpu) == 1  # one K tile: nothing to split
     assert G.short_k_splits(G.launch_tiles(3840, G.ROWS_CONFIG), 4096, 256, cpu) == 4  # the 4-row verify's o
     assert G.launch_tiles(2 * 4096, cfg, gated=True) == 512 and G.launch_tiles(2 * 4096, G.BIG_CONFIG, gated=True) == 128
-    monkeypatch.setenv("TANDEM_GEMV_FILL", "0")
-    assert G.short_k_splits(128, 4096, 512, cpu) == 1
-    monkeypatch.setenv("TANDEM_GEMV_FILL", "2")
-    assert G.short_k_splits(128, 4096, 512, cpu) == 3
-    monkeypatch.setenv("TANDEM_GEMV_SPLITK_SHORT", "2")
-    assert G.short_k_splits(4096, 4096, 512, cpu) == 2
-    monkeypatch.setenv("TANDEM_GEMV_FILL", "x")
-    monkeypatch.delenv("TANDEM_GEMV_SPLITK_SHORT")
-    with pytest.raises(ValueError, match="TANDEM_GEMV_FILL"):
-        G.short_k_splits(128, 4096, 512, cpu)
 
 
 def test_narrow_projection_takes_split_k(monkeypatch):
     """One row through a narrow short-K weight (few column tiles) goes through the split-K GEMV
     and still matches the fp32 product; the tickets are left clear."""
-    for var in ("TANDEM_GEMV_SPLITK_SHORT", "TANDEM_GEMV_ROWS", "TANDEM_GEMV_FILL"):
-        monkeypatch.delenv(var, raising=False)
     calls = []
     real = G.gemv
     monkeypatch.setattr(G, "gemv", lambda x, w, **kw: calls.append(kw["splits"]) or real(x, w, **kw))

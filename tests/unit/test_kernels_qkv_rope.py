@@ -65,18 +65,15 @@ def test_applies_only_where_the_plain_pair_runs(monkeypatch):
         assert QR.applies(x, w, 16)
         assert not QR.applies(torch.randn(2, 64).to(torch.bfloat16).to(DEV), w, 16)  # several rows
         assert not QR.applies(x, w, 12)  # half a head is not whole tiles of pairs
-        monkeypatch.setenv("TANDEM_GEMV_SPLITK_SHORT", "2")
-        assert not QR.applies(x, w, 16)  # split K: no single program holds a whole sum
-        monkeypatch.delenv("TANDEM_GEMV_SPLITK_SHORT")
+        with monkeypatch.context() as m:
+            m.setattr(QR, "short_k_splits", lambda *a: 2)
+            assert not QR.applies(x, w, 16)  # split K: no single program holds a whole sum
         monkeypatch.setattr(G, "BIG_WEIGHT", 1)
         assert not QR.applies(x, w, 16)  # the tensor-core GEMV's launch
         monkeypatch.setattr(G, "BIG_WEIGHT", 48 << 20)
-        monkeypatch.setenv("TANDEM_GEMV_ROPE", "0")
-        assert not QR.applies(x, w, 16)
     finally:
         enable_cpu_kernels(False)
     if DEV == "cpu":
-        monkeypatch.delenv("TANDEM_GEMV_ROPE")
         assert not QR.applies(x, w, 16)  # kernels off: the torch path
 
 
@@ -110,9 +107,9 @@ def test_llama_decode_row_same_output_and_kv(tmp_path, monkeypatch):
     runs = []
     enable_cpu_kernels(True)
     try:
-        for on in ("1", "0"):
-            monkeypatch.setenv("TANDEM_GEMV_ROPE", on)
-            runs.append(_decode_once(str(tmp_path)))
+        runs.append(_decode_once(str(tmp_path)))
+        monkeypatch.setattr(QR, "applies", lambda *a: False)  # the GEMV, then the RoPE launch
+        runs.append(_decode_once(str(tmp_path)))
     finally:
         enable_cpu_kernels(False)
     assert calls == [1, 1]  # the decode row, once per layer; never the prefill rows

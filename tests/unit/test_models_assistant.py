@@ -205,23 +205,6 @@ def test_bind_rejects_mismatched_pair(tmp_path):
         load_model(tmp_path / "draft0", dtype=torch.float32, device=TEST_DEVICE)
 
 
-def test_o_projections_take_the_after_attention_prefetch(tmp_path):
-    """kernels/gemv.py ``prefetch_mb``: the o projection of every attention block, target and
-    draft, and no other projection, takes the prefetch budget sized for the idle HBM time of the
-    attention kernel before it."""
-    torch.manual_seed(0)
-    transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**_TARGET)).save_pretrained(tmp_path / "target")
-    target = load_model(tmp_path / "target", dtype=torch.float32, device=TEST_DEVICE)
-    Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=_assistant_text_config(),
-                                                     backbone_hidden_size=64)).save_pretrained(tmp_path / "draft")
-    draft = load_model(tmp_path / "draft", dtype=torch.float32, device=TEST_DEVICE, target=target)
-    for model, layers in ((target, _TARGET["num_hidden_layers"]), (draft, _assistant_text_config().num_hidden_layers)):
-        tagged = [name for name, m in model.named_modules() if getattr(m, "after_attention", False)]
-        projections = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        assert len(tagged) == layers and all(name.endswith("o_proj") for name in tagged), tagged
-        assert [p for p in projections if p.endswith("o_proj")] == tagged
-
-
 def test_draft_projections_go_through_the_gemv_dispatch(tmp_path):
     """Every projection of the draft's forward (its layers and the pre / post projections) is
     ``parallel.linear.Linear``, whose one-row GEMMs may take the GEMV (kernels/gemv.py ``linear``): inside

@@ -1,4 +1,4 @@
-"""A plan's host rows (gpu_worker/batch.py: PlanRows) and the worker's host half of a step
+"""A plan's host rows (gpu_worker/step/batch.py: PlanRows) and the worker's host half of a step
 (ModelRunner.stage, slots.advance_host): the decode-only fast path gives the same rows as the
 general one, its shared empty arrays cannot be written, the result order is made once, and the
 host lengths advance as before (prefill rows to their chunk's end, decode rows by one)."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.batch import PlanRows
-from gpu_worker.slots import SlotState
+from gpu_worker.step.batch import PlanRows
+from gpu_worker.step.slots import SlotState
 from proto.arrays import pack_i32
 from proto.messages import ExtendRow, StepPlan
 

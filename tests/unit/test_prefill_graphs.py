@@ -1,4 +1,4 @@
-"""Piecewise prefill graphs (``gpu_worker/prefill_graphs.py``) on the CPU: the padded bucket path
+"""Piecewise prefill graphs (``gpu_worker/graphs/prefill.py``) on the CPU: the padded bucket path
 they replay, run eagerly (``TANDEM_EMULATE_CUDA_GRAPHS=1``) through the Triton kernels under the
 interpreter. Greedy tokens equal HF's for every prefill step size (padding in most of them),
 with MTP, and padding tokens never write a real row's KV.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.prefill_graphs import PrefillGraphs, prefill_buckets
+from gpu_worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.inproc import InProcEngine
 

@@ -194,7 +194,7 @@ def test_prompt_logprobs_of_a_long_prompt_are_computed_in_blocks(pair, monkeypat
     a long prompt on a large vocabulary. Values must not change."""
     import numpy as np
 
-    import gpu_worker.prompt_logprobs as plp
+    import gpu_worker.step.prompt_logprobs as plp
 
     g, _ = pair
     prompt = [(13 * j) % 370 + 6 for j in range(45)]
@@ -228,6 +228,7 @@ def _worker_loop(depth: int, recv, ready=lambda step, done, log: done, sync_plan
     whose plans need every step in flight returned first. -> (log of ("launch", step)
     and ("wait", step, finished when waited for), step ids of the results sent)."""
     from gpu_worker.main import Worker
+    from gpu_worker.settings import DevSettings
     from proto.messages import StepResult
 
     log, sent = [], []
@@ -245,6 +246,8 @@ def _worker_loop(depth: int, recv, ready=lambda step, done, log: done, sync_plan
             return StepResult(self.step, b"", b"", b"")
 
     class Runner:
+        settings = DevSettings()
+
         def launch(self, plan, retire=None):
             log.append(("launch", plan.step_id))
             if plan.step_id in sync_plans:  # structured output: its masks need the steps in flight

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.sampling import RowSampling
-from gpu_worker.spec import verify
+from gpu_worker.step.sampling import RowSampling
+from gpu_worker.spec.mtp import verify
 
 # chi-square critical values at p = 0.001 for the degrees of freedom used below
 CHI2_CRIT_P001 = {4: 18.467, 5: 20.515}

@@ -24,7 +24,8 @@ from tests.helpers.checkpoints import (
     build_qwen3,
     build_qwen3_moe,
 )
-from proto.args import ArgError, parse_server_args
+from common.args import ArgError
+from common.serve_cli import parse_server_args
 from tests.helpers.tp import ENGINE_CASES, LOGIT_CASES, engine_tokens, model_logits, rank_workload, run_ranks
 
 

@@ -1,4 +1,4 @@
-"""The start-up prefill warm-up (gpu_worker/warmup.py; it runs on CUDA only, these tests call it
+"""The start-up prefill warm-up (gpu_worker/graphs/warmup.py; it runs on CUDA only, these tests call it
 on the CPU): it leaves every slot's state and every page but the padding page untouched, and
 the engine's tokens afterwards equal HF's."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.warmup import MIN_TOKENS, prefill_sizes, warm_prefill
+from gpu_worker.graphs.warmup import MIN_TOKENS, prefill_sizes, warm_prefill
 from tests.helpers.checkpoints import build_gemma4, build_llama, hf_greedy
 from tests.helpers.inproc import InProcEngine
 

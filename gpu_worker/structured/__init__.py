@@ -1,0 +1,1 @@
+"""Structured output in the worker: grammar masks per row, compiled ahead of admission (``grammar``)."""
