@@ -107,10 +107,14 @@ def _run(cmd: list[str], log: str, timeout: int) -> bool:
     return ok
 
 
-def offline(model_dir: str, prompts: str, out_json: str, log: str, extra: list[str], timeout: int) -> dict | None:
+def offline(model_dir: str, prompts: str, out_json: str, log: str, extra: list[str], timeout: int,
+            warmup: int) -> dict | None:
+    """offline.py on dummy weights, 512 in / 256 out; ``warmup`` untimed rounds of each workload."""
+    running = max(int(n) for n in prompts.split(","))
     cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--model-path", model_dir, "--device", "cuda",
            "--load-format", "dummy", "--log-level", "warning", "--num-prompts", prompts, "--input-len", "512",
-           "--output-len", "256", "--max-running-requests", "256", "--json", out_json, *extra]
+           "--output-len", "256", "--max-running-requests", str(max(8, running)), "--warmup-rounds", str(warmup),
+           "--json", out_json, *extra]
     return json.load(open(out_json)) if _run(cmd, log, timeout) else None
 
 
@@ -146,6 +150,7 @@ def main() -> None:
     ap.add_argument("--union", nargs=2, metavar=("MODEL_DIR", "OUT_NPY"), help=argparse.SUPPRESS)
     ap.add_argument("--no-mtp", action="store_true", help="skip the 26B-A4B MTP run")
     ap.add_argument("--step-timeout", type=int, default=240, help="seconds for each process (union, engine runs)")
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds of each engine workload first")
     a = ap.parse_args()
     if a.union:
         measure_union(a.union[0], a.union_rows, a.union_steps, a.union[1])
@@ -169,13 +174,14 @@ def main() -> None:
                   os.path.join(a.out, f"moe_union_{name}.log"), a.step_timeout)
         ids = np.load(npy) if ok else None
         runs = offline(d, a.prompts, os.path.join(a.out, f"moe_{name}.json"), os.path.join(a.out, f"moe_{name}.log"),
-                       [], a.step_timeout)
+                       [], a.step_timeout, a.warmup_rounds)
         result["rows"] += report_rows(name, shapes, ids, runs, bw)
         draft = MODELS.get(name)
         if draft and not a.no_mtp:
             mtp = offline(d, "1", os.path.join(a.out, f"moe_{name}_mtp.json"),
                           os.path.join(a.out, f"moe_{name}_mtp.log"),
-                          MTP + ["--speculative-draft-model-path", os.path.join(a.dummy_dir, draft)], a.step_timeout)
+                          MTP + ["--speculative-draft-model-path", os.path.join(a.dummy_dir, draft)], a.step_timeout,
+                          a.warmup_rounds)
             plain = next((r for r in result["rows"] if r["model"] == name and r["requests"] == 1), None)
             if mtp and plain and mtp["workloads"][0].get("decode_steps"):
                 w = mtp["workloads"][0]

@@ -104,3 +104,16 @@ def test_moe_layer_specs_follow_hf(built):
     assert [l.moe is not None for l in s.layers] == [False, True, False, True]
     g = parse_config(load_config(built("gemma4_moe")))
     assert all(l.moe is not None and l.moe.router == "gemma4" for l in g.layers)
+
+
+def test_an_unsupported_moe_config_fails_at_load_naming_its_field(built, tmp_path):
+    """What the worker reports as its one-line start-up error (a ValueError, no traceback)."""
+    import json
+
+    d = shutil.copytree(built("qwen3_moe"), tmp_path / "bad")
+    cfg = json.load(open(d / "config.json"))
+    cfg["scoring_func"] = "sigmoid"
+    json.dump(cfg, open(d / "config.json", "w"))
+    with pytest.raises(ValueError, match="scoring_func 'sigmoid' is not supported") as err:
+        load_model(d, dtype=torch.float32)
+    assert "\n" not in str(err.value)
