@@ -8,6 +8,8 @@ rounding where HF rounds (``norm.py``'s row helpers).
   experts' input ``pre_feedforward_layernorm_2(x)``, one read of x;
 - ``gemma_moe_combine`` (Gemma 4): ``post_feedforward_layernorm_1(dense) +
   post_feedforward_layernorm_2(moe)``, both norms and the sum rounded as HF;
+- ``moe_sum_add_norm`` (Qwen3-MoE, one rank): the next residual add and norm over the sum of
+  the slots (``norm.py``'s MODE_ADD_NORM, Llama rounding), the slot sum's own kernel saved;
 - ``gemma_moe_tail`` (Gemma 4 without PLE, one rank): the layer's end in one kernel: the slots'
   sum, the combine above, then the residual add of ``post_feedforward_layernorm``, the layer
   scalar and the next layer's input norm (``norm.py``'s MODE_NORM_ADD), three kernels' work.
@@ -92,6 +94,25 @@ if triton is not None:
         tl.store(out_ptr + row * H + cols, _norm_row(r, wn_ptr, cols, m, H, eps, True, True, DT).to(DT), mask=m)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _sum_add_norm_kernel(p_ptr, r_ptr, w_ptr, out_ptr, H, sr, eps, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+        gdc_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < H
+        DT = out_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK], tl.float32)
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(p_ptr + (row * TOP_K + k) * H + cols, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * sr + cols, mask=m, other=0.0).to(tl.float32)
+        r = _rnd(_rnd(acc, DT) + r, DT)
+        tl.store(r_ptr + row * sr + cols, r.to(DT), mask=m)
+        tl.store(out_ptr + row * H + cols, _norm_row(r, w_ptr, cols, m, H, eps, True, False, DT).to(DT), mask=m)
+
+
 def moe_sum(pairs: torch.Tensor, top_k: int) -> torch.Tensor:
     """pairs [T*K, H] (contiguous) -> [T, H]: each token's K slots summed (float32, slot order)."""
     n, h = pairs.shape
@@ -141,4 +162,18 @@ def gemma_moe_tail(dense: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, w1
         _gemma_tail_kernel[(t,)](dense, slots, x, w1, w2, w_post, w_next, scale, out, h, dense.stride(0), x.stride(0),
                                  eps, TOP_K=top_k, BLOCK=next_pow2(h), PDL=on, num_warps=4 if h <= 4096 else 8,
                                  launch_pdl=on == PDL_ON)
+    return out
+
+
+def moe_sum_add_norm(slots: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                     top_k: int) -> torch.Tensor:
+    """residual <- residual + (sum of each token's ``top_k`` slots, rounded), in place; returns the
+    Llama-style RMSNorm of it with weight ``w``. ``slots`` [T*K, H] contiguous."""
+    t, h = residual.shape
+    out = torch.empty((t, h), dtype=residual.dtype, device=residual.device)
+    if t:
+        on = pdl(residual)
+        _sum_add_norm_kernel[(t,)](slots, residual, w, out, h, residual.stride(0), eps, TOP_K=top_k,
+                                   BLOCK=next_pow2(h), PDL=on, num_warps=4 if h <= 4096 else 8,
+                                   launch_pdl=on == PDL_ON)
     return out

@@ -17,8 +17,17 @@ from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import LayerSpec, LlamaSpec
 from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, qkv_rope_attention, rope_attention
-from gpu_worker.models.moe import SparseMoE
+from gpu_worker.kernels.moe_norm import moe_sum_add_norm
+from gpu_worker.models.moe import Slots, SparseMoE
 from gpu_worker.parallel import factory, shard
+
+
+def add_norm(norm: RMSNorm, h: torch.Tensor | Slots, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h + residual), h + residual), ``residual`` updated in place on the kernel path; a MoE
+    layer's unsummed ``Slots`` are summed in the same kernel."""
+    if isinstance(h, Slots):
+        return moe_sum_add_norm(h.rows, residual, norm.weight, norm.eps, h.top_k), residual
+    return norm.add_forward(h, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -68,11 +77,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, fb: ForwardBatch,
                 backend) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer output, residual stream). The residual add is deferred into the next norm
-        (``add_forward``): HF's ``residual + h`` then norm, in one kernel."""
+        (``add_norm``): HF's ``residual + h`` then norm, in one kernel (a MoE layer's output may
+        be its unsummed ``Slots``)."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
+            h, residual = add_norm(self.input_layernorm, h, residual)
         h = self.self_attn(h, rotary, fb, backend)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
@@ -118,7 +128,7 @@ class LlamaForCausalLM(CausalLM):
         h, residual = self.embed(fb.input_ids), None
         for layer in self.model.layers:
             h, residual = layer(h, residual, self.model.rotary, fb, backend)
-        return self.model.norm.add_forward(h, residual)[0]
+        return add_norm(self.model.norm, h, residual)[0]
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

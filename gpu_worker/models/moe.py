@@ -22,6 +22,8 @@ fused 3-D tensors (``experts.gate_up_proj [E, 2I, H]``, gate rows first, and
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -184,14 +186,25 @@ class Experts(nn.Module):
         return src.narrow(2, r.start, r.size)
 
 
+class Slots(NamedTuple):
+    """A MoE block's output left unsummed: each slot's weighted expert output [T*K, H] (slot k of
+    token t at row t*K + k); the residual add that follows sums them in its own kernel."""
+
+    rows: torch.Tensor
+    top_k: int
+
+
 class SparseMoE(nn.Module):
-    """Qwen3-MoE's MLP of a sparse layer (``mlp``): ``gate`` (the router) and ``experts``."""
+    """Qwen3-MoE's MLP of a sparse layer (``mlp``): ``gate`` (the router) and ``experts``. Where
+    the experts give per-slot outputs (kernel path, one rank) it returns them as ``Slots``."""
 
     def __init__(self, hidden: int, spec: MoESpec, act: str):
         super().__init__()
         self.gate = SoftmaxRouter(hidden, spec)
         self.experts = Experts(hidden, spec, act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Slots:
         ids, weights = self.gate(x)
+        if self.experts.gives_slots(x):
+            return Slots(self.experts.slots(x, ids, weights), ids.shape[1])
         return self.experts(x, ids, weights)

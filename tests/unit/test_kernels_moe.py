@@ -154,3 +154,18 @@ def test_gemma_moe_tail_is_the_three_kernels_it_replaces(dtype):
     want = launch_norm(MODE_NORM_ADD, h_ref, x_ref, wp, wn, scale, eps, gemma=True)
     got = gemma_moe_tail(d, slots, x, w1, w2, wp, wn, scale, eps, k)
     assert torch.equal(x.cpu(), x_ref.cpu()) and torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_sum_add_norm_is_the_sum_then_norm_py_add_norm(dtype):
+    from gpu_worker.kernels.moe_norm import moe_sum_add_norm
+    from gpu_worker.kernels.norm import MODE_ADD_NORM, launch_norm
+
+    t, k, h, eps = 3, 4, 48, 1e-6
+    slots = torch.randn(t * k, h).to(dtype).to(DEV)
+    r = torch.randn(t, h).to(dtype).to(DEV)
+    w = (torch.rand(h) + 0.5).to(dtype).to(DEV)
+    r_ref = r.clone()
+    want = launch_norm(MODE_ADD_NORM, moe_sum(slots, k), r_ref, w, None, None, eps, gemma=False)
+    got = moe_sum_add_norm(slots, r, w, eps, k)
+    assert torch.equal(r.cpu(), r_ref.cpu()) and torch.equal(got.cpu(), want.cpu())
