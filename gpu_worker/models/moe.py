@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.kernels import use_triton
-from gpu_worker.kernels.gemv import GEMV_MAX_M, gemv, launch_config, launch_tiles, linear, short_k_splits
+from gpu_worker.kernels.gemv import linear
 from gpu_worker.kernels.moe import fused_experts
-from gpu_worker.kernels.moe_route import route_topk
+from gpu_worker.kernels.moe_route import ROUTER_MAX_TOKENS, route_topk, router_topk
 from gpu_worker.models.config import MoESpec
 from gpu_worker.models.layers import GemmaRMSNorm, activation
 from gpu_worker.parallel import shard
@@ -40,19 +40,6 @@ from gpu_worker.parallel.shard import Rows
 from gpu_worker.parallel.state import tp_size
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T. At 1-4 half-precision rows on the kernel path the Triton GEMV takes it
-    however small the router: in a decode graph a cuBLAS call would break the chain of
-    PDL-launched kernels (``kernels/gemv.py``)."""
-    if (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in (torch.bfloat16, torch.float16)
-            and x.stride(1) == 1 and weight.is_contiguous() and use_triton(x)):
-        cfg = launch_config(x.shape[0], weight)
-        if cfg is not None:
-            splits = short_k_splits(launch_tiles(weight.shape[0], cfg), weight.shape[1], cfg["block_k"], x.device)
-            return gemv(x, weight, splits=splits, **cfg)
-    return linear(x, weight)
 
 
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool, expert_scale: torch.Tensor | None,
@@ -70,8 +57,15 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool, expert_
     return ids.to(torch.int32), weights
 
 
-def route(logits: torch.Tensor, spec: MoESpec, expert_scale: torch.Tensor | None,
+def route(x: torch.Tensor, weight: torch.Tensor, spec: MoESpec, expert_scale: torch.Tensor | None,
           round_to: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of x [T, H] through the router's ``weight`` [E, H] (logits in x's dtype). On
+    the kernel path 1-4 tokens take one launch for the projection and the routing
+    (``router_topk``: decode graphs keep one kernel, not a cuBLAS call that would break their PDL
+    chain, and a routing kernel); more take the projection, then the routing kernel."""
+    if use_triton(x) and 1 <= x.shape[0] <= ROUTER_MAX_TOKENS and x.stride(1) == 1:
+        return router_topk(x, weight, spec.top_k, spec.renormalize, expert_scale, round_to is not None)
+    logits = linear(x, weight)
     if use_triton(logits):
         return route_topk(logits, spec.top_k, spec.renormalize, expert_scale, round_to is not None)
     return route_reference(logits, spec.top_k, spec.renormalize, expert_scale, round_to)
@@ -87,7 +81,7 @@ class SoftmaxRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(router_logits(x, self.weight), self.spec, None, x.dtype)
+        return route(x, self.weight, self.spec, None, x.dtype)
 
 
 class Gemma4Router(nn.Module):
@@ -109,7 +103,7 @@ class Gemma4Router(nn.Module):
 
     def route(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing from the router input ``r`` (``inputs(x)``, or its fused kernel)."""
-        return route(router_logits(r, self.proj.weight), self.spec, self.per_expert_scale, None)
+        return route(r, self.proj.weight, self.spec, self.per_expert_scale, None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route(self.inputs(x))

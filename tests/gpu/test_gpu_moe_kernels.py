@@ -105,3 +105,21 @@ def test_experts_replay_in_a_cuda_graph(model, tokens):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.testing.assert_close(out, fused_experts(x, gate_up, down, ids, w, act), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_fused_router_at_real_shape(tokens):
+    """router_topk (the projection and the routing in one launch) against cuBLAS's logits then
+    the routing kernel: the same experts (a summation-order tie aside) and weights."""
+    from gpu_worker.kernels.moe_route import router_topk
+
+    x = torch.randn(tokens, 2816, device="cuda").bfloat16()
+    w = (torch.randn(128, 2816, device="cuda") * 2816**-0.5).bfloat16()
+    ids, wt = router_topk(x, w, 8, True)
+    ref_ids, ref_w = route_topk(F.linear(x, w), 8, True)
+    same = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1)
+    assert same.float().mean() >= 0.75
+    torch.testing.assert_close(wt.sum(-1), torch.ones(tokens, device="cuda"))
+    for r in torch.nonzero(same).flatten().tolist():
+        a, b = ids[r].sort(), ref_ids[r].sort()
+        torch.testing.assert_close(wt[r][a.indices], ref_w[r][b.indices], rtol=2e-2, atol=1e-4)

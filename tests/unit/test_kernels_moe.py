@@ -169,3 +169,29 @@ def test_moe_sum_add_norm_is_the_sum_then_norm_py_add_norm(dtype):
     want = launch_norm(MODE_ADD_NORM, moe_sum(slots, k), r_ref, w, None, None, eps, gemma=False)
     got = moe_sum_add_norm(slots, r, w, eps, k)
     assert torch.equal(r.cpu(), r_ref.cpu()) and torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 4])
+@pytest.mark.parametrize("renorm,scaled,rounded", [(True, False, True), (True, True, False)])
+def test_fused_router_is_the_projection_then_routing(tokens, dtype, renorm, scaled, rounded):
+    """router_topk: the logits (x @ W^T in x's dtype), then route_topk; ticket back to 0."""
+    from gpu_worker.kernels import tickets_clear
+    from gpu_worker.kernels.moe_route import router_topk
+
+    e, h, k = 12, 40, 3
+    x = torch.randn(tokens, h).to(dtype).to(DEV)
+    w = (torch.randn(e, h) * 0.1).to(dtype).to(DEV)
+    scale = (torch.rand(e) + 0.5).to(dtype).to(DEV) if scaled else None
+    ids, wt = router_topk(x, w, k, renorm, scale, rounded)
+    logits = (x.double() @ w.double().T).to(dtype)
+    ref_ids, ref_w = ref_route(logits.cpu(), k, renorm, scale.cpu() if scaled else None, dtype if rounded else None)
+    assert tickets_clear()
+    # bf16: a logit one ulp apart (the interpreter truncates, the reference rounds) moves the
+    # softmax by a few tenths of a percent, the rounded weight by an ulp or two; equal bf16
+    # logits may come in another order (the lowest index first here, topk's choice there)
+    order, ref_order = ids.cpu().sort(-1), ref_ids.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(wt.cpu().gather(-1, order.indices), ref_w.gather(-1, ref_order.indices), rtol=tol,
+                               atol=1e-6)
