@@ -40,40 +40,51 @@ MODELS = {"gemma4-26b-a4b": "gemma4-26b-a4b-assistant", "qwen3-30b-a3b": None}
 MTP = ["--speculative-algorithm", "FROZEN-KV-MTP", "--speculative-num-steps", "3"]
 
 
-def measure_union(model_dir: str, rows: int, steps: int, out: str) -> None:
-    """Record the routing of ``rows`` decode rows for ``steps`` steps: ids [steps, rows, K] per
-    MoE layer, saved as one array [layers, steps, rows, K] in ``out`` (.npy)."""
+def measure_union(model_dir: str, rows: int, steps: int, out: str, device: str = "cuda",
+                  prompt_len: int = 512) -> None:
+    """Record the routing of ``rows`` decode rows for ``steps`` steps: every MoE layer's top-k ids
+    of each decode forward of exactly ``rows`` tokens, saved as [layers, steps, rows, K] (.npy)."""
     import torch
 
+    from gpu_worker.models import moe
     from gpu_worker.models.moe import Experts
     from tests.helpers.inproc import InProcEngine
 
     # Rows prefilled early decode beside later prefill chunks (those steps are not recorded): each
-    # request runs SPARE steps past ``steps`` so that ``steps`` steps with every row alone follow.
+    # request runs ``spare`` steps past ``steps``, so ``steps`` steps of every row alone follow.
     spare = 8
-    eng = InProcEngine(model_dir, device="cuda", load_format="dummy", disable_cuda_graph=True,
+    eng = InProcEngine(model_dir, device=device, load_format="dummy", disable_cuda_graph=True,
                        disable_piecewise_cuda_graph=True, max_running_requests=rows,
-                       context_length=512 + steps + spare + 64)
-    layers = [m for m in eng.runner.target.modules() if isinstance(m, Experts)]
-    seen: dict[int, list] = {i: [] for i in range(len(layers))}
+                       context_length=prompt_len + steps + spare + 64)
+    layers = sum(isinstance(m, Experts) for m in eng.runner.target.modules())
+    seen: list[torch.Tensor] = []
+    real = moe.route
 
-    def hook(i):
-        def record(mod, args, out):
-            if args[0].shape[0] == rows:  # a decode step of every row (no prefill chunk beside it)
-                seen[i].append(args[1].to(torch.int32).cpu())
-        return record
+    def recording(x, *args):  # every router calls moe.route once a forward, in layer order
+        ids, weights = real(x, *args)
+        if x.shape[0] == rows:
+            seen.append(ids.to(torch.int32).cpu())
+        return ids, weights
 
-    for i, m in enumerate(layers):
-        m.register_forward_hook(hook(i))
+    moe.route = recording
+    try:
+        _serve_random(eng, rows, prompt_len, steps + spare)
+    finally:
+        moe.route = real
+    n = min(steps, len(seen) // layers)
+    if n == 0:
+        raise SystemExit(f"no decode step ran all {rows} rows alone")
+    ids = torch.stack(seen[: n * layers]).view(n, layers, rows, -1).transpose(0, 1)
+    np.save(out, ids.numpy())
+
+
+def _serve_random(eng, rows: int, prompt_len: int, new_tokens: int) -> None:
     rng = np.random.default_rng(0)
     vocab = eng.ready.vocab_size
     for r in range(rows):
-        eng.submit(f"u{r}", rng.integers(3, vocab - 1, 512).tolist(), max_new_tokens=steps + spare, ignore_eos=True)
+        eng.submit(f"u{r}", rng.integers(3, vocab - 1, prompt_len).tolist(), max_new_tokens=new_tokens,
+                   ignore_eos=True)
     eng.run()
-    n = min(steps, *(len(v) for v in seen.values()))
-    if n == 0:
-        raise SystemExit(f"no decode step ran all {rows} rows alone")
-    np.save(out, np.stack([torch.stack(seen[i][:n]).numpy() for i in range(len(layers))]))
 
 
 def union_curve(ids: np.ndarray, batch: int, samples: int = 32, seed: int = 0) -> list[float]:
