@@ -56,9 +56,7 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logits_ptr, scale_ptr, ids_ptr, w_ptr, E, s_row, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, SCALED: tl.constexpr,
-                      PDL: tl.constexpr):
-        gdc_enter(PDL)
+                      BLOCK_K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, SCALED: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         em = e < E
@@ -101,18 +99,19 @@ if triton is not None:
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, expert_scale: torch.Tensor | None = None,
                round_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (unit column stride) -> (ids [T, top_k] int32, weights [T, top_k] float32)."""
+    """logits [T, E] (unit column stride) -> (ids [T, top_k] int32, weights [T, top_k] float32).
+    The engine routes 1-4 tokens with ``router_topk``, so this runs in forwards of more tokens,
+    which launch without PDL (``kernels/__init__.py``)."""
     t, e = logits.shape
     if e > MAX_EXPERTS:
         raise ValueError(f"num_experts {e} is more than the routing kernel takes ({MAX_EXPERTS})")
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     if t:
-        on = pdl(logits)
         _route_kernel[(t,)](
             logits, expert_scale if expert_scale is not None else weights, ids, weights, e, logits.stride(0),
             K=top_k, BLOCK_E=next_pow2(e), BLOCK_K=next_pow2(top_k), RENORM=renormalize, ROUND=round_weights,
-            SCALED=expert_scale is not None, PDL=on, num_warps=4 if e > 256 else 1, launch_pdl=on == PDL_ON,
+            SCALED=expert_scale is not None, num_warps=4 if e > 256 else 1,
         )
     return ids, weights
 

@@ -32,7 +32,7 @@ from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.gemv import linear
 from gpu_worker.kernels.moe import fused_experts
 from gpu_worker.kernels.moe_route import ROUTER_MAX_TOKENS, route_topk, router_topk
-from gpu_worker.models.config import MoESpec
+from gpu_worker.models.moe_config import MoESpec
 from gpu_worker.models.layers import GemmaRMSNorm, activation
 from gpu_worker.parallel import shard
 from gpu_worker.parallel.comm import all_reduce

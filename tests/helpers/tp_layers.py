@@ -29,7 +29,7 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _check_experts(rnd, g) -> float:
     """MoE experts split on the intermediate dimension (each rank every expert's slice, loaded
     from the fused and from the per-expert layout), outputs all-reduced, vs the whole experts."""
-    from gpu_worker.models.config import MoESpec
+    from gpu_worker.models.moe_config import MoESpec
     from gpu_worker.models.moe import Experts
 
     spec = MoESpec(num_experts=4, top_k=2, intermediate_size=6, router="softmax", renormalize=True)
