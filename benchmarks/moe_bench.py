@@ -48,7 +48,7 @@ def measure_union(model_dir: str, rows: int, steps: int, out: str, device: str =
 
     from gpu_worker.models import moe
     from gpu_worker.models.moe import Experts
-    from tests.helpers.inproc import InProcEngine
+    from tandem.inproc import InProcEngine
 
     # Rows prefilled early decode beside later prefill chunks (those steps are not recorded): each
     # request runs ``spare`` steps past ``steps``, so ``steps`` steps of every row alone follow.
