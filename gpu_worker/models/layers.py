@@ -176,9 +176,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose few-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py)."""
+    """nn.Linear whose few-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py).
+    ``quant``: the quantized-linear method of an FP8 projection (``gpu_worker.quant``), which
+    then holds the weight and its scales and does the multiplication."""
+
+    quantizable = True
+    quant = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -228,8 +235,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One decode row at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py). Under
         # TP the column-parallel subclass may lay its shard out differently: the general path.
-        if type(self.gate_up_proj) is MergedLinear and self.gate_up_proj.bias is None:
-            h = gated_linear(x, self.gate_up_proj.weight, self.act_name)
+        proj = self.gate_up_proj
+        if type(proj) is MergedLinear and proj.bias is None:
+            h = (proj.quant.gated(proj, x, self.act_name) if proj.quant is not None
+                 else gated_linear(x, proj.weight, self.act_name))
             if h is not None:
                 return self.down_proj(h)
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -301,7 +310,7 @@ def qkv_rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBat
     reads the pool -> [1, Hq * D]. None where that kernel does not apply: the caller runs the
     projection and ``rope_attention``."""
     if not (fb.out_loc is not None and layer.writes_kv and type(qkv_proj) is MergedLinear and qkv_proj.bias is None
-            and qkv_rope.applies(x, qkv_proj.weight, head_dim)):  # applies: one row on the kernel path
+            and qkv_proj.quant is None and qkv_rope.applies(x, qkv_proj.weight, head_dim)):  # one row, kernel path
         return None
     pool = backend.pool
     q = qkv_rope.qkv_rope_store(
