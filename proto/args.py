@@ -17,6 +17,10 @@ BUNDLED_MODEL_DIR = os.path.join(
 
 SPEC_ALGORITHMS = ("FROZEN-KV-MTP",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# gpu_worker/quant's methods (kept equal by a unit test; proto imports no process package)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+# vLLM's names; "fp8" is an alias of fp8_e4m3
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 # vLLM's and SGLang's --dtype also take these torch short names
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -47,6 +51,8 @@ class ServerArgs:
     context_length: int | None = None
     mem_fraction_static: float = 0.85
     load_format: str = "auto"  # auto | dummy
+    quantization: str | None = None  # None: the checkpoint's quantization_config; fp8: also online
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 (fp8 is its alias)
     attention_backend: str = "auto"  # auto: triton (else flashinfer) on CUDA; torch on the CPU
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # default: min(256, max running requests)
@@ -177,6 +183,11 @@ def validate(args: ServerArgs) -> ServerArgs:
                        f"got {args.mem_fraction_static}")
     if args.load_format not in ("auto", "dummy"):
         raise ArgError(f"--load-format: expected auto or dummy, got {args.load_format!r}")
+    if args.quantization is not None and args.quantization not in QUANTIZATION_METHODS:
+        raise ArgError(f"--quantization: {args.quantization!r} is not supported "
+                       f"(one of {', '.join(QUANTIZATION_METHODS)})")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ArgError(f"--kv-cache-dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise ArgError(
             f"--attention-backend: expected one of {', '.join(ATTENTION_BACKENDS)}, "
@@ -284,6 +295,7 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
     if kw["reasoning_parser"]:  # SGLang's names use '-' (deepseek-r1), vLLM's '_'
         kw["reasoning_parser"] = kw["reasoning_parser"].replace("-", "_")
     kw["dtype"] = DTYPE_ALIASES.get(kw["dtype"], kw["dtype"])
+    kw["kv_cache_dtype"] = "fp8_e4m3" if kw["kv_cache_dtype"] == "fp8" else kw["kv_cache_dtype"]
     kw["cuda_graph_bs"] = tuple(kw["cuda_graph_bs"]) if kw["cuda_graph_bs"] else None
     names = kw.pop("served_model_name") or [None]
     kw["served_model_name"], kw["served_model_aliases"] = names[0], tuple(n for n in dict.fromkeys(names[1:]) if n != names[0])

@@ -72,6 +72,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     a("--served-model-name", metavar="NAME", nargs="+", default=None,
       help="the model name(s) requests may use; responses and metrics carry the first (as in vLLM)")
     a("--load-format", default="auto")
+    a("--quantization", "-q", metavar="METHOD", default=None,
+      help="fp8: serve FP8 weights; an unquantized checkpoint is quantized at load (per output channel, "
+      "the draft model too). compressed-tensors: the checkpoint's own. Default: what config.json's "
+      "quantization_config says (FP8 'fp8' and 'compressed-tensors' checkpoints; anything else is refused)")
+    a("--kv-cache-dtype", metavar="DTYPE", default="auto",
+      help="auto (the model dtype) or fp8_e4m3 (alias fp8): an FP8 KV cache holds twice the tokens, "
+      "scaled by the checkpoint's per-layer k/v scales where it has them, else 1.0")
     a("--random-seed", "--seed", metavar="N", type=int, default=0,
       help="seeds the worker's RNG (dummy weights) and the seeds drawn for requests without one: "
       "restarted with the same N, the same requests in the same order sample the same tokens, "

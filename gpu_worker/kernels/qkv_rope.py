@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from gpu_worker.kernels.rope import _rnd, _rotate
+    from gpu_worker.kernels.rope import _rnd, _rotate, kv_value
 except ImportError:
     triton = None
 
@@ -47,7 +47,7 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, loc_ptr, inv_ptr, K, swn, skn, skh, svn,
-                         svh, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAIRS: tl.constexpr,
+                         svh, k_inv, v_inv, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAIRS: tl.constexpr,
                          BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         HALF: tl.constexpr = D // 2
         PER_HEAD: tl.constexpr = HALF // PAIRS  # programs per head
@@ -80,20 +80,22 @@ if triton is not None:
                 tl.store(dst + HALF, o2.to(DT))
             else:
                 dst = kc_ptr + loc * skn + (head - HQ) * skh + j
-                tl.store(dst, o1.to(kc_ptr.dtype.element_ty))
-                tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty))
+                tl.store(dst, kv_value(o1, k_inv, kc_ptr))
+                tl.store(dst + HALF, kv_value(o2, k_inv, kc_ptr))
         else:
             dst = vc_ptr + loc * svn + (head - HQ - HKV) * svh + j
-            tl.store(dst, x1.to(vc_ptr.dtype.element_ty))
-            tl.store(dst + HALF, x2.to(vc_ptr.dtype.element_ty))
+            tl.store(dst, kv_value(x1, v_inv, vc_ptr))
+            tl.store(dst + HALF, kv_value(x2, v_inv, vc_ptr))
 
 
 def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                    out_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, head_dim: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                   num_kv_heads: int, head_dim: int, q_out: torch.Tensor | None = None,
+                   store_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """x [1, K] through the merged qkv weight w [(Hq + 2 Hkv) D, K] -> rotated q [1, Hq, D]
     (into ``q_out`` when given); the rotated k and the v of the row go to the caches
-    ([slots, Hkv, D], unit last stride) at ``out_loc[0]``. Callers check ``applies`` first."""
+    ([slots, Hkv, D], unit last stride) at ``out_loc[0]`` (an FP8 cache: times ``store_scales``,
+    as ``rope.rope_store``). Callers check ``applies`` first."""
     assert w.shape[0] == (num_heads + 2 * num_kv_heads) * head_dim and x.shape[0] == 1, (x.shape, w.shape)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and v_cache.shape[-1] == head_dim
     if q_out is None:
@@ -104,7 +106,7 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, in
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // pairs),)
     _qkv_rope_kernel[grid](
         x, w, q_out, k_cache, v_cache, positions, out_loc, inv_freq, x.shape[1], w.stride(0),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *store_scales,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAIRS=pairs, BLOCK_K=CONFIG["block_k"], PDL=on,
         PREFETCH_K=prefetch_cols(w.shape[0], 1, x.shape[1]) if on == PDL_ON else 0,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],

@@ -288,6 +288,7 @@ def rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBatch, 
             k_weight=getattr(k_norm, "weight", None), v_norm=v_norm is not None,
             eps=q_norm.eps if q_norm is not None else 1e-6,
             q_out=None if fb.scratch is None else fb.scratch.view("q", *q.shape),
+            store_scales=pool.store_scales(layer.kv_layer),
         )
         return paged_attention(backend, layer, q, None, None, fb)
     key = id(rotary)
@@ -317,6 +318,7 @@ def qkv_rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBat
         x, qkv_proj.weight, fb.positions, rotary.inv_freq, fb.out_loc, pool.k[layer.kv_layer],
         pool.v[layer.kv_layer], num_heads, num_kv_heads, head_dim,
         q_out=None if fb.scratch is None else fb.scratch.view("q", 1, num_heads, head_dim),
+        store_scales=pool.store_scales(layer.kv_layer),
     )
     return paged_attention(backend, layer, q, None, None, fb)
 
