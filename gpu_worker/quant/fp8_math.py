@@ -27,6 +27,12 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8
 
 
+def fp8_inverse(amax: torch.Tensor) -> torch.Tensor:
+    """448 / amax, correctly rounded as the kernels' ``div_rn`` (torch's ``448.0 / t`` multiplies
+    by a reciprocal: a last-bit difference that can flip a rounding tie)."""
+    return torch.full_like(amax, FP8_MAX) / amax
+
+
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
     """float32 values already divided by their scale -> e4m3, saturated (never NaN)."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -36,7 +42,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Online FP8: w [N, K] -> (e4m3 [N, K], float32 scales [N, 1]), one scale per output row."""
     w32 = w.float()
     amax = w32.abs().amax(dim=1, keepdim=True).clamp_min(MIN_AMAX)
-    return to_fp8(w32 * (FP8_MAX / amax)), amax / FP8_MAX
+    return to_fp8(w32 * fp8_inverse(amax)), amax / FP8_MAX
 
 
 def expand_scale(scale: torch.Tensor, rows: int, n: int, k: int) -> torch.Tensor:
@@ -59,7 +65,7 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kb = -(-k // BLOCK)
     xf = torch.nn.functional.pad(x.float(), (0, kb * BLOCK - k)).view(m, kb, BLOCK)
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_AMAX)
-    q = to_fp8(xf * (FP8_MAX / amax)).view(m, kb * BLOCK)[:, :k]
+    q = to_fp8(xf * fp8_inverse(amax)).view(m, kb * BLOCK)[:, :k]
     return q, (amax / FP8_MAX).view(m, kb)
 
 
