@@ -89,6 +89,7 @@ class QuantLoad:
         self.parts = {ck: (path, part) for path, mod in modules.items()
                       for ck, part in _checkpoint_parts(path, mod).items()}
         self.seen: set[tuple[str, str]] = set()
+        self.input_seen: set[str] = set()
         self.pending: dict[str, torch.Tensor] = {}  # float8 weights of unquantized modules and their scales
         self.kv: dict[str, dict[str, float]] = {}  # attention module -> {"k_scale": s, "v_scale": s}
 
@@ -130,8 +131,11 @@ class QuantLoad:
         mod = self.modules[path]
         off, rows = mod.shard(part) if part is not None else (0, mod.weight.shape[0])
         with torch.no_grad():
-            if leaf == "input_scale":
-                mod.input_scale.copy_(torch.maximum(mod.input_scale, src.float().reshape(-1).max().reshape(1)))
+            if leaf == "input_scale":  # merged parts share their input: the largest scale (allocated empty)
+                value = src.float().reshape(-1).max().reshape(1).to(mod.input_scale.device)
+                first = path not in self.input_seen
+                self.input_seen.add(path)
+                mod.input_scale.copy_(value if first else torch.maximum(mod.input_scale, value))
                 return
             if leaf == "weight":
                 src = _cut(mod, part, src)
