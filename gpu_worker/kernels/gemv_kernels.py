@@ -31,14 +31,18 @@ if triton is not None:
     def _x_tile(x_ptr, k, km, xs_ptr, A8: tl.constexpr):
         """One row's K tile as float32 and the scale its sums take: x itself (1.0), or x
         quantized to e4m3 with its dynamic (amax / 448 of the tile) or static scale."""
+        # if / elif / else: the compiler type-checks code after a constexpr branch's return too
         x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
         if A8 == 0:
-            return x, 1.0
-        if A8 == 1:
+            s = 1.0
+        elif A8 == 1:
             amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-            return to_e4m3(x * tl.div_rn(448.0, amax)).to(tl.float32), tl.div_rn(amax, 448.0)
-        s = tl.load(xs_ptr)
-        return to_e4m3(x * tl.div_rn(1.0, s)).to(tl.float32), s
+            x = to_e4m3(x * tl.div_rn(448.0, amax)).to(tl.float32)
+            s = tl.div_rn(amax, 448.0)
+        else:
+            s = tl.load(xs_ptr).to(tl.float32)
+            x = to_e4m3(x * tl.div_rn(1.0, s)).to(tl.float32)
+        return x, s
 
     @triton.jit
     def _dot_row(w, x_ptr, k, km, xs_ptr, A8: tl.constexpr):
@@ -178,10 +182,13 @@ if triton is not None:
         own dtype (e4m3 values are exact there), and its scales [MP] (A8 1) or scale (A8 2)."""
         x = xt.to(tl.float32)
         if A8 == 1:
-            amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-            return to_e4m3(x * tl.div_rn(448.0, amax)[None, :]).to(xt.dtype), tl.div_rn(amax, 448.0)[None, :]
-        s = tl.load(xs_ptr)
-        return to_e4m3(x * tl.div_rn(1.0, s)).to(xt.dtype), s
+            amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)[None, :]
+            inv = tl.div_rn(448.0, amax)
+            s = tl.div_rn(amax, 448.0)
+        else:
+            s = tl.zeros([1, xt.shape[1]], tl.float32) + tl.load(xs_ptr).to(tl.float32)
+            inv = tl.div_rn(1.0, s)
+        return to_e4m3(x * inv).to(xt.dtype), s
 
     @triton.jit(do_not_specialize=["rows"])
     def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, s_ptr, xs_ptr, N, K, K_CHUNK, sxm, swn, sym, ss, rows,

@@ -75,17 +75,17 @@ if triton is not None:
         if head < HQ + HKV:
             o1, o2 = _rotate(x1, x2, _rnd(tl.cos(f), DT), _rnd(tl.sin(f), DT), DT)
             if head < HQ:
-                dst = qo_ptr + head * D + j
-                tl.store(dst, o1.to(DT))
-                tl.store(dst + HALF, o2.to(DT))
-            else:
-                dst = kc_ptr + loc * skn + (head - HQ) * skh + j
-                tl.store(dst, kv_value(o1, k_inv, kc_ptr))
-                tl.store(dst + HALF, kv_value(o2, k_inv, kc_ptr))
+                qdst = qo_ptr + head * D + j
+                tl.store(qdst, o1.to(DT))
+                tl.store(qdst + HALF, o2.to(DT))
+            else:  # the pool's dtype may differ from q's (FP8 KV): a pointer of its own
+                kdst = kc_ptr + loc * skn + (head - HQ) * skh + j
+                tl.store(kdst, kv_value(o1, k_inv, kc_ptr))
+                tl.store(kdst + HALF, kv_value(o2, k_inv, kc_ptr))
         else:
-            dst = vc_ptr + loc * svn + (head - HQ - HKV) * svh + j
-            tl.store(dst, kv_value(x1, v_inv, vc_ptr))
-            tl.store(dst + HALF, kv_value(x2, v_inv, vc_ptr))
+            vdst = vc_ptr + loc * svn + (head - HQ - HKV) * svh + j
+            tl.store(vdst, kv_value(x1, v_inv, vc_ptr))
+            tl.store(vdst + HALF, kv_value(x2, v_inv, vc_ptr))
 
 
 def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,

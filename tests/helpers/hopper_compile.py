@@ -238,18 +238,24 @@ def launchable_kernels() -> set[str]:
             for name in re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\n\s*def (\w+_kernel)\b", path.read_text())}
 
 
-# (model, draft, dtype, CUDA-graph emulation, SMs, merge kernel): the engine paths whose
-# kernels the GPU runs -- fp32 and bf16 (the GEMV and the fused QKV+RoPE take only half dtypes),
-# eager and graph decode, chunked prefill, Gemma 4's windows and softcaps, frozen-KV MTP with
-# sampling and penalties; split-KV decode with its merge fused and separate (no tickets left: the
-# merge kernel) (132 SMs: the tiny models' few rows x heads split 16 ways) and unsplit, longest
-# row first (2 SMs: what a Hopper card launches for large batches).
+# (model, draft, dtype, CUDA-graph emulation, SMs, merge kernel, engine flags): the engine paths
+# whose kernels the GPU runs -- fp32 and bf16 (the GEMV and the fused QKV+RoPE take only half
+# dtypes), eager and graph decode, chunked prefill, Gemma 4's windows and softcaps, frozen-KV MTP
+# with sampling and penalties; split-KV decode with its merge fused and separate (no tickets left:
+# the merge kernel) (132 SMs: the tiny models' few rows x heads split 16 ways) and unsplit,
+# longest row first (2 SMs: what a Hopper card launches for large batches); FP8 weights and the
+# FP8 KV cache (the fused QKV+RoPE storing e4m3 on bf16 weights; the FP8 GEMV, GEMM and
+# activation quantization online, MTP's draft reading FP8 KV). ``record_fp8_kernels`` adds every
+# FP8 weight layout and activation scheme the engine runs do not reach.
+FP8 = {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
 ENGINE_RUNS = (
-    ("llama", None, "float32", False, 2, False),
-    ("llama", None, "bfloat16", True, H200_SMS, True),
-    ("qwen3", None, "bfloat16", True, 2, False),
-    ("gemma4", "assistant", "bfloat16", True, H200_SMS, False),
-    ("gemma4", "assistant", "float32", False, 2, False),
+    ("llama", None, "float32", False, 2, False, {}),
+    ("llama", None, "bfloat16", True, H200_SMS, True, {}),
+    ("qwen3", None, "bfloat16", True, 2, False, {}),
+    ("gemma4", "assistant", "bfloat16", True, H200_SMS, False, {}),
+    ("gemma4", "assistant", "float32", False, 2, False, {}),
+    ("llama", None, "bfloat16", True, H200_SMS, False, {"kv_cache_dtype": "fp8_e4m3"}),
+    ("gemma4", "assistant", "bfloat16", True, H200_SMS, False, FP8),
 )
 # Prompts longer than the Gemma 4 test window (8) and the page, of unequal lengths (3 rows take
 # bucket 4, with a padding row); a lone request first, so the one-row kernels run too.
@@ -279,13 +285,35 @@ def record_engine(root) -> set[str]:
 
     ck = build_engine_set(pathlib.Path(root))
     with recording() as seen:
-        for model, draft, dtype, graphs, sms, merge_kernel in ENGINE_RUNS:
+        for model, draft, dtype, graphs, sms, merge_kernel, flags in ENGINE_RUNS:
             tickets = 0 if merge_kernel else attention_decode.TICKETS
             with mock.patch.dict(os.environ, TANDEM_EMULATE_CUDA_GRAPHS="1" if graphs else "0"), \
                     mock.patch.object(attention_decode, "TICKETS", tickets), cuda_launch_choices(sms):
                 _run_engine(InProcEngine(ck[model], draft=ck[draft] if draft else None, attention_backend="triton",
-                                         dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4)))
+                                         dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4),
+                                         **flags))
+        with cuda_launch_choices(H200_SMS):
+            record_fp8_kernels()
     return seen
+
+
+def record_fp8_kernels() -> None:
+    """Launch the FP8 GEMV (FMA, tensor-core, gated, split-K), GEMM and activation quantization
+    in every weight layout (row scales; 128-column blocks, per row and per 128-row group) and
+    activation scheme (weight-only, dynamic, static), at one and several rows: the variants
+    checkpoints in the other formats compile."""
+    from gpu_worker.kernels.fp8_linear import fp8_gated_linear, fp8_linear
+    from gpu_worker.quant.fp8_math import FP8
+
+    x = {m: torch.randn(m, 512).to(torch.bfloat16) for m in (1, 3, 20)}  # 512: K split in two at one row
+    inp = torch.tensor([0.05])
+    for rows, kb in ((1, 1), (1, 4), (128, 4)):
+        w = torch.randn(256, 512).to(FP8)
+        s = torch.rand(-(-256 // rows), kb) + 0.5
+        for acts in ("none", "dynamic", "static"):
+            for m, xm in x.items():
+                fp8_linear(xm, w, s, rows, acts, inp)
+                fp8_gated_linear(xm, w, s, rows, acts, inp, "silu")
 
 
 def record_shapes(root) -> set[str]:
@@ -312,9 +340,11 @@ def record_shapes(root) -> set[str]:
         json.dump(cfg, open(path, "w"))
     os.environ["TANDEM_EMULATE_CUDA_GRAPHS"] = "1"
     with cuda_launch_choices(H200_SMS), recording() as seen:
-        for model, draft in (("llama-3.1-8b", None), ("gemma4-dense-9b", "gemma4-dense-9b-assistant")):
+        for model, draft, flags in (("llama-3.1-8b", None, {}), ("gemma4-dense-9b", "gemma4-dense-9b-assistant", {}),
+                                    ("llama-3.1-8b", None, FP8)):
             eng = InProcEngine(dirs[model], draft=dirs[draft] if draft else None, attention_backend="triton",
-                               dtype="bfloat16", load_format="dummy", max_total_tokens=4096, cuda_graph_bs=(1, 2))
+                               dtype="bfloat16", load_format="dummy", max_total_tokens=4096, cuda_graph_bs=(1, 2),
+                               **flags)
             eng.submit("a", list(range(5, 305)), max_new_tokens=3, ignore_eos=True)
             eng.run()
     return seen
