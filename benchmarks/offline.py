@@ -8,7 +8,9 @@ With --hf it also times HF ``generate`` on the same model and workload in the sa
         --input-len 128 --output-len 64 [--hf] [--speculative-draft-model-path DRAFT]
 
 ``--num-prompts 1,64`` runs several workloads on one engine start (one JSON entry each, under
-``workloads``; the first is also ``engine``). ``--input-len-range LO HI`` / ``--output-len-range
+``workloads``; the first is also ``engine``). ``--prefill-prompts N --prefill-len L`` adds a
+prefill-bound workload (N prompts of L tokens, one output token each: ``prefill.input_tok_s``).
+The engine's ``EngineInfo`` (KV pool pages, KV dtype, weight format) is under ``engine_info``. ``--input-len-range LO HI`` / ``--output-len-range
 LO HI`` draw each request's lengths uniformly (nano-vllm's recipe: 256 requests, both in
 [100, 1024]). Per workload it reports tok/s, step timing, and the device's busy and idle time
 between steps (``gpu_idle_frac``: idle / (busy + idle)) from the worker's CUDA events.
@@ -23,6 +25,7 @@ import os
 import sys
 import time
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -49,11 +52,12 @@ def start_engine(server_argv: list[str]):
 
 
 def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperature: float, procs,
-               repeat: int = 1, warmup: int = 0, vary_rounds: bool = True) -> list[dict]:
+               repeat: int = 1, warmup: int = 0, vary_rounds: bool = True) -> tuple[list[dict], dict]:
+    """Per workload its summary, and the engine's EngineInfo (as a dict)."""
     zctx = zmq.Context()
     outputs = PullChannel(zctx, "outputs", ep.outputs)
     requests = PushChannel(zctx, "requests", ep.requests)
-    while not isinstance(outputs.recv(timeout_ms=1000), EngineInfo):
+    while not isinstance(info := outputs.recv(timeout_ms=1000), EngineInfo):
         if not all(p.is_alive() for p in procs):
             raise SystemExit("engine failed to start (see the log above)")
     first = workloads[0][0][0]
@@ -83,7 +87,7 @@ def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperat
     outputs.close()
     requests.close()
     zctx.term()
-    return results
+    return results, msgspec.to_builtins(info)
 
 
 def _summary(walls, n_tokens, before, stats, repeat) -> dict:
@@ -189,14 +193,25 @@ def main() -> None:
     ap.add_argument("--hf-output-len", type=int, default=0, help="HF: new tokens per prompt (default: as the engine)")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--prompts-file", default=None, help="text prompts, one per line (cycled); default random ids")
+    ap.add_argument("--prefill-prompts", type=int, default=0, help="a last, prefill-bound workload of N prompts")
+    ap.add_argument("--prefill-len", type=int, default=2048, help="its prompt length (one output token each)")
     bench, server_argv = ap.parse_known_args()
     args, ep, procs = start_engine(server_argv)
     counts = [int(x) for x in str(bench.num_prompts).split(",")]
     workloads = [make_workload(bench, args, n, i) for i, n in enumerate(counts)]
-    runs = run_engine(ep, workloads, bench.temperature, procs, bench.repeat, bench.warmup_rounds,
-                      vary_rounds=bench.prompts_file is None)
-    results = {"workload": vars(bench), "engine": runs[0],
+    if bench.prefill_prompts:
+        rng = np.random.default_rng(bench.seed + 99)
+        vocab = _vocab(args.model_path)
+        workloads.append(([rng.integers(3, vocab, bench.prefill_len) for _ in range(bench.prefill_prompts)],
+                          [1] * bench.prefill_prompts))
+    runs, info = run_engine(ep, workloads, bench.temperature, procs, bench.repeat, bench.warmup_rounds,
+                            vary_rounds=bench.prompts_file is None)
+    results = {"workload": vars(bench), "engine": runs[0], "engine_info": info,
                "workloads": [{"num_prompts": n, **r} for n, r in zip(counts, runs)]}
+    if bench.prefill_prompts:
+        p = runs[-1]
+        results["prefill"] = {"num_prompts": bench.prefill_prompts, "input_len": bench.prefill_len,
+                              "wall_s": p["wall_s"], "input_tok_s": bench.prefill_prompts * bench.prefill_len / p["wall_s"]}
     for p in procs:
         p.join(10)
         if p.is_alive():

@@ -34,3 +34,16 @@ def test_model_shapes_of_the_8b_config(tmp_path):
     s = model_shapes(str(tmp_path))
     assert 7.9e9 < s["params"] < 8.1e9 and s["weight_bytes_read"] < s["all_weight_bytes"]
     assert len(s["kv_layers"]) == 32 and all(win is None for _, win in s["kv_layers"])
+
+
+def test_fp8_weights_and_kv_halve_the_bytes(tmp_path):
+    """FP8 projections count a byte an element plus a float32 scale a row; the embedding and head
+    stay bf16; an FP8 KV cache a byte an element."""
+    import shutil
+
+    shutil.copy("benchmarks/configs/llama-3.1-8b.json", tmp_path / "config.json")
+    bf16 = model_shapes(str(tmp_path))
+    fp8 = model_shapes(str(tmp_path), quantization="fp8", kv_dtype_bytes=1)
+    head = 128256 * 4096 * 2  # lm_head, bf16 (the input embedding is not read whole)
+    assert fp8["weight_bytes_read"] == pytest.approx((bf16["weight_bytes_read"] - head) / 2 + head, rel=1e-3)
+    assert all(a == 2 * b for (a, _), (b, _) in zip(bf16["kv_layers"], fp8["kv_layers"]))
