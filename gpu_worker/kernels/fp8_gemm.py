@@ -22,6 +22,8 @@ from gpu_worker.quant.fp8_math import BLOCK
 try:
     import triton
     import triton.language as tl
+
+    from gpu_worker.kernels.gemv_kernels import mma
 except ImportError:
     triton = None
 
@@ -61,14 +63,14 @@ if triton is not None:
             km = k < K
             a = tl.load(a_rows + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
             w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            if F32:  # the interpreter: exact float32 products
+            if F32:  # the interpreter, and a float32 model: exact float32 products
                 a, w = a.to(tl.float32), w.to(tl.float32)
             elif A8 == 0:
                 w = w.to(a.dtype)  # e4m3 -> x's dtype: exact
             if A8 == 0 and WS == 1:  # bf16 tensor cores accumulate in float32 themselves
-                acc = tl.dot(a, tl.trans(w), acc)
+                acc = mma(a, tl.trans(w), acc, F32)
             else:
-                part = tl.dot(a, tl.trans(w))
+                part = mma(a, tl.trans(w), tl.zeros_like(acc), F32)
                 if A8 == 1:
                     part = part * tl.load(as_ptr + rm * sas + kt, mask=mm, other=0.0)[:, None]
                 if WS == 2:
@@ -103,6 +105,6 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, sca
         a, a_scale if a_scale is not None else scale, w, scale, y, m, n, k, a.stride(0),
         a_scale.stride(0) if a8 == 1 else 0, w.stride(0), scale.stride(0), y.stride(0),
         A8=a8, WS=1 if scale.shape[1] == 1 else 2, SN=scale_rows, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        BLOCK_K=BLOCK, GROUP=GROUP_M, F32=not a.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_K=BLOCK, GROUP=GROUP_M, F32=not a.is_cuda or a.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y

@@ -168,7 +168,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         _gemv_dot_kernel[(tiles, splits)](
             x, w, y, ws, tk, s, xs, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), ss, m, M=mp if rt else m,
             MP=mp, BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, ROWS_RT=rt,
-            F32=not x.is_cuda, PDL=on, PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages,
+            F32=not x.is_cuda or x.dtype == torch.float32, PDL=on, PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages,
             launch_pdl=on == PDL_ON, **fp8,
         )
         return y

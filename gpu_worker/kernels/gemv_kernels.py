@@ -28,6 +28,14 @@ except ImportError:  # CPU-only installs: kernels/gemv.py then never launches th
 if triton is not None:
 
     @triton.jit
+    def mma(a, b, acc, F32: tl.constexpr):
+        """acc + a @ b; float32 operands (``F32``: the interpreter, and a float32 model on the
+        GPU) multiply exactly, not in TF32."""
+        if F32:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
     def _x_tile(x_ptr, k, km, xs_ptr, A8: tl.constexpr):
         """One row's K tile as float32 and the scale its sums take: x itself (1.0), or x
         quantized to e4m3 with its dynamic (amax / 448 of the tile) or static scale."""
@@ -229,14 +237,14 @@ if triton is not None:
             elif WS > 0:
                 w = w.to(xt.dtype)  # e4m3 -> x's dtype: exact
             if A8 == 0 and WS < 2:
-                acc = tl.dot(w, xt, acc)
+                acc = mma(w, xt, acc, F32)
             else:
                 f = 1.0
                 if A8 > 0:
                     xt, f = _xt_quant(xt, xs_ptr, A8)
                 if WS == 2:
                     f = f * tl.load(s_ptr + srow + start // BLOCK_K)[:, None]
-                acc += tl.dot(w, xt) * f
+                acc += mma(w, xt, tl.zeros_like(acc), F32) * f
         if WS == 1:
             acc = acc * tl.load(s_ptr + srow)[:, None]
         ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's layout: [split, m, 2N]

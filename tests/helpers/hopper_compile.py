@@ -159,10 +159,10 @@ class _Sm90Driver:
 
 def _variants(kwargs: dict, first_dtype: str | None) -> list[dict]:
     """The launch as the GPU would make it: the constexprs the host sets by device at their CUDA
-    values (gemv.py ``F32``: the interpreter's exact-fp32 dot; softcap.py ``LIBDEVICE``: tanh;
-    attention ``IEEE``: exact dots for fp32 queries only); a kernel with a ``PDL`` constexpr also
+    values (the GEMVs' and the FP8 GEMM's ``F32`` and attention's ``IEEE``: exact dots for float32
+    operands only, always under the interpreter; softcap.py ``LIBDEVICE``: tanh); a kernel with a ``PDL`` constexpr also
     at the level its recorded one is not (every kernel runs both off and on, by token count)."""
-    cuda = {"F32": False, "LIBDEVICE": True, "IEEE": first_dtype == "float32"}
+    cuda = {"F32": first_dtype == "float32", "LIBDEVICE": True, "IEEE": first_dtype == "float32"}
     kw = {**kwargs, **{k: v for k, v in cuda.items() if k in kwargs}}
     if "PDL" not in kw:
         return [kw]
@@ -305,15 +305,16 @@ def record_fp8_kernels() -> None:
     from gpu_worker.kernels.fp8_linear import fp8_gated_linear, fp8_linear
     from gpu_worker.quant.fp8_math import FP8
 
-    x = {m: torch.randn(m, 512).to(torch.bfloat16) for m in (1, 3, 20)}  # 512: K split in two at one row
+    # 512 columns: K split in two at one row; float32 rows: a float32 model (the GPU tests), exact dots
+    xs = [torch.randn(m, 512).to(torch.bfloat16) for m in (1, 3, 20)] + [torch.randn(m, 512) for m in (1, 3, 20)]
     inp = torch.tensor([0.05])
     for rows, kb in ((1, 1), (1, 4), (128, 4)):
         w = torch.randn(256, 512).to(FP8)
         s = torch.rand(-(-256 // rows), kb) + 0.5
         for acts in ("none", "dynamic", "static"):
-            for m, xm in x.items():
-                fp8_linear(xm, w, s, rows, acts, inp)
-                fp8_gated_linear(xm, w, s, rows, acts, inp, "silu")
+            for x in xs:
+                fp8_linear(x, w, s, rows, acts, inp)
+                fp8_gated_linear(x, w, s, rows, acts, inp, "silu")
 
 
 def record_shapes(root) -> set[str]:
