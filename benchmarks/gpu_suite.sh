@@ -26,7 +26,10 @@
 #  depth = --overlap-depth 2 vs 3 (DEPTHS) on the bundled pair and Qwen3-0.6B (host-bound shapes);
 #  scale = every dummy shape (SCALE_MODELS) at 1, 64 and 256 requests with no speed flags;
 #  tune = the recipe and the 8B at 64 requests with the decode kernel's launch shape varied,
-#         TANDEM_DECODE_TUNE, fresh processes)
+#         TANDEM_DECODE_TUNE, fresh processes;
+#  fp8tests, fp8kernels, fp8 = benchmarks/fp8_suite.sh's stages: the FP8 GPU tests; FP8 GEMV / GEMM
+#         vs bf16 and torch._scaled_mm; the 8B and Gemma-4 9B + assistant engines in bf16 / FP8 /
+#         FP8 + FP8 KV with step rooflines, KV pool tokens and the FP8 goals (fp8_summary.txt))
 set -uo pipefail
 FINAL=${OUT:-/tmp/tandem-gpu-out}; OUT=$FINAL/work; mkdir -p "$OUT"  # logs in work/, tarred at the end
 PARTS=${PARTS:-"tests profile llama gemma qwen pair attn"}
@@ -393,6 +396,10 @@ if has scale; then
     off scale_$m 200 --model-path $DM/$m --num-prompts 1,64,256 --input-len 512 --output-len 256 --warmup-rounds 1
   done
 fi
+for stage in tests kernels; do
+  if has fp8$stage; then FP8_STAGES=$stage OUT=$OUT DM=$DM bash benchmarks/fp8_suite.sh; fi
+done
+if has fp8; then FP8_STAGES=engines OUT=$OUT DM=$DM bash benchmarks/fp8_suite.sh; fi
 if has attn; then
   echo "== (f) decode attention alone"
   timeout 200 python3 benchmarks/attention_bench.py --json "$OUT/attention.json" > "$OUT/attention.log" 2>&1 \
@@ -408,4 +415,5 @@ if [ -d .fi-cache/.cache ]; then
 fi
 grep -H "host ms/step" "$OUT"/*.log > "$OUT/host_timing.txt"  # every process, first 200 steps included
 python3 benchmarks/gpu_report.py "$OUT" $DM
+[ -e "$OUT/fp8_summary.txt" ] && cp "$OUT/fp8_summary.txt" "$FINAL/"
 cp "$OUT/summary.txt" "$FINAL/"; tar czf "$FINAL/results.tgz" -C "$OUT" .
