@@ -27,7 +27,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
-from benchmarks.kernel_sweep import graph_time  # noqa: E402
 from gpu_worker.kernels import gemv as G  # noqa: E402
 from gpu_worker.kernels import fp8_linear as L  # noqa: E402
 from gpu_worker.kernels.fp8_gemm import fp8_gemm  # noqa: E402
@@ -35,6 +34,14 @@ from gpu_worker.kernels.fp8_quant import quantize_acts  # noqa: E402
 from gpu_worker.quant.fp8_math import quantize_rows  # noqa: E402
 
 L2_BYTES = 200 << 20
+
+
+def graph_time(fn, reps: int) -> float:
+    """Seconds a call of what ``fn`` runs ``reps`` times (rotated weights), replayed in a CUDA graph."""
+    from triton.testing import do_bench_cudagraph
+
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=40, return_mode="median") / 1e3 / reps
 SHAPES = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 4096), ("8B down", 4096, 14336),
           ("9B qkv", 8192, 3840), ("9B gate_up", 30720, 3840), ("9B down", 3840, 15360)]
 GEMV_ROWS = (1, 2, 4)

@@ -32,11 +32,8 @@ def _load(out: str, name: str):
 
 
 def _pool(r: dict) -> str:
-    info = r.get("engine_info") or {}
-    if not info:
-        return "KV pool ?"
-    tokens = (info["num_pages"] - 1) * info["page_size"]
-    return f"KV pool {tokens:,} tokens ({info.get('kv_cache_dtype', '?')})"
+    tokens = r.get("kv_pool_tokens")
+    return f"KV pool {tokens:,} tokens" if tokens else "KV pool ?"
 
 
 def llama_rows(out: str, dm: str, bw: float, goals: list) -> list[str]:
@@ -60,15 +57,14 @@ def llama_rows(out: str, dm: str, bw: float, goals: list) -> list[str]:
             p = r["prefill"]
             got[(name, "prefill")] = p["input_tok_s"]
             rows.append(f"   prefill {p['num_prompts']} x {p['input_len']}: {p['input_tok_s']:,.0f} tok/s")
-        got[(name, "pool")] = r.get("engine_info") or {}
+        got[(name, "pool")] = r.get("kv_pool_tokens") or 0
     _llama_goals(got, goals)
     return rows
 
 
 def _llama_goals(got: dict, goals: list) -> None:
     def pool(name):
-        info = got.get((name, "pool")) or {}
-        return (info.get("num_pages", 1) - 1) * info.get("page_size", 0)
+        return got.get((name, "pool"), 0)
 
     if ("bf16", 1) in got and ("fp8", 1) in got:
         ratio = got[("fp8", 1)][0] / got[("bf16", 1)][0]

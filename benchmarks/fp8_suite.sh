@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The FP8 part of benchmarks/gpu_suite.sh (which sets OUT, DM and the Python path and calls this
-# for PARTS fp8tests / fp8kernels / fp8), or alone after the same set-up:
-#   FP8_STAGES="tests kernels engines" OUT=... DM=... bash benchmarks/fp8_suite.sh
+# The FP8 part of benchmarks/gpu_suite.sh (PARTS=fp8; the suite exports OUT, DM, the Python path
+# and its engine-run function ``off``), stages picked by FP8_STAGES (default all three):
 # tests:   tests/gpu/test_gpu_fp8.py and the FP8 unit kernel tests on CUDA (self-checking)
 # kernels: benchmarks/fp8_gemm_bench.py (FP8 GEMV vs bf16 at 1-4 rows; FP8 GEMM vs bf16 cuBLAS
 #          vs torch._scaled_mm at 16-8192 rows: which GEMM wins)
@@ -11,21 +10,15 @@
 #          table: step roofline per row, KV pool tokens, the goals PASS / MISS.
 # About 2 + 2 + 6 minutes on an H100 (six engine starts); FP8_CONFIGS narrows the engine runs.
 set -uo pipefail
-: "${OUT:?set OUT}" "${DM:?set DM (benchmarks/dummy_models.py output)}"
+: "${OUT:?run through benchmarks/gpu_suite.sh (PARTS=fp8)}" "${DM:?}"
 STAGES=${FP8_STAGES:-"tests kernels engines"}
 CONFIGS=${FP8_CONFIGS:-"bf16 fp8 fp8kv"}
-[ -e "$OUT/hbm.json" ] || python3 benchmarks/hbm_bandwidth.py > "$OUT/hbm.json"
 flags() {  # config name -> engine flags
   case $1 in
     bf16) ;;
     fp8) echo "--quantization fp8" ;;
     fp8kv) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
   esac
-}
-run() {  # name, timeout, offline.py args...
-  local name=$1 t=$2; shift 2
-  timeout "$t" python3 benchmarks/offline.py --device cuda --load-format dummy --log-level warning \
-    --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -5 "$OUT/$name.log"; }
 }
 if [[ " $STAGES " == *" tests "* ]]; then
   echo "== FP8 GPU tests"
@@ -42,11 +35,11 @@ fi
 if [[ " $STAGES " == *" engines "* ]]; then
   echo "== FP8 engines: 8B at 1 / 64 requests + prefill, Gemma-4 9B + assistant MTP: $CONFIGS"
   for c in $CONFIGS; do
-    run fp8_llama_$c 170 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
+    off fp8_llama_$c 170 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
       --max-running-requests 64 --warmup-rounds 1 --prefill-prompts 16 --prefill-len 2048 $(flags $c)
   done
   for c in $CONFIGS; do
-    run fp8_gemma_$c 170 --model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 \
+    off fp8_gemma_$c 170 --model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 \
       --max-running-requests 8 --warmup-rounds 1 --speculative-algorithm FROZEN-KV-MTP \
       --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3 $(flags $c)
   done

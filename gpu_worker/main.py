@@ -33,7 +33,7 @@ from gpu_worker.settings import DevSettings
 from gpu_worker.step.slots import SlotState
 from gpu_worker.graphs.warmup import prefill_sizes, warm_prefill
 from gpu_worker.sizing import plan_capacity
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import Shutdown, StepPlan, WorkerError, WorkerReady
 from proto.transport import ChannelRefused, Endpoints, PullChannel, PushChannel
 
@@ -123,6 +123,7 @@ def _log_kv(pool: KVPool, target) -> None:
               + ("" if len(have) == len(pool.shapes) else ", 1.0 for the rest")) if have else \
         "k/v scales 1.0 (the checkpoint has none)"
     log.info("KV cache: fp8_e4m3, %d tokens (twice what the model dtype would hold); %s", tokens, source)
+
 
 def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: torch.device, max_slots: int,
                   emulate: bool):

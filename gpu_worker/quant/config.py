@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BLOCK = 128  # the one block size the kernels take (a K tile is one scale group)
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # --quantization's values (proto/args.py keeps a copy)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # --quantization's values (common/args.py keeps a copy)
 
 # weights: "channel" = one scale per output row (per-tensor scales are expanded to it);
 #          "block" = one scale per 128 columns of each row (a 128 x 128 tile's scale, per row).

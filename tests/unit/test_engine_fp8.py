@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from gpu_worker.models.loader import load_model
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.transport import ipc_endpoints, make_run_dir
 from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama, hf_greedy
 from tests.helpers.fp8_checkpoints import dequantized, quantize_checkpoint
@@ -228,3 +228,10 @@ def test_float8_weights_without_a_config_are_refused(models):
         load_model(q)
     with pytest.raises(ValueError, match="--quantization compressed-tensors"):
         load_model(models["llama"], quantization="compressed-tensors")
+
+
+def test_the_flag_names_the_methods_the_worker_serves():
+    from common.args import QUANTIZATION_METHODS as FLAG_METHODS
+    from gpu_worker.quant import QUANTIZATION_METHODS
+
+    assert FLAG_METHODS == QUANTIZATION_METHODS
