@@ -13,7 +13,8 @@ unquantized, on the held-out prompts (benchmarks/prompts_shakespeare_heldout.txt
 
     python benchmarks/fp8_quality.py [--device cpu] [--dtype bfloat16] [--json OUT]
 
-Every engine is a real scheduler + worker pair (benchmarks/offline.py's ``start_engine``).
+Every engine is ``tandem.LLM`` (real scheduler + worker processes; benchmarks/offline.py's
+``start_engine``).
 """
 
 from __future__ import annotations
@@ -22,16 +23,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
-import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.offline import run_engine, start_engine  # noqa: E402
-from proto.messages import EngineInfo, GenerateReq, SamplingParams, Shutdown, StepOutputs  # noqa: E402
-from proto.transport import PullChannel, PushChannel  # noqa: E402
+from tandem import SamplingParams  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = os.path.join(ROOT, "models", "tiny-shakespeare")
@@ -71,58 +69,27 @@ def server_argv(device: str, dtype: str, extra: list[str]) -> list[str]:
 
 
 def accept_length(argv: list[str], prompts: list[list[int]], new: int) -> dict:
-    args, ep, procs = start_engine(argv + MTP)
-    try:
+    _, llm = start_engine(argv + MTP)
+    with llm:
         work = [([np.array(p, dtype=np.int64) for p in prompts], [new] * len(prompts))]
-        (summary,), _ = run_engine(ep, work, 0.0, procs, vary_rounds=False)
-    finally:
-        _join(procs)
+        (summary,) = run_engine(llm, work, 0.0, vary_rounds=False)
     return {"accept_length": summary.get("accept_length"), "output_tok_s": summary["output_tok_s"]}
 
 
 def loglikelihoods(argv: list[str], pairs) -> list[tuple[float, bool, int, np.ndarray]]:
     """Per item: (summed log-probability of the continuation, whether it is greedy, its tokens,
     the engine's top token at each of its positions)."""
-    args, ep, procs = start_engine(argv)
-    zctx = zmq.Context()
-    outputs, requests = PullChannel(zctx, "outputs", ep.outputs), PushChannel(zctx, "requests", ep.requests)
-    try:
-        while not isinstance(outputs.recv(timeout_ms=1000), EngineInfo):
-            if not all(p.is_alive() for p in procs):
-                raise SystemExit("engine failed to start")
-        params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
-        for i, (ctx, cont) in enumerate(pairs):
-            requests.send(GenerateReq(f"i{i}", np.array(ctx + cont, np.int32).tobytes(), params, time.time()))
-        rows: dict[str, list] = {f"i{i}": [] for i in range(len(pairs))}
-        done: set[str] = set()
-        while len(done) < len(pairs):
-            msg = outputs.recv()
-            if isinstance(msg, StepOutputs):
-                for o in msg.outputs:
-                    if o.prompt_logprobs is not None:
-                        rows[o.rid].append(o.prompt_logprobs)
-                    if o.finish_reason:
-                        done.add(o.rid)
-        requests.send(Shutdown("quality done"))
-    finally:
-        outputs.close()
-        requests.close()
-        zctx.term()
-        _join(procs)
-    out = []
-    for i, (ctx, cont) in enumerate(pairs):
-        lp = np.concatenate([np.frombuffer(x.token_logprobs, np.float32) for x in rows[f"i{i}"]])[len(ctx) - 1:]
-        top = np.concatenate([np.frombuffer(x.top_ids, np.int32) for x in rows[f"i{i}"]])[len(ctx) - 1:]
-        out.append((float(lp.sum()), bool((top == np.array(cont)).all()), len(cont), top))
-    return out
-
-
-def _join(procs) -> None:
-    time.sleep(0.3)
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.terminate()
+    _, llm = start_engine(argv)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, ignore_eos=True, detokenize=False)
+    with llm:
+        outs = llm.generate([{"prompt_token_ids": ctx + cont} for ctx, cont in pairs], params, use_tqdm=False)
+    result = []
+    for (ctx, cont), o in zip(pairs, outs):
+        rows = o.prompt_logprobs[len(ctx):]  # row i predicts prompt token i (row 0 is None)
+        lp = [row[t].logprob for row, t in zip(rows, cont)]
+        top = np.array([next(t for t, x in row.items() if x.rank == 1) for row in rows])
+        result.append((float(sum(lp)), bool((top == np.array(cont)).all()), len(cont), top))
+    return result
 
 
 def compare(ref, got) -> dict:
