@@ -235,3 +235,29 @@ def test_the_flag_names_the_methods_the_worker_serves():
     from gpu_worker.quant import QUANTIZATION_METHODS
 
     assert FLAG_METHODS == QUANTIZATION_METHODS
+
+
+def test_flashinfer_backend_reads_the_fp8_kv_cache(ckpts, monkeypatch):
+    """Decode rows through FlashInfer's decode wrapper (CPU stand-in: it checks the planned KV
+    dtype and applies the k / v scales as the real kernel does), extend rows through triton:
+    the tokens of the torch backend on the same FP8 pool."""
+    import sys
+
+    from gpu_worker.attention import flashinfer_backend as fib
+    from tests.helpers import fake_flashinfer
+
+    want = _generate(ckpts["llama"], PROMPTS[:3], 5, kv_cache_dtype="fp8_e4m3")
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
+    monkeypatch.setattr("gpu_worker.main.resolve_backend", lambda name, dev: "flashinfer")
+    monkeypatch.setattr(fib, "FI_DTYPES", fib.FI_DTYPES + (torch.float32,))
+    monkeypatch.setattr(fib, "FI_HEAD_DIMS", (16,))  # the test models' heads
+    eng = InProcEngine(ckpts["llama"], page_size=4, chunked_prefill_size=32, kv_cache_dtype="fp8_e4m3",
+                       attention_backend="triton")
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.submit(f"r{i}", p, max_new_tokens=5, ignore_eos=True)
+    eng.run()
+    assert [eng.tokens[f"r{i}"] for i in range(3)] == want
+    be = eng.runner.backend
+    assert isinstance(be, fib.FlashInferBackend)
+    assert sum(p.w.plans for (mode, _), p in be._eager.items() if mode == "decode") > 0
+    assert not any(mode == "prefill" for mode, _ in be._eager)  # extend rows: triton
