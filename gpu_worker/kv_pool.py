@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_KV = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from gpu_worker.kernels.fp8_round import FP8 as FP8_KV
+from gpu_worker.kernels.fp8_round import FP8_MAX
 KV_DTYPES = {"fp8_e4m3": FP8_KV}  # --kv-cache-dtype, past auto (the model dtype)
 
 

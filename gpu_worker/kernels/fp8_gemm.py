@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.quant.fp8_math import BLOCK
+from gpu_worker.kernels.fp8_round import BLOCK
 
 try:
     import triton

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.quant.fp8_math import BLOCK, FP8
+from gpu_worker.kernels.fp8_round import BLOCK, FP8
 
 try:
     import triton

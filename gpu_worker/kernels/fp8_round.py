@@ -8,6 +8,8 @@ the interpreter's results equal torch's ``.to(torch.float8_e4m3fn)`` (the refere
 
 from __future__ import annotations
 
+import torch
+
 from gpu_worker.kernels import interpreting
 
 try:
@@ -18,7 +20,9 @@ try:
 except ImportError:
     triton = None
 
-FP8_MAX = 448.0  # (the kernels spell it out: a jit function reads no plain global)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value (the kernels spell it out: a jit function reads no plain global)
+BLOCK = 128  # columns a scale covers: one K tile of the FP8 kernels
 
 if triton is not None:
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BLOCK = 128  # the one block size the kernels take (a K tile is one scale group)
+from gpu_worker.kernels.fp8_round import BLOCK  # the one block size the kernels take (a K tile a scale group)
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # --quantization's values (common/args.py keeps a copy)
 
 # weights: "channel" = one scale per output row (per-tensor scales are expanded to it);

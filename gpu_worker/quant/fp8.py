@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from gpu_worker.kernels import use_triton
+from gpu_worker.kernels.fp8_linear import fp8_gated_linear, fp8_linear
 from gpu_worker.quant.config import Fp8Format
 from gpu_worker.quant.fp8_math import BLOCK, FP8, fp8_linear_ref, quantize_rows
 
@@ -75,8 +76,6 @@ class Fp8LinearMethod:
         x2 = x.reshape(-1, x.shape[-1])
         inp = getattr(layer, "input_scale", None)
         if use_triton(x2):
-            from gpu_worker.kernels.fp8_linear import fp8_linear
-
             y = fp8_linear(x2, layer.weight, layer.weight_scale, layer.scale_rows, self.fmt.acts, inp)
         else:
             y = fp8_linear_ref(x2, layer.weight, layer.weight_scale, layer.scale_rows, self.fmt.acts, inp)
@@ -89,7 +88,5 @@ class Fp8LinearMethod:
         caller runs ``apply`` and the activation)."""
         if not use_triton(x) or layer.bias is not None:
             return None
-        from gpu_worker.kernels.fp8_linear import fp8_gated_linear
-
         return fp8_gated_linear(x, layer.weight, layer.weight_scale, layer.scale_rows, self.fmt.acts,
                                 getattr(layer, "input_scale", None), act)

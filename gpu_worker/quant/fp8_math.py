@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_AMAX = 1e-12  # an all-zero group gets this amax: a finite scale, zeros stay zeros
-BLOCK = 128
+from gpu_worker.kernels.fp8_round import BLOCK, FP8, FP8_MAX
+
+MIN_AMAX = 1e-12  # an all-zero group gets this amax: a finite scale, zeros stay zeros (the kernels' too)
 
 
 def is_fp8(t: torch.Tensor) -> bool:

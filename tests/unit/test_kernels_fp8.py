@@ -76,7 +76,7 @@ def test_activation_quantization_is_bitwise_the_reference(m, k):
 @pytest.mark.parametrize("acts", ACTS)
 @pytest.mark.parametrize("layout,rows", [("channel", 1), ("block", 1), ("block", BLOCK)])
 @pytest.mark.parametrize("dot", [False, True])
-@pytest.mark.parametrize("m,splits", [(1, 1), (2, 3), (4, 1)])
+@pytest.mark.parametrize("m,splits", [(1, 1), (3, 3)])
 def test_fp8_gemv(m, splits, dot, layout, rows, acts):
     n, k = 160, 320  # a partial last K group, and a partial last 128-row block
     w8, s, sr = fp8_weight(n, k, layout, seed=m, rows=rows)
