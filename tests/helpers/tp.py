@@ -103,7 +103,8 @@ ENGINE_CASES = {"llama": ("llama", None), "qwen3": ("qwen3", None), "gemma4": ("
                 "gemma4-mtp": ("gemma4", "assistant"), "gemma4-mtp-ordered": ("gemma4", "assistant_ordered")}
 
 
-LOGIT_CASES = ("llama", "qwen3", "gemma4", "llama_bias_tied", "gemma4_ple_shared")
+LOGIT_CASES = ("llama", "qwen3", "gemma4", "llama_bias_tied", "gemma4_ple_shared", "llama_fp8_block",
+               "llama_fp8_tensor")
 
 
 def rank_workload(rank: int, ckpts: dict) -> dict:
