@@ -33,7 +33,8 @@ def gemv_config(m: int, w: torch.Tensor) -> dict:
     return FMA_CONFIG if m == 1 and w.numel() < BIG_WEIGHT else DOT_CONFIG
 
 
-def _splits(w: torch.Tensor, cfg: dict, device: torch.device, gated: bool = False) -> int:
+def gemv_splits(w: torch.Tensor, cfg: dict, device: torch.device, gated: bool = False) -> int:
+    """K splits of the FP8 GEMV's launch ``cfg`` through ``w`` (the bf16 GEMV's rule)."""
     k = w.shape[1]
     if k > SKINNY_MAX_K:
         return LONG_K_SPLITS
@@ -51,7 +52,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows
     m = x.shape[0]
     if m <= GEMV_MAX_M:
         cfg = gemv_config(m, w)
-        return gemv(x, w, splits=_splits(w, cfg, x.device), scale=scale, scale_rows=scale_rows, a8=A8[acts],
+        return gemv(x, w, splits=gemv_splits(w, cfg, x.device), scale=scale, scale_rows=scale_rows, a8=A8[acts],
                     input_scale=input_scale, **cfg)
     if acts == "none":
         return fp8_gemm(x, None, w, scale, scale_rows, x.dtype)
@@ -70,6 +71,6 @@ def fp8_gated_linear(x: torch.Tensor, gate_up: torch.Tensor, scale: torch.Tensor
     if gate_up.shape[1] > SKINNY_MAX_K and m > GEMV_MAX_M:
         return None
     x = _rows(x)
-    splits = _splits(gate_up, DOT_CONFIG, x.device, gated=True) if m <= GEMV_MAX_M else 1
+    splits = gemv_splits(gate_up, DOT_CONFIG, x.device, gated=True) if m <= GEMV_MAX_M else 1
     return gemv(x, gate_up, act=act, splits=splits, scale=scale, scale_rows=scale_rows, a8=A8[acts],
                 input_scale=input_scale, **DOT_CONFIG)

@@ -311,14 +311,15 @@ def qkv_rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBat
     reads the pool -> [1, Hq * D]. None where that kernel does not apply: the caller runs the
     projection and ``rope_attention``."""
     if not (fb.out_loc is not None and layer.writes_kv and type(qkv_proj) is MergedLinear and qkv_proj.bias is None
-            and qkv_proj.quant is None and qkv_rope.applies(x, qkv_proj.weight, head_dim)):  # one row, kernel path
+            and qkv_rope.applies(x, qkv_proj.weight, head_dim)):  # applies: one row on the kernel path
         return None
     pool = backend.pool
+    fp8 = qkv_proj.quant.kernel_args(qkv_proj) if qkv_proj.quant is not None else {}
     q = qkv_rope.qkv_rope_store(
         x, qkv_proj.weight, fb.positions, rotary.inv_freq, fb.out_loc, pool.k[layer.kv_layer],
         pool.v[layer.kv_layer], num_heads, num_kv_heads, head_dim,
         q_out=None if fb.scratch is None else fb.scratch.view("q", 1, num_heads, head_dim),
-        store_scales=pool.store_scales(layer.kv_layer),
+        store_scales=pool.store_scales(layer.kv_layer), **fp8,
     )
     return paged_attention(backend, layer, q, None, None, fb)
 

@@ -298,11 +298,13 @@ def record_engine(root) -> set[str]:
 
 
 def record_fp8_kernels() -> None:
-    """Launch the FP8 GEMV (FMA, tensor-core, gated, split-K), GEMM and activation quantization
-    in every weight layout (row scales; 128-column blocks, per row and per 128-row group) and
-    activation scheme (weight-only, dynamic, static), at one and several rows: the variants
-    checkpoints in the other formats compile."""
-    from gpu_worker.kernels.fp8_linear import fp8_gated_linear, fp8_linear
+    """Launch the FP8 GEMV (FMA, tensor-core, gated, split-K), GEMM, activation quantization and
+    one-row qkv + RoPE in every weight layout (row scales; 128-column blocks, per row and per
+    128-row group) and activation scheme (weight-only, dynamic, static), at one and several rows:
+    the variants checkpoints in the other formats compile."""
+    from gpu_worker.kernels import enable_cpu_kernels
+    from gpu_worker.kernels.fp8_linear import A8, fp8_gated_linear, fp8_linear
+    from gpu_worker.kernels.qkv_rope import qkv_rope_store
     from gpu_worker.quant.fp8_math import FP8
 
     # 512 columns: K split in two at one row; float32 rows: a float32 model (the GPU tests), exact dots
@@ -315,6 +317,13 @@ def record_fp8_kernels() -> None:
             for x in xs:
                 fp8_linear(x, w, s, rows, acts, inp)
                 fp8_gated_linear(x, w, s, rows, acts, inp, "silu")
+            kv = torch.zeros(4, 2, 32, dtype=FP8)  # 4 query + 2 x 2 KV heads of 32 = the weight's 256 rows
+            enable_cpu_kernels(True)
+            try:
+                qkv_rope_store(xs[0], w, torch.tensor([3]), torch.ones(16), torch.tensor([1]), kv, kv.clone(), 4, 2, 32,
+                               scale=s, scale_rows=rows, a8=A8[acts], input_scale=inp)
+            finally:
+                enable_cpu_kernels(False)
 
 
 def record_shapes(root) -> set[str]:

@@ -124,3 +124,36 @@ def test_paged_extend_reads_an_fp8_pool():
     ref = ref_paged_attention(q.cpu(), kref, vref, pt.cpu(), tok_slot, torch.tensor([12] * 5 + [20] * 9),
                               q_pos.cpu(), ps, d**-0.5)
     assert _rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("acts,layout", [("none", "channel"), ("dynamic", "channel"), ("dynamic", "block"),
+                                         ("static", "channel")])
+def test_fp8_qkv_rope_is_the_fp8_gemv_then_rope_store(acts, layout):
+    """FP8 qkv weights (and an FP8 pool): bitwise the FP8 FMA GEMV then ``rope_store``."""
+    from gpu_worker.kernels import enable_cpu_kernels
+    from gpu_worker.kernels import gemv as G
+    from gpu_worker.kernels.fp8_linear import A8, FMA_CONFIG
+    from tests.unit.test_kernels_fp8 import INPUT_SCALE, fp8_weight
+
+    hq, hkv, d, kdim = 2, 1, 32, 384
+    w8, s, rows = fp8_weight((hq + 2 * hkv) * d, kdim, layout, seed=5, rows=1)
+    x = (torch.randn(1, kdim, generator=torch.Generator().manual_seed(6)) * 3).to(torch.bfloat16).to(DEV)
+    fp8 = dict(scale=s, scale_rows=rows, a8=A8[acts], input_scale=INPUT_SCALE.to(DEV) if acts == "static" else None)
+    pos, loc = torch.tensor([12], device=DEV), torch.tensor([6], device=DEV)
+    inv = rope_inv_freq(d, RopeSpec("default", 10000.0)).to(DEV)
+    (_, _), (k8, v8) = _fp8_and_bf16_caches(8, hkv, d)
+    k8b, v8b = k8.clone(), v8.clone()
+    scales = (1 / SCALES[0], 1 / SCALES[1])
+    q = qkv_rope.qkv_rope_store(x, w8, pos, inv, loc, k8, v8, hq, hkv, d, store_scales=scales, **fp8)
+    qkv = G.gemv(x, w8, **FMA_CONFIG, **fp8)
+    qr, kr, vr = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    enable_cpu_kernels(True)
+    try:
+        assert qkv_rope.applies(x, w8, d)  # the pair it replaces: the FP8 FMA GEMV, one K split
+        q_ref = rope_store(qr.view(1, hq, d), kr.view(1, hkv, d), vr.view(1, hkv, d), pos, inv, loc, k8b, v8b,
+                           store_scales=scales)
+    finally:
+        enable_cpu_kernels(False)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(k8.view(torch.uint8), k8b.view(torch.uint8)) and torch.equal(v8.view(torch.uint8),
+                                                                                    v8b.view(torch.uint8))
