@@ -9,6 +9,8 @@
 ``all_weight_bytes`` (every parameter) is the looser figure the issue's 266 tok/s quotes.
 Mixture-of-experts models (``moe_shapes``, ``moe_step_bytes``) count, of their experts, only
 the union a step selected (measured on the device: ``benchmarks/moe_bench.py``).
+With ``quantization="fp8"`` the projections count one byte an element plus their scales (the
+engine's online FP8 layout), and ``kv_dtype_bytes=1`` counts an FP8 KV cache.
 """
 
 from __future__ import annotations
@@ -24,22 +26,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu_worker.models import model_class  # noqa: E402
 from gpu_worker.models.config import architecture_of, load_config, parse_config  # noqa: E402
+from gpu_worker.quant import prepare_quant, resolve_format  # noqa: E402
 
 
-def model_shapes(model_dir: str, dtype_bytes: int = 2) -> dict:
+def model_shapes(model_dir: str, dtype_bytes: int = 2, quantization: str | None = None,
+                 kv_dtype_bytes: int | None = None) -> dict:
     cfg = load_config(model_dir)
     spec = parse_config(cfg)
     with torch.device("meta"):
         model = model_class(architecture_of(cfg))(spec)
+    if quantization is not None:  # the engine's FP8 projections, on the meta model
+        prepare_quant(model, resolve_format(cfg, quantization), set())
+    nbytes = sum(p.numel() * (1 if p.dtype == torch.float8_e4m3fn else dtype_bytes) for p in model.parameters())
+    nbytes += sum(4 * b.numel() for n, b in model.named_buffers() if n.endswith("weight_scale"))  # float32
     total = sum(p.numel() for p in model.parameters())
     embed = model.model.embed_tokens.weight.numel()
-    read = total - (embed if not model.tie_word_embeddings else 0)
+    read = nbytes - (embed * dtype_bytes if not model.tie_word_embeddings else 0)
+    kvb = kv_dtype_bytes or dtype_bytes
     layers = []  # (kv bytes per token, window or None) per physical KV layer
     for i, shape in enumerate(model.kv_shapes):
         window = _window_of(spec, model, i)
-        layers.append((shape.num_kv_heads * (shape.head_dim + shape.v_dim) * dtype_bytes, window))
-    return {"params": total, "all_weight_bytes": total * dtype_bytes, "weight_bytes_read": read * dtype_bytes,
-            "kv_layers": layers}
+        layers.append((shape.num_kv_heads * (shape.head_dim + shape.v_dim) * kvb, window))
+    return {"params": total, "all_weight_bytes": nbytes, "weight_bytes_read": read, "kv_layers": layers}
 
 
 def _window_of(spec, model, pool_layer: int):

@@ -198,8 +198,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One decode row at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py). Under
         # TP the column-parallel subclass may lay its shard out differently: the general path.
-        if type(self.gate_up_proj) is MergedLinear and self.gate_up_proj.bias is None:
-            h = gated_linear(x, self.gate_up_proj.weight, self.act_name)
+        proj = self.gate_up_proj
+        if type(proj) is MergedLinear and proj.bias is None:
+            h = (proj.quant.gated(proj, x, self.act_name) if proj.quant is not None
+                 else gated_linear(x, proj.weight, self.act_name))
             if h is not None:
                 return self.down_proj(h)
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -249,6 +251,7 @@ def rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBatch, 
             k_weight=getattr(k_norm, "weight", None), v_norm=v_norm is not None,
             eps=q_norm.eps if q_norm is not None else 1e-6,
             q_out=None if fb.scratch is None else fb.scratch.view("q", *q.shape),
+            store_scales=pool.store_scales(layer.kv_layer),
         )
         return paged_attention(backend, layer, q, None, None, fb)
     key = id(rotary)
@@ -274,10 +277,12 @@ def qkv_rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBat
             and qkv_rope.applies(x, qkv_proj.weight, head_dim)):  # applies: one row on the kernel path
         return None
     pool = backend.pool
+    fp8 = qkv_proj.quant.kernel_args(qkv_proj) if qkv_proj.quant is not None else {}
     q = qkv_rope.qkv_rope_store(
         x, qkv_proj.weight, fb.positions, rotary.inv_freq, fb.out_loc, pool.k[layer.kv_layer],
         pool.v[layer.kv_layer], num_heads, num_kv_heads, head_dim,
         q_out=None if fb.scratch is None else fb.scratch.view("q", 1, num_heads, head_dim),
+        store_scales=pool.store_scales(layer.kv_layer), **fp8,
     )
     return paged_attention(backend, layer, q, None, None, fb)
 

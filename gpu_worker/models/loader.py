@@ -6,7 +6,9 @@ random init), materialised empty on ``device`` in ``dtype``, then each tensor is
 safetensors files in its checkpoint dtype and cast into place. Two mappings are not one to one:
 a merged projection takes each of its parts' tensors into its rows (``merged_targets``), and a
 MoE layer's ``Experts`` takes either its fused 3-D tensors or every expert's own
-``experts.N.{gate,up,down}_proj.weight`` (``_ExpertKeys``).
+``experts.N.{gate,up,down}_proj.weight`` (``_ExpertKeys``). FP8 projections (a quantized
+checkpoint, or ``--quantization fp8``) are made so on the meta model, before allocation, and
+load their tensors through ``gpu_worker.quant`` (``QuantLoad``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gpu_worker.models import DRAFT_ARCHITECTURES, model_class
 from gpu_worker.models.config import architecture_of, load_config, parse_config
 from gpu_worker.models.moe import EXPERT_PROJS, Experts
 from gpu_worker.parallel.linear import MergedLinear
+from gpu_worker.quant import QuantLoad, fp8_weight_names, prepare_quant, resolve_format
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +42,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _materialize(cls, spec, dtype: torch.dtype, device: torch.device | str):
+def _materialize(cls, spec, dtype: torch.dtype, device: torch.device | str, quantize) -> tuple[object, QuantLoad]:
     with torch.device("meta"):
         model = cls(spec)
-    # Cast on meta (free), then allocate once on the device: no float32 copy of a bf16 model.
+    # Cast on meta (free), quantize the FP8 projections, then allocate once on the device: no
+    # float32 copy of a bf16 model, no bf16 copy of an FP8 one.
     model.to(dtype)
+    quant = quantize(model)
     model.to_empty(device=device)
-    return model
+    return model, quant
 
 
 def merged_targets(model) -> dict[str, tuple[str, int, int]]:
@@ -120,37 +125,41 @@ def _rank_shard(model, module_path: str, leaf: str, part: str | None, src: torch
     return src if cut is None else cut(leaf, src, part)
 
 
-def load_weights(model, model_dir: Path) -> None:
+def load_weights(model, model_dir: Path, quant: QuantLoad) -> None:
     """Copy every checkpoint tensor into the matching parameter/buffer (or the rows of a merged
-    projection that stand for it); fail on missing ones."""
+    projection that stand for it); fail on missing ones. ``quant`` takes the FP8 projections'
+    tensors first."""
     targets = model.state_dict(keep_vars=True)  # params + persistent buffers, by HF name
     merged = merged_targets(model)
     experts = _ExpertKeys(model)
-    expected = _expected_names(targets, merged)
+    expected = [n for n in _expected_names(targets, merged) if not quant.owns(n)]
     seen: set[str] = set()
     unexpected: list[str] = []
+
+    def put(name: str, tensor: torch.Tensor, key: str | None = None) -> None:
+        found = _destination(targets, merged, name) or experts.destination(name)
+        if found is None:
+            if not model.ignored_checkpoint_key(name):
+                unexpected.append(key or name)
+            return
+        name, dst, module_path, part = found
+        src = _rank_shard(model, module_path, name.rpartition(".")[2], part, tensor)
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src.to(dtype=dst.dtype) if dst.is_floating_point() else src)
+        seen.add(name)
+        if module_path in experts.modules and part is not None:
+            experts.note(module_path, name)
+
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
                 name = model.checkpoint_key(key)
-                if name is None:
-                    continue
-                found = _destination(targets, merged, name) or experts.destination(name)
-                if found is None:
-                    if not model.ignored_checkpoint_key(name):
-                        unexpected.append(key)
-                    continue
-                name, dst, module_path, part = found
-                src = _rank_shard(model, module_path, name.rpartition(".")[2], part, f.get_tensor(key))
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-                with torch.no_grad():
-                    dst.copy_(src.to(dtype=dst.dtype) if dst.is_floating_point() else src)
-                seen.add(name)
-                if module_path in experts.modules and part is not None:
-                    experts.note(module_path, name)
+                if name is not None and not quant.take(name, lambda: f.get_tensor(key), put):
+                    put(name, f.get_tensor(key), key)
     seen |= experts.complete()
-    missing = [n for n in expected if n not in seen]
+    missing = [n for n in expected if n not in seen] + quant.finish()
     optional = model.optional_weights()
     for name in [n for n in missing if n in optional]:
         log.warning("%s not in checkpoint; using %s", name, optional[name])
@@ -181,27 +190,36 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     target=None,
+    quantization: str | None = None,
 ):
     """Load a target model, or a draft (``Gemma4AssistantForCausalLM``) bound to ``target``.
 
     ``load_format="dummy"`` gives random weights of the checkpoint's shapes (config.json only).
+    ``quantization`` is ``--quantization`` (None: as the checkpoint says). The model's
+    ``kv_scales`` holds the checkpoint's per-layer k / v scales (pool layer -> (k, v)), if any.
     """
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     arch = architecture_of(cfg)
     spec = parse_config(cfg)  # first: its errors name unsupported variants precisely
+    fmt = resolve_format(cfg, quantization)
     cls = model_class(arch)
     if arch in DRAFT_ARCHITECTURES and target is None:
         raise ValueError(f"{arch} is a draft model: pass the loaded target as target=")
-    model = _materialize(cls, spec, dtype, device)
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
+    files = checkpoint_files(model_dir) if load_format == "auto" else []
+    model, quant = _materialize(cls, spec, dtype, device,
+                                lambda m: prepare_quant(m, fmt, fp8_weight_names(m, files)))
     if arch in DRAFT_ARCHITECTURES:
         model.bind(target)  # before the weights: a pair that does not fit says why, not a shape
     if load_format == "dummy":
         model.init_dummy_()
-    elif load_format == "auto":
-        load_weights(model, model_dir)
+        quant.init_dummy()
     else:
-        raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
+        load_weights(model, model_dir, quant)
+    model.kv_scales = quant.kv_scales()
+    model.quant_format = fmt
     model.eval()
     model.requires_grad_(False)
     return model

@@ -16,9 +16,16 @@ from gpu_worker.kernels.gemv import linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose few-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py)."""
+    """nn.Linear whose few-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py).
+    ``quant``: the quantized-linear method of an FP8 projection (``gpu_worker.quant``), which
+    then holds the weight and its scales and does the multiplication."""
+
+    quantizable = True
+    quant = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
 
 

@@ -104,7 +104,8 @@ ENGINE_CASES = {"llama": ("llama", None), "qwen3": ("qwen3", None), "gemma4": ("
                 "qwen3-moe": ("qwen3_moe", None), "gemma4-moe-mtp": ("gemma4_moe", "assistant_moe")}
 
 
-LOGIT_CASES = ("llama", "qwen3", "gemma4", "llama_bias_tied", "gemma4_ple_shared", "qwen3_moe", "gemma4_moe")
+LOGIT_CASES = ("llama", "qwen3", "gemma4", "llama_bias_tied", "gemma4_ple_shared", "qwen3_moe", "gemma4_moe",
+               "llama_fp8_block", "llama_fp8_tensor")
 
 
 def rank_workload(rank: int, ckpts: dict) -> dict:

@@ -49,3 +49,16 @@ def test_moe_shapes_count_only_the_selected_experts(tmp_path):
     assert one_token["kv"] == 0 and 3.2e9 < one_token["total"] / 2 + embed < 3.4e9
     every = moe_step_bytes(s, [128.0] * 48, ctx_tokens=0, rows=1)
     assert every["total"] == pytest.approx(s["weight_bytes_read"])
+
+
+def test_fp8_weights_and_kv_halve_the_bytes(tmp_path):
+    """FP8 projections count a byte an element plus a float32 scale a row; the embedding and head
+    stay bf16; an FP8 KV cache a byte an element."""
+    import shutil
+
+    shutil.copy("benchmarks/configs/llama-3.1-8b.json", tmp_path / "config.json")
+    bf16 = model_shapes(str(tmp_path))
+    fp8 = model_shapes(str(tmp_path), quantization="fp8", kv_dtype_bytes=1)
+    head = 128256 * 4096 * 2  # lm_head, bf16 (the input embedding is not read whole)
+    assert fp8["weight_bytes_read"] == pytest.approx((bf16["weight_bytes_read"] - head) / 2 + head, rel=1e-3)
+    assert all(a == 2 * b for (a, _), (b, _) in zip(bf16["kv_layers"], fp8["kv_layers"]))

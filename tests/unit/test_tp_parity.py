@@ -2,8 +2,9 @@
 
 One spawn of two ranks runs everything (start-up dominates): parallel layers vs unsharded,
 full-model logits vs TP=1 within float32 tolerance (the all-reduce sums in another order,
-so bits may differ; MoE targets too, their experts split on the intermediate dimension), and
-greedy tokens through the scheduler + runner (overlap depth 2,
+so bits may differ; MoE targets too, their experts split on the intermediate dimension; FP8
+checkpoints too: weights and their scales cut per rank), and greedy tokens through the scheduler
++ runner (overlap depth 2,
 chunked prefill, frozen-KV MTP with both assistant heads) equal to TP=1's. Both ranks must
 produce the same tokens, including for a seeded sampled request.
 """
@@ -24,6 +25,7 @@ from tests.helpers.checkpoints import (
     build_qwen3,
     build_qwen3_moe,
 )
+from tests.helpers.fp8_checkpoints import quantize_checkpoint
 from common.args import ArgError
 from common.serve_cli import parse_server_args
 from tests.helpers.tp import ENGINE_CASES, LOGIT_CASES, engine_tokens, model_logits, rank_workload, run_ranks
@@ -32,11 +34,15 @@ from tests.helpers.tp import ENGINE_CASES, LOGIT_CASES, engine_tokens, model_log
 def tp_checkpoints(root) -> dict:
     g = build_gemma4(os.path.join(root, "gemma4"))
     g_moe = build_gemma4_moe(os.path.join(root, "gemma4_moe"))
+    # FP8 checkpoints wide enough that each rank's input features are whole 128-column groups
+    wide = build_llama(os.path.join(root, "llama_wide"), hidden_size=256, intermediate_size=512)
     return {
         # MoE: experts split on their intermediate dimension (24 -> 12 a rank)
         "gemma4_moe": g_moe,
         "assistant_moe": build_assistant(os.path.join(root, "assistant_moe"), g_moe),
         "qwen3_moe": build_qwen3_moe(os.path.join(root, "qwen3_moe")),
+        "llama_fp8_block": quantize_checkpoint(wide, os.path.join(root, "llama_fp8_block"), "ct-block", "none"),
+        "llama_fp8_tensor": quantize_checkpoint(wide, os.path.join(root, "llama_fp8_tensor"), "ct-tensor", "none"),
         "llama": build_llama(os.path.join(root, "llama")),
         "qwen3": build_qwen3(os.path.join(root, "qwen3")),
         "gemma4": g,
