@@ -26,6 +26,12 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8
 
 
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, correctly rounded as the kernels' ``div_rn`` (torch's division by a Python
+    scalar multiplies by its reciprocal on CUDA: an ulp off for some values)."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def fp8_inverse(amax: torch.Tensor) -> torch.Tensor:
     """448 / amax, correctly rounded as the kernels' ``div_rn`` (torch's ``448.0 / t`` multiplies
     by a reciprocal: a last-bit difference that can flip a rounding tie)."""
@@ -41,7 +47,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Online FP8: w [N, K] -> (e4m3 [N, K], float32 scales [N, 1]), one scale per output row."""
     w32 = w.float()
     amax = w32.abs().amax(dim=1, keepdim=True).clamp_min(MIN_AMAX)
-    return to_fp8(w32 * fp8_inverse(amax)), amax / FP8_MAX
+    return to_fp8(w32 * fp8_inverse(amax)), fp8_scale(amax)
 
 
 def expand_scale(scale: torch.Tensor, rows: int, n: int, k: int) -> torch.Tensor:
@@ -65,7 +71,7 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = torch.nn.functional.pad(x.float(), (0, kb * BLOCK - k)).view(m, kb, BLOCK)
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_AMAX)
     q = to_fp8(xf * fp8_inverse(amax)).view(m, kb * BLOCK)[:, :k]
-    return q, (amax / FP8_MAX).view(m, kb)
+    return q, fp8_scale(amax).view(m, kb)
 
 
 def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
