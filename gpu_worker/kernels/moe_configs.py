@@ -1,9 +1,9 @@
 """Launch shapes of the MoE expert kernels, per model shape, from ``moe_configs.json``.
 
 The file holds one entry per (experts E, hidden H, this rank's expert intermediate I, experts
-per token K) and a ``default``. Its numbers were reasoned from the H100 (132 SMs, ~3.35 TB/s of
-HBM, 227 KiB of shared memory a block) before any GPU run; ``benchmarks/moe_tune.py`` measures
-candidates and writes entries in the same form. The reasoning behind the defaults:
+per token K) and a ``default``. Its numbers are reasoned from a Hopper card's resources (132 SMs,
+~3 TB/s of HBM, 227 KiB of shared memory a block); ``benchmarks/moe_tune.py`` measures candidates
+and writes entries in the same form. The reasoning behind the defaults:
 
 - decode (1-4 tokens, ``moe_decode.py``): each selected expert's weights are streamed once, so
   the launch must keep HBM busy with few experts: at one token, top-8 of 128 experts with
