@@ -16,13 +16,14 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.kernels import PDL_ON, interpreting, next_pow2, pdl
-from gpu_worker.kernels.fp8_round import to_e4m3
 from gpu_worker.kernels.gdc import gdc_enter
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import libdevice
+
+    from gpu_worker.kernels.fp8_round import to_e4m3
 
     # Compiled code multiplies through ``mul.rn`` (below); the interpreter's numpy never fuses.
     _EXACT_MUL = tl.constexpr(not interpreting())
