@@ -17,6 +17,9 @@ TORCH  ?= $(if $(HAS_GPU),torch,torch==2.13.0)
 TRITON ?= $(if $(HAS_GPU),,triton==3.9.*)
 ARGS   ?=
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): one per core; most tests are single-threaded Python (Triton's
+# interpreter, tiny models), so two cores run the suite in about half the time.
+TEST_WORKERS ?= auto
 # pip quiet: progress and "already satisfied" lines off, errors still shown
 PIP_Q  := -q --disable-pip-version-check
 
@@ -50,7 +53,7 @@ serve: $(RUNTIME_STAMP)
 	$(VENV)/bin/tandem serve $(ARGS)
 
 test: $(STAMP) tools
-	$(PY) -m pytest -q -p no:cacheprovider --junitxml=$(VENV)/junit.xml tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --junitxml=$(VENV)/junit.xml tests $(PYTEST_ARGS)
 	$(PY) tests/check_junit.py $(VENV)/junit.xml
 
 test-unit: $(STAMP) tools
