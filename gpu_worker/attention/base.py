@@ -46,23 +46,26 @@ class AttentionBackend(ABC):
     # MTP); only a tail of rows with one of them is a decode group (attention/triton_backend.py).
     decode_q_lens: frozenset = frozenset({1})
 
-    def stage(self, q_lens: np.ndarray, staged, slots: np.ndarray | None = None,
-              kv_exact: np.ndarray | None = None) -> None:
-        """Put host-built metadata for a forward with these query counts (and, where known, its
-        slots and exact KV lengths) into the step's staging batch (``staging.StageBatch``),
-        before its one upload. Default: nothing."""
+    def stage(self, q_lens: np.ndarray, slots: np.ndarray | None = None,
+              kv_exact: np.ndarray | None = None) -> object | None:
+        """Host-built metadata for a forward with these query counts (and, where known, its
+        slots and exact KV lengths): a staged dataclass (``gpu_worker/upload.py``) that the step's one
+        upload sends to the device before ``build`` reads it. Default: none."""
+        return None
 
-    def stage_graph(self, bucket: int, slots: np.ndarray, kv_exact: np.ndarray | None, staged) -> None:
-        """Before the upload of a step that replays the decode graph of ``bucket`` for these
-        rows (their exact KV lengths, or None). Default: nothing (graphs read device state)."""
+    def stage_graph(self, bucket: int, slots: np.ndarray, kv_exact: np.ndarray | None) -> object | None:
+        """Likewise before a step that replays the decode graph of ``bucket`` for these rows
+        (their exact KV lengths, or None). Default: none (graphs read device state)."""
+        return None
 
     def prepare_graph(self, bucket: int, staged) -> None:
-        """After the upload, before that replay: plan-style host work. Default: nothing."""
+        """After the upload, before that replay, with ``stage_graph``'s uploaded result:
+        plan-style host work. Default: nothing."""
 
     @abstractmethod
     def build(self, layout: RowLayout, windows: tuple[int, ...], staged=None) -> object:
         """Per-forward metadata; ``windows`` lists the sliding windows the model uses;
-        ``staged`` is the uploaded batch ``stage`` wrote into (None: build it all here)."""
+        ``staged`` is ``stage``'s uploaded result (None: build it all here)."""
 
     @abstractmethod
     def forward(

@@ -32,9 +32,10 @@ import torch
 
 from gpu_worker.attention import register
 from gpu_worker.attention.base import AttentionBackend, RowLayout
-from gpu_worker.attention.triton_backend import TritonAttentionBackend, TritonMeta, decode_start
+from gpu_worker.attention.triton_backend import TritonAttentionBackend, TritonMeta, TritonStaged, decode_start
 from gpu_worker.device import h2d
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.upload import staged
 
 log = logging.getLogger("tandem.worker")
 
@@ -92,6 +93,23 @@ class HostPlan:
     def flat(self) -> np.ndarray:
         parts = [g.flat for g in (self.ext, self.dec) if g is not None]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+@dataclass
+class FiStaged:
+    """A forward's host plan and its page-table indices (staged), with the triton fallback's."""
+
+    plan: HostPlan
+    flat: torch.Tensor = staged()
+    triton: TritonStaged | None = staged(default=None)
+
+
+@dataclass
+class FiGraphStaged:
+    """A decode graph replay's host plan (padded to the bucket) and its page-table indices."""
+
+    group: HostGroup
+    flat: torch.Tensor = staged()
 
 
 class _Planned:
@@ -239,17 +257,14 @@ class FlashInferBackend(AttentionBackend):
         return HostPlan(ext, dec)
 
     # ------------------------------------------------------------ metadata
-    def stage(self, q_lens: np.ndarray, staged, slots=None, kv_exact=None) -> None:
-        self.triton.stage(q_lens, staged)
+    def stage(self, q_lens: np.ndarray, slots=None, kv_exact=None) -> FiStaged:
         plan = self._host_plan(q_lens, slots, kv_exact)
-        staged.extras["fi"] = plan
-        staged.put("fi_flat", plan.flat())
+        return FiStaged(plan, plan.flat(), self.triton.stage(q_lens))
 
-    def build(self, layout: RowLayout, windows: tuple[int, ...] = (), staged=None) -> FiMeta:
-        tm = self.triton.build(layout, windows, staged)
-        plan = staged.extras.get("fi") if staged is not None else None
-        if plan is not None:
-            flat = staged["fi_flat"]
+    def build(self, layout: RowLayout, windows: tuple[int, ...] = (), staged: FiStaged | None = None) -> FiMeta:
+        tm = self.triton.build(layout, windows, staged.triton if staged is not None else None)
+        if staged is not None:
+            plan, flat = staged.plan, staged.flat
         else:
             plan = self._host_plan(layout.q_lens, layout.slots_host, layout.kv_exact)
             flat = h2d(plan.flat(), self.page_table.device)
@@ -274,20 +289,18 @@ class FlashInferBackend(AttentionBackend):
             self._graphs[bucket] = GraphSet(self, bucket)
         return self._graphs[bucket]
 
-    def stage_graph(self, bucket: int, slots: np.ndarray, kv_exact, staged) -> None:
+    def stage_graph(self, bucket: int, slots: np.ndarray, kv_exact) -> FiGraphStaged | None:
         if not self.host_decode_lens or kv_exact is None:
-            return
+            return None
         n = len(slots)
         pad_slots, pad_kv = np.zeros(bucket, np.int64), np.ones(bucket, np.int64)
         pad_slots[:n], pad_kv[:n] = slots, kv_exact
         g = host_group(np.ones(bucket), pad_slots, pad_kv, 0, self.pool.page_size, self.max_pages)
-        staged.extras["fi_graph"] = g
-        staged.put("fi_gflat", g.flat)
+        return FiGraphStaged(g, g.flat)
 
-    def prepare_graph(self, bucket: int, staged) -> None:
-        g = staged.extras.get("fi_graph")
-        if g is not None:
-            self._graph_set(bucket).replan(g, self.page_table.view(-1)[staged["fi_gflat"]])
+    def prepare_graph(self, bucket: int, staged: FiGraphStaged | None) -> None:
+        if staged is not None:
+            self._graph_set(bucket).replan(staged.group, self.page_table.view(-1)[staged.flat])
 
     # ------------------------------------------------------------ per layer
     def _kind(self, layer: AttnLayer, q: torch.Tensor) -> Kind | None:

@@ -23,6 +23,7 @@ from gpu_worker.device import h2d
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels.attention_decode import paged_decode
 from gpu_worker.kernels.attention_extend import extend_block_m, extend_blocks, paged_extend
+from gpu_worker.upload import staged
 
 DECODE_MAX_Q = 16
 CPU_SMS = 2  # under the interpreter every program is Python: split little, but still split
@@ -47,6 +48,11 @@ class ExtendPart:
     q_pos: torch.Tensor
     blocks: torch.Tensor  # [3, NB]
     block_m: int
+
+
+@dataclass
+class TritonStaged:
+    ext_blocks: torch.Tensor = staged()  # [3, NB] the extend kernel's query blocks
 
 
 @dataclass
@@ -105,10 +111,9 @@ class TritonAttentionBackend(AttentionBackend):
         """Device-only metadata for B rows of t queries each (graph-capturable)."""
         return TritonMeta(decode_part(0, t, slots, kv_lens, q_pos, self.kv_heads, self.sms), None)
 
-    def stage(self, q_lens: np.ndarray, staged, **_) -> None:
+    def stage(self, q_lens: np.ndarray, slots=None, kv_exact=None) -> TritonStaged | None:
         first_dec = decode_start(q_lens, self.decode_q_lens)
-        if first_dec:
-            staged.put("ext_blocks", extend_blocks(q_lens[:first_dec], self.block_m))
+        return TritonStaged(extend_blocks(q_lens[:first_dec], self.block_m)) if first_dec else None
 
     def build(self, layout: RowLayout, windows: tuple[int, ...] = (), staged=None) -> TritonMeta:
         q_lens = np.asarray(layout.q_lens, dtype=np.int64)
@@ -122,7 +127,7 @@ class TritonAttentionBackend(AttentionBackend):
             dec = decode_part(tok_split, t, layout.slots[sl], layout.kv_lens[sl], layout.q_pos[tok_split:],
                               self.kv_heads, self.sms)
         if first_dec:
-            blocks = staged.get("ext_blocks") if staged is not None else None
+            blocks = staged.ext_blocks if staged is not None else None
             if blocks is None:
                 blocks = h2d(extend_blocks(q_lens[:first_dec], self.block_m), layout.q_pos.device)
             blocks = blocks.view(3, -1)

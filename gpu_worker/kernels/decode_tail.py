@@ -9,7 +9,7 @@ Per row b of a decode batch (slot ``slots[b]``, ``t`` tokens fed: the bonus and 
     out[j] = drafts[j] for j < n_ok, else final;  accept = n_ok + 1
     seq_len[slot] += accept;  last_token[slot] = final;  hidden[slot] = hidden_rows[b*t + n_ok]
 
-Exactly ``runner._sample`` + ``spec.verify`` + ``runner._update_state`` for all-greedy rows (t = 1
+Exactly ``TokenSelector.tokens`` + ``spec.mtp.verify`` + ``ModelRunner._commit`` for all-greedy rows (t = 1
 is plain decode: out = [argmax], accept = 1). Padding rows (slot 0) change no state: slot 0's
 length must stay 0. ``result`` [B, t + 1] int32 gets out and accept, the step's one copy home.
 

@@ -1,8 +1,8 @@
-"""Turn a StepPlan into device tensors for one target forward (no host sync).
+"""A plan's rows on the host (``PlanRows``), and the forward batches of an eager step (no host sync).
 
 Token layout, row-contiguous: every extend row's chunk, then every decode row's T tokens
 (T = 1 plain; with MTP the bonus followed by S drafts). Decode rows take their tokens and
-positions from per-slot device state, so the scheduler never sends them (DESIGN §4).
+positions from per-slot device state, so the scheduler never sends them (docs/design.md, "Overlap").
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 from gpu_worker.attention.base import RowLayout
 from gpu_worker.forward_batch import ForwardBatch
-from gpu_worker.step.staging import StageBatch
 from gpu_worker.step.slots import SlotState
 from proto.arrays import view_i32
 from proto.messages import StepPlan
@@ -76,46 +75,23 @@ class PlanRows:
         return self._result
 
 
-def stage_target_batch(rows: PlanRows, t: int, backend, b: StageBatch, dec_kv: np.ndarray | None = None) -> None:
-    """Host half of ``build_target_batch``: every index array into the step's staging batch.
-    ``dec_kv``: the decode rows' KV lengths where the host knows them exactly (no MTP)."""
-    offsets = np.cumsum(rows.ext_len) - rows.ext_len
-    b.put("ext_ids", rows.ext_tokens)
-    b.put("ext_pos", np.arange(rows.num_ext_tokens) + np.repeat(rows.ext_start - offsets, rows.ext_len))
-    b.put("ext_kv", rows.ext_start + rows.ext_len)
-    b.put("slots", np.concatenate([rows.ext_slots, rows.dec_slots]))
-    q_lens = rows.q_lens(t)
-    b.put("tok_slot", np.repeat(np.concatenate([rows.ext_slots, rows.dec_slots]), q_lens))
-    b.put("logit_rows", logits_rows(rows, t))
-    slots = np.concatenate([rows.ext_slots, rows.dec_slots])
-    dec = dec_kv if dec_kv is not None else np.full(len(rows.dec_slots), -1, dtype=np.int64)
-    backend.stage(q_lens, b, slots=slots, kv_exact=np.concatenate([rows.ext_start + rows.ext_len, dec]))
-
-
-def build_target_batch(
-    rows: PlanRows,
-    state: SlotState,
-    backend,
-    windows: tuple[int, ...],
-    t: int,
-    dec_tokens: torch.Tensor | None,
-    b: StageBatch,
-) -> ForwardBatch:
-    """``dec_tokens`` [D, t]: bonus (+ drafts) per decode row, already on the device; every
-    host-known array comes from the uploaded staging batch ``b``."""
+def build_target_batch(inp, state: SlotState, backend, windows: tuple[int, ...], t: int,
+                       dec_tokens: torch.Tensor | None) -> ForwardBatch:
+    """The target forward of an ``EagerStep`` (``inputs.py``; its staged arrays on the device).
+    ``dec_tokens`` [D, t]: bonus (+ drafts) per decode row, already on the device."""
+    rows = inp.rows
     dev, ps = state.device, backend.pool.page_size
     d, e = len(rows.dec_slots), len(rows.ext_slots)
-    slots_t = b["slots"]  # ext slots then dec slots
-    dec_start = state.seq_len[slots_t[e:]]
+    dec_start = state.seq_len[inp.slots[e:]]
     dec_pos = (dec_start[:, None] + torch.arange(t, device=dev)[None, :]).reshape(-1)
-    input_ids = torch.cat([b["ext_ids"], dec_tokens.reshape(-1)]) if d else b["ext_ids"]
-    positions = torch.cat([b["ext_pos"], dec_pos])
-    out_loc = state.page_table[b["tok_slot"], positions // ps].long() * ps + positions % ps
+    input_ids = torch.cat([inp.ext.ids, dec_tokens.reshape(-1)]) if d else inp.ext.ids
+    positions = torch.cat([inp.ext.pos, dec_pos])
+    out_loc = state.page_table[inp.tok_slot, positions // ps].long() * ps + positions % ps
     q_lens = rows.q_lens(t)
     kv_bound = np.concatenate([rows.ext_start + rows.ext_len, state.num_pages[rows.dec_slots] * ps])
-    layout = RowLayout(slots=slots_t, q_lens=q_lens, kv_lens=torch.cat([b["ext_kv"], dec_start + t]),
+    layout = RowLayout(slots=inp.slots, q_lens=q_lens, kv_lens=torch.cat([inp.ext.kv_len, dec_start + t]),
                        kv_bound=kv_bound, q_pos=positions)
-    return ForwardBatch(input_ids, positions, out_loc, backend.build(layout, windows, b), int(q_lens.sum()))
+    return ForwardBatch(input_ids, positions, out_loc, backend.build(layout, windows, inp.attn), int(q_lens.sum()))
 
 
 def build_draft_batch(dec_slots_t: torch.Tensor, dec_slots: np.ndarray, state: SlotState, backend,

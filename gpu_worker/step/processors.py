@@ -18,14 +18,40 @@ The penalty tables ([slots, vocab]) are allocated the first time a request asks 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from gpu_worker.device import h2d
-from gpu_worker.step.staging import StageBatch
+from gpu_worker.upload import staged
 from proto.messages import AdmitRow
 
 STOP_WIDTH = 8  # initial width of the per-slot stop-id and logit-bias tables; they grow on demand
+
+
+@dataclass
+class BiasRows:
+    """Logit-bias table rows to write: ``bias_ids[slot] = ids``, ``bias_vals[slot] = vals``."""
+
+    slot: torch.Tensor = staged()
+    ids: torch.Tensor = staged()  # [n, width]
+    vals: torch.Tensor = staged()  # [n, width]
+
+
+@dataclass
+class ProcessorRows:
+    """The admitted requests' processor parameters, one row per slot (staged)."""
+
+    slot: torch.Tensor = staged()
+    rep: torch.Tensor = staged()
+    freq: torch.Tensor = staged()
+    pres: torch.Tensor = staged()
+    min_until: torch.Tensor = staged()
+    stops: torch.Tensor = staged()  # [n, width]
+    stop_valid: torch.Tensor = staged()  # [n, width]
+    bias: BiasRows | None = staged(default=None)
+    penalised: torch.Tensor | None = staged(default=None)  # slots whose counts start over
 
 
 class LogitProcessors:
@@ -47,51 +73,50 @@ class LogitProcessors:
         self.prompt_seen: torch.Tensor | None = None  # [slots, V] bool
 
     # ------------------------------------------------------------ per-request state
-    def stage_admit(self, rows: list[AdmitRow], b: StageBatch) -> None:
+    def stage_admit(self, rows: list[AdmitRow]) -> ProcessorRows | None:
         """Host flags now; device rows from ``apply_admit`` after the step's upload."""
         if not rows:
-            return
-        slots = np.array([r.slot for r in rows])
+            return None
+        slots = np.array([r.slot for r in rows], dtype=np.int64)
         p = [r.params for r in rows]
         pen = np.array([x.repetition_penalty != 1.0 or x.frequency_penalty != 0 or x.presence_penalty != 0 for x in p])
         self.has_penalty[slots] = pen
         self.has_min[slots] = [x.min_new_tokens > 0 for x in p]
         self.prompt_len[slots] = [r.prompt_len for r in rows]
-        b.put("pr_slot", slots)
-        b.put("pr_rep", np.array([x.repetition_penalty for x in p], dtype=np.float64))
-        b.put("pr_freq", np.array([x.frequency_penalty for x in p], dtype=np.float64))
-        b.put("pr_pres", np.array([x.presence_penalty for x in p], dtype=np.float64))
-        b.put("pr_min_until", [r.prompt_len + x.min_new_tokens for r, x in zip(rows, p)])
         ids = [list(x.stop_token_ids) + ([] if x.ignore_eos else list(self.eos)) for x in p]
         width = max(self.stop_ids.shape[1], max(len(i) for i in ids))  # every stop id is masked
         self.stop_ids, self.stop_valid = _widened(self.stop_ids, width), _widened(self.stop_valid, width)
-        b.put("pr_stops", _padded(ids, width, np.int64))
-        b.put("pr_valid", _padded([[1] * len(i) for i in ids], width, np.int64))
-        self._stage_bias(slots, p, b)
         if pen.any():
             self._ensure_tables()
-            b.put("pr_pen_slot", slots[pen])
+        return ProcessorRows(
+            slot=slots,
+            rep=np.array([x.repetition_penalty for x in p], dtype=np.float64),
+            freq=np.array([x.frequency_penalty for x in p], dtype=np.float64),
+            pres=np.array([x.presence_penalty for x in p], dtype=np.float64),
+            min_until=np.array([r.prompt_len + x.min_new_tokens for r, x in zip(rows, p)], dtype=np.int64),
+            stops=_padded(ids, width, np.int64),
+            stop_valid=_padded([[1] * len(i) for i in ids], width, np.int64),
+            bias=self._stage_bias(slots, p),
+            penalised=slots[pen] if pen.any() else None)
 
-    def apply_admit(self, b: StageBatch) -> None:
-        if "pr_slot" not in b:
+    def apply_admit(self, r: ProcessorRows | None) -> None:
+        if r is None:
             return
-        idx = b["pr_slot"]
-        self.rep[idx] = b["pr_rep"].float()
-        self.freq[idx] = b["pr_freq"].float()
-        self.pres[idx] = b["pr_pres"].float()
-        self.min_until[idx] = b["pr_min_until"]
-        width = self.stop_ids.shape[1]
-        self.stop_ids[idx] = b["pr_stops"].view(-1, width)
-        self.stop_valid[idx] = b["pr_valid"].view(-1, width)
-        if "pr_bias_slot" in b:
-            width = self.bias_ids.shape[1]
-            self.bias_ids[b["pr_bias_slot"]] = b["pr_bias_ids"].view(-1, width)
-            self.bias_vals[b["pr_bias_slot"]] = b["pr_bias_vals"].float().view(-1, width)
-        if "pr_pen_slot" in b:
-            self.counts.index_fill_(0, b["pr_pen_slot"], 0)
-            self.prompt_seen.index_fill_(0, b["pr_pen_slot"], False)
+        idx = r.slot
+        self.rep[idx] = r.rep.float()
+        self.freq[idx] = r.freq.float()
+        self.pres[idx] = r.pres.float()
+        self.min_until[idx] = r.min_until
+        self.stop_ids[idx] = r.stops
+        self.stop_valid[idx] = r.stop_valid
+        if r.bias is not None:
+            self.bias_ids[r.bias.slot] = r.bias.ids
+            self.bias_vals[r.bias.slot] = r.bias.vals.float()
+        if r.penalised is not None:
+            self.counts.index_fill_(0, r.penalised, 0)
+            self.prompt_seen.index_fill_(0, r.penalised, False)
 
-    def _stage_bias(self, slots: np.ndarray, params: list, b: StageBatch) -> None:
+    def _stage_bias(self, slots: np.ndarray, params: list) -> BiasRows | None:
         """Bias-table rows for the admitted requests that have a bias, and zero rows for slots
         whose previous request had one. Invariant: a slot's row is all zeros (adds nothing)
         unless its current request has a bias, so ``apply`` adds every row of the batch."""
@@ -99,13 +124,12 @@ class LogitProcessors:
         write = has | self.has_bias[slots]
         self.has_bias[slots] = has
         if not write.any():
-            return
+            return None
         rows = [x for x, w in zip(params, write) if w]
         width = max(self.bias_ids.shape[1], max(len(x.logit_bias_ids) for x in rows))
         self.bias_ids, self.bias_vals = _widened(self.bias_ids, width), _widened(self.bias_vals, width)
-        b.put("pr_bias_slot", slots[write])
-        b.put("pr_bias_ids", _padded([x.logit_bias_ids for x in rows], width, np.int64))
-        b.put("pr_bias_vals", _padded([x.logit_bias for x in rows], width, np.float64))
+        return BiasRows(slot=slots[write], ids=_padded([x.logit_bias_ids for x in rows], width, np.int64),
+                        vals=_padded([x.logit_bias for x in rows], width, np.float64))
 
     def _ensure_tables(self) -> None:
         if self.counts is None:

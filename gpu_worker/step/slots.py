@@ -1,4 +1,4 @@
-"""Per-slot device state (DESIGN §3), relayed between steps by slot id, never by batch row.
+"""Per-slot device state (docs/design.md, "State"), relayed between steps by slot id, never by batch row.
 
 Row 0 of every table is the padding row. For a slot holding a request:
 
@@ -11,17 +11,40 @@ Row 0 of every table is the padding row. For a slot holding a request:
 A slot's rows are rewritten on admit; ``free`` only clears host-side bookkeeping. Both happen
 at the start of a plan, i.e. after the result of every step that referenced the old request
 (the scheduler guarantees it), so stream order makes reuse safe. Admits and page appends are
-staged (host mirrors at once, device rows from the step's one upload, ``staging.py``).
+staged (host mirrors at once, device rows from the step's one upload, ``upload.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from gpu_worker.step.staging import StageBatch
+from gpu_worker.upload import staged
 from proto.arrays import view_i32
 from proto.messages import AdmitRow, PageAppend, SamplingParams
+
+
+@dataclass
+class AdmittedRows:
+    """The sampling state of the requests a step admits, one row per slot (staged)."""
+
+    slot: torch.Tensor = staged()
+    seed: torch.Tensor = staged()
+    temperature: torch.Tensor = staged()
+    top_p: torch.Tensor = staged()
+    top_k: torch.Tensor = staged()
+    min_p: torch.Tensor = staged()
+
+
+@dataclass
+class PageWrites:
+    """Page-table entries a step appends: ``page_table[rows, cols] = vals`` (staged)."""
+
+    rows: torch.Tensor = staged()
+    cols: torch.Tensor = staged()
+    vals: torch.Tensor = staged()
 
 
 class SlotState:
@@ -55,20 +78,21 @@ class SlotState:
             self.params.pop(s, None)
         self.num_pages[slots] = 0
 
-    def stage_admit(self, rows: list[AdmitRow], b: StageBatch) -> None:
+    def stage_admit(self, rows: list[AdmitRow]) -> AdmittedRows | None:
         """Host mirrors now; the device rows are written by ``apply_admit`` after the upload."""
         if not rows:
-            return
+            return None
         p = [r.params for r in rows]
         slots = np.array([r.slot for r in rows], dtype=np.int64)
-        b.put("adm_slot", slots)
-        b.put("adm_seed", [r.seed & ((1 << 62) - 1) for r in rows])
-        b.put("adm_temp", np.array([x.temperature for x in p], dtype=np.float64))
-        b.put("adm_top_p", np.array([x.top_p for x in p], dtype=np.float64))
-        # top_k has no upper bound on the wire (up to 2**64-1); beyond the vocabulary it filters
-        # nothing, so clamp it: an int64 overflow here killed the worker.
-        b.put("adm_top_k", [min(x.top_k, 1 << 62) for x in p])
-        b.put("adm_min_p", np.array([x.min_p for x in p], dtype=np.float64))
+        staged_rows = AdmittedRows(
+            slot=slots,
+            seed=np.array([r.seed & ((1 << 62) - 1) for r in rows], dtype=np.int64),
+            temperature=np.array([x.temperature for x in p], dtype=np.float64),
+            top_p=np.array([x.top_p for x in p], dtype=np.float64),
+            # top_k has no upper bound on the wire (up to 2**64-1); beyond the vocabulary it
+            # filters nothing, so clamp it: an int64 overflow here would kill the worker.
+            top_k=np.array([min(x.top_k, 1 << 62) for x in p], dtype=np.int64),
+            min_p=np.array([x.min_p for x in p], dtype=np.float64))
         self.num_pages[slots] = 0
         self.seq_host[slots] = 0
         self.greedy[slots] = [x.greedy for x in p]
@@ -76,16 +100,17 @@ class SlotState:
         self.logprobs[slots] = [x.logprobs for x in p]
         self.prompt_logprobs[slots] = [x.prompt_logprobs for x in p]
         self.params.update((r.slot, r.params) for r in rows)
+        return staged_rows
 
-    def apply_admit(self, b: StageBatch) -> None:
-        if "adm_slot" not in b:
+    def apply_admit(self, a: AdmittedRows | None) -> None:
+        if a is None:
             return
-        idx = b["adm_slot"]
-        self.seed[idx] = b["adm_seed"]
-        self.temperature[idx] = b["adm_temp"].float()
-        self.top_p[idx] = b["adm_top_p"].float()
-        self.top_k[idx] = b["adm_top_k"]
-        self.min_p[idx] = b["adm_min_p"].float()
+        idx = a.slot
+        self.seed[idx] = a.seed
+        self.temperature[idx] = a.temperature.float()
+        self.top_p[idx] = a.top_p.float()
+        self.top_k[idx] = a.top_k
+        self.min_p[idx] = a.min_p.float()
         self.seq_len.index_fill_(0, idx, 0)  # a scalar assignment would sync the host
 
     def advance_host(self, rows) -> None:
@@ -95,18 +120,16 @@ class SlotState:
             self.seq_host[rows.ext_slots] = rows.ext_start + rows.ext_len
         self.seq_host[rows.dec_slots] += 1
 
-    def stage_pages(self, appends: list[PageAppend], b: StageBatch) -> None:
+    def stage_pages(self, appends: list[PageAppend]) -> PageWrites | None:
         if not appends:
-            return
+            return None
         pages = [view_i32(a.pages) for a in appends]
-        rows = np.concatenate([np.full(len(p), a.slot) for a, p in zip(appends, pages)])
+        rows = np.concatenate([np.full(len(p), a.slot, dtype=np.int64) for a, p in zip(appends, pages)])
         cols = np.concatenate([a.first_col + np.arange(len(p)) for a, p in zip(appends, pages)])
-        b.put("pt_rows", rows)
-        b.put("pt_cols", cols)
-        b.put("pt_vals", np.concatenate(pages))
         np.maximum.at(self.num_pages, rows, cols + 1)
+        return PageWrites(rows=rows, cols=cols, vals=np.concatenate(pages))
 
-    def apply_pages(self, b: StageBatch) -> None:
-        if "pt_rows" in b:
-            flat = b["pt_rows"] * self.page_table.shape[1] + b["pt_cols"]
-            self.page_table.view(-1).index_copy_(0, flat, b["pt_vals"].to(torch.int32))
+    def apply_pages(self, w: PageWrites | None) -> None:
+        if w is not None:
+            flat = w.rows * self.page_table.shape[1] + w.cols
+            self.page_table.view(-1).index_copy_(0, flat, w.vals.to(torch.int32))

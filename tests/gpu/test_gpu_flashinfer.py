@@ -17,7 +17,7 @@ from gpu_worker.attention import create_backend  # noqa: E402
 from gpu_worker.attention.base import RowLayout  # noqa: E402
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch  # noqa: E402
 from gpu_worker.kv_pool import KVLayerShape, KVPool  # noqa: E402
-from gpu_worker.step.staging import Staging  # noqa: E402
+from gpu_worker.upload import PinnedRing  # noqa: E402
 from tests.helpers.checkpoints import build_llama  # noqa: E402
 from tests.helpers.inproc import InProcEngine, top_alternatives  # noqa: E402
 
@@ -66,7 +66,7 @@ def test_graph_replay_after_replan_matches_triton():
     pool, _, fi, tr = _setup()
     bucket, slots, kv = 4, np.array([3, 6, 8]), np.array([45, 700, 5])
     pad = torch.zeros(bucket, dtype=torch.int64, device=DEV)
-    stage = Staging(torch.device(DEV))
+    ring = PinnedRing(torch.device(DEV))
     for _, layer, heads in LAYERS:
         hd = pool.shapes[layer.kv_layer].head_dim
         q = torch.randn(bucket, heads, hd, dtype=DT, device=DEV)
@@ -76,10 +76,10 @@ def test_graph_replay_after_replan_matches_triton():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = _fwd(fi, meta, layer, q)
-        b = stage.batch()
-        fi.stage_graph(bucket, slots, kv, b)
-        b.upload()
-        fi.prepare_graph(bucket, b)
+        up = ring.upload()
+        plan = up.add(fi.stage_graph(bucket, slots, kv))
+        up.send()
+        fi.prepare_graph(bucket, plan)
         pad[:3] = torch.from_numpy(slots).to(DEV)
         graph.replay()
         want = _fwd(tr, tr.build(_layout(slots, [1, 1, 1], kv)), layer, q[:3])

@@ -1,7 +1,7 @@
 """The per-step work outside the layers on the GPU: the decode and draft inputs kernels compiled
 (equal to their torch twins, in a CUDA-graph replay too, where the graph reads slot state written
 after capture); Gemma's scaled embedding kernel bitwise torch's ops, its final-logit softcap
-within 2 ulp; a staging batch with nothing to copy consuming no pinned buffer."""
+within 2 ulp; an upload with nothing to copy consuming no pinned buffer."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gpu_worker.kernels.decode_inputs import (decode_inputs, decode_inputs_refer
                                               draft_inputs_reference)
 from gpu_worker.kernels.embed import embed_scaled
 from gpu_worker.kernels.softcap import softcap_float, softcap_reference
-from gpu_worker.step.staging import Staging
+from gpu_worker.upload import PinnedRing
 
 
 def _state(slots=40, cols=64, page=16):
@@ -84,14 +84,15 @@ def test_softcap_and_scaled_embedding_equal_torch():
     assert torch.equal(embed_scaled(ids, table, scale), F.embedding(ids, table) * scale)
 
 
-def test_empty_staging_batch_takes_no_buffer():
-    stage = Staging(torch.device("cuda"))
-    b = stage.batch()
-    b.put("samp_ext_slots", np.zeros(0, dtype=np.int64))
-    b.upload()
-    assert b["samp_ext_slots"].numel() == 0 and stage._next == 0  # no pinned buffer, no copy
-    b = stage.batch()
-    b.put("x", np.arange(5))
-    b.put("y", np.array([0.5, -2.0]))
-    b.upload()
-    assert b["x"].tolist() == list(range(5)) and b["y"].tolist() == [0.5, -2.0] and stage._next == 1
+def test_empty_upload_takes_no_buffer():
+    from gpu_worker.step.inputs import SampledRows
+
+    ring = PinnedRing(torch.device("cuda"))
+    up = ring.upload()
+    empty = up.add(SampledRows(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)))
+    up.send()
+    assert empty.slots.numel() == 0 and ring._next == 0  # no pinned buffer, no copy
+    up = ring.upload()
+    rows = up.add(SampledRows(np.arange(5), np.array([0.5, -2.0])))
+    up.send()
+    assert rows.slots.tolist() == list(range(5)) and rows.pos.tolist() == [0.5, -2.0] and ring._next == 1

@@ -22,7 +22,7 @@ def test_tail_and_eager_steps_share_one_state(ckpts, monkeypatch, arch, draft):
     monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
     paths = []
     real = ModelRunner._greedy_tail
-    monkeypatch.setattr(ModelRunner, "_greedy_tail", lambda self, rows, b: paths.append(r := real(self, rows, b)) or r)
+    monkeypatch.setattr(ModelRunner, "_greedy_tail", lambda self, inp: paths.append(r := real(self, inp)) or r)
     model = ckpts[arch]
     eng = InProcEngine(model, draft=ckpts["assistant"] if draft else None, attention_backend="triton", page_size=4,
                        chunked_prefill_size=16, cuda_graph_bs=(2, 4))

@@ -1,6 +1,6 @@
 """The greedy decode tail (kernels/decode_tail.py) against the eager path it replaces: argmax
 token selection, MTP's greedy accept (``spec.verify``) and the slot-state update
-(``runner._update_state``); padding rows (slot 0) leave every slot untouched."""
+(``ModelRunner._commit``); padding rows (slot 0) leave every slot untouched."""
 
 from __future__ import annotations
 

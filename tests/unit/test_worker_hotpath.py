@@ -1,7 +1,9 @@
-"""Bookkeeping of the GPU hot path that CI can check without a GPU: the staging batch, graph
-buckets, split counts and backend resolution."""
+"""Bookkeeping of the GPU hot path that CI can check without a GPU: the step's typed upload,
+graph buckets, split counts and backend resolution."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -9,20 +11,35 @@ import torch
 
 from gpu_worker.attention import resolve_backend
 from gpu_worker.graphs.decode import DEFAULT_BUCKETS, graph_buckets
-from gpu_worker.step.staging import Staging, _padded
+from gpu_worker.upload import PinnedRing, _padded, staged
 
 
-def test_staging_round_trips_ints_and_floats():
-    st = Staging(torch.device("cpu"))
-    b = st.batch()
-    b.put("slots", np.array([3, 1, 2], dtype=np.int32))
-    b.put("temp", np.array([0.5, 1.25]))
-    b.put("flags", np.array([True, False]))
-    b.upload()
-    assert b["slots"].dtype == torch.int64 and b["slots"].tolist() == [3, 1, 2]
-    assert b["temp"].dtype == torch.float64 and b["temp"].tolist() == [0.5, 1.25]
-    assert b["flags"].tolist() == [1, 0]
-    assert "slots" in b and "missing" not in b and b.get("missing") is None
+@dataclass
+class _Inner:
+    flags: torch.Tensor = staged()
+
+
+@dataclass
+class _Outer:
+    host: np.ndarray  # not staged: stays on the host
+    slots: torch.Tensor = staged()
+    temp: torch.Tensor = staged()
+    table: torch.Tensor = staged()
+    inner: _Inner | None = staged(default=None)
+    absent: _Inner | None = staged(default=None)
+
+
+def test_upload_round_trips_ints_floats_and_shapes():
+    up = PinnedRing(torch.device("cpu")).upload()
+    x = up.add(_Outer(host=np.arange(3), slots=np.array([3, 1, 2], dtype=np.int32), temp=np.array([0.5, 1.25]),
+                      table=np.arange(6).reshape(2, 3), inner=_Inner(np.array([True, False]))))
+    assert up.add(None) is None
+    up.send()
+    assert x.slots.dtype == torch.int64 and x.slots.tolist() == [3, 1, 2]
+    assert x.temp.dtype == torch.float64 and x.temp.tolist() == [0.5, 1.25]
+    assert x.table.shape == (2, 3) and x.table.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert x.inner.flags.tolist() == [1, 0] and x.absent is None
+    assert isinstance(x.host, np.ndarray)
 
 
 def test_staged_arrays_start_16_byte_aligned():
