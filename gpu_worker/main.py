@@ -21,6 +21,8 @@ import torch
 import zmq
 
 from gpu_worker.attention import create_backend, resolve_backend
+from gpu_worker.graphs.cpu_build import BuildSpec, ensure_built
+from gpu_worker.graphs.cpu_steps import CpuDecodeSteps
 from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool
@@ -111,7 +113,11 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
                   emulate: bool):
     """CUDA graphs for decode steps, then piecewise graphs for prefill steps of up to the step
     budget (at most ``PIECEWISE_MAX_TOKENS``): on by default on CUDA with a graph-capable backend.
-    ``emulate`` (``DevSettings``) runs the same bucket/padding paths eagerly off CUDA (CPU tests)."""
+    ``emulate`` (``DevSettings``) runs the same bucket/padding paths eagerly off CUDA (CPU tests).
+    On the CPU decode steps run compiled programs instead (``graphs/cpu_steps.py``)."""
+    if device.type == "cpu" and not emulate and not args.disable_cuda_graph:
+        runner.graphs = _cpu_steps(args, runner, backend, max_slots)
+        return
     if args.disable_cuda_graph or (device.type != "cuda" and not emulate):
         return
     if not hasattr(runner.backend, "decode_meta"):
@@ -125,6 +131,29 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
         return
     budget = min(args.chunked_prefill_size or 8192, PIECEWISE_MAX_TOKENS)
     runner.enable_prefill_graphs(budget, emulate)
+
+
+def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: int) -> CpuDecodeSteps | None:
+    """The compiled CPU decode steps, built on the first start for this model shape and code
+    (``graphs/cpu_build.py``), or None: eager steps (another backend, TP, no compiler)."""
+    if backend != "torch" or tp_size() > 1:
+        log.info("compiled CPU steps off: they need --attention-backend torch at TP=1")
+        return None
+    spec = BuildSpec(args.model_path, args.speculative_draft_model_path if args.spec_enabled else None,
+                     str(runner.state.hidden.dtype).removeprefix("torch."), runner.t, args.page_size, args.load_format)
+    paths = ensure_built(spec)
+    if paths is None:
+        return None
+    return CpuDecodeSteps.load(paths, runner.target, runner.assistant, runner.state, runner.backend.pool, runner.t,
+                               min(args.cuda_graph_max_bs or max_slots, max_slots))
+
+
+def _graphs_note(graphs) -> str:
+    if graphs is None:
+        return "off"
+    if isinstance(graphs, CpuDecodeSteps):
+        return f"compiled for the CPU, batch 1-{graphs.max_batch}"
+    return f"CUDA, batch sizes {graphs.sizes}"
 
 
 class HostClock:
@@ -251,9 +280,9 @@ def run(args: ServerArgs, endpoints: Endpoints, status_conn=None, worker: Worker
         gc.freeze()
         worker.results.send(ready)
         log.info("worker ready: %s on %s, %d KV pages of %d tokens, %d slots, context %d, attention %s, "
-                 "CUDA graphs %s", ready.architecture, ready.device, ready.num_pages, ready.page_size,
+                 "decode graphs %s", ready.architecture, ready.device, ready.num_pages, ready.page_size,
                  ready.max_slots, ready.max_context, type(worker.runner.backend).__name__,
-                 worker.runner.graphs.sizes if worker.runner.graphs is not None else "off")
+                 _graphs_note(worker.runner.graphs))
         worker.run()
     except ChannelRefused as exc:  # a tcp:// peer with other keys: one line, not a hang or a traceback
         log.error("%s", exc)
