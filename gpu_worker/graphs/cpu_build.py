@@ -10,8 +10,8 @@ shape and code version and is cached. Later starts only load the packages (milli
 - Cache: ``<TORCHINDUCTOR_CACHE_DIR, else Inductor's default /tmp/torchinductor_<user>>/
   tandem-cpu-steps/<key>/<program>.pt2``. The key hashes what a program's code depends on:
   both models' ``config.json``, the dtype, tokens per step, page size, torch's version and CPU
-  capability, and the source of ``gpu_worker`` (any code change rebuilds). Weights are not in
-  it: packages bind the models' tensors at load.
+  capability, and the source of the code a program traces (``TRACED``: a change there rebuilds).
+  Weights are not in it: packages bind the models' tensors at load.
 - Concurrent starts (data-parallel engines, parallel tests) take a file lock per key: one
   builds, the others wait and load. Packages are renamed into place when complete.
 """
@@ -35,6 +35,10 @@ from dataclasses import dataclass
 log = logging.getLogger("tandem.worker")
 FORMAT = 1  # bump when the programs' input layout changes
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpu_worker/
+# What a traced program runs: the models and their layers, the kernels' torch paths, the
+# decode body and its CPU attention (paths under gpu_worker/).
+TRACED = ("models", "kernels", "parallel", "spec", "graphs/decode.py", "graphs/cpu_attention.py",
+          "graphs/cpu_programs.py", "forward_batch.py", "kv_pool.py")
 
 
 @dataclass(frozen=True)
@@ -65,15 +69,24 @@ def cache_root() -> str:
     return os.path.join(base, "tandem-cpu-steps")
 
 
+def _traced_files() -> list[str]:
+    out = []
+    for entry in TRACED:
+        path = os.path.join(_PACKAGE, entry)
+        if os.path.isfile(path):
+            out.append(path)
+        for root, dirs, files in os.walk(path):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            out += [os.path.join(root, f) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
 def _sources_digest() -> str:
     h = hashlib.sha256()
-    for root, dirs, files in os.walk(_PACKAGE):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(root, name)
-            h.update(os.path.relpath(path, _PACKAGE).encode())
-            with open(path, "rb") as f:
-                h.update(f.read())
+    for path in _traced_files():
+        h.update(os.path.relpath(path, _PACKAGE).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
     return h.hexdigest()
 
 

@@ -32,12 +32,17 @@ def _complete(srv, prompts, n_tokens=48):
 @pytest.fixture(scope="module")
 def outputs():
     prompts = _prompts(8)
-    with Server(None) as srv:  # no model flags: the bundled pair, MTP on (S = 3)
+    # As `tandem serve` runs by default: MTP on (S = 3), decode steps compiled (the first run on a
+    # machine builds them: minutes on two cores, hence the timeout).
+    with Server(None, compiled=True, timeout=900) as srv:
         mtp = _complete(srv, prompts)
         info = httpx.get(srv.url + "/server_info").json()
         metrics = httpx.get(srv.url + "/metrics").text
-    with Server(os.path.join(PAIR, "target"), "--served-model-name", "tiny-shakespeare") as srv:
+        assert "compiled CPU steps off" not in srv.output()
+    with Server(os.path.join(PAIR, "target"), "--served-model-name", "tiny-shakespeare", compiled=True,
+                timeout=900) as srv:
         plain = _complete(srv, prompts)
+        assert "compiled CPU steps off" not in srv.output()
     return prompts, mtp, plain, info, metrics
 
 

@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 
 from gpu_worker.main import build_runner
+from gpu_worker.settings import DevSettings
 from proto.arrays import pack_i32, view_i32
 from proto.args import ServerArgs
 from proto.messages import GenerateReq, PlanMsg, ResultMsg, SamplingParams
@@ -25,10 +26,16 @@ _dec_result = msgspec.msgpack.Decoder(ResultMsg)
 
 
 class InProcEngine:
+    """``compiled``: on the CPU, decode steps run the compiled programs (``graphs/cpu_steps.py``;
+    the first engine of a model shape builds them, a minute or two), as ``tandem serve`` does by
+    default; otherwise they run eagerly, unless the test asks for the emulated CUDA-graph path."""
+
     def __init__(self, model_path: str, draft: str | None = None, steps: int = 3, overlap: bool = True,
-                 depth: int = ServerArgs.overlap_depth, **kw):
+                 depth: int = ServerArgs.overlap_depth, compiled: bool = False, **kw):
         spec = dict(speculative_algorithm="FROZEN-KV-MTP", speculative_draft_model_path=draft,
                     speculative_num_steps=steps) if draft else {}
+        if kw.get("device", "cpu") == "cpu" and not compiled and not DevSettings.from_env().emulate_cuda_graphs:
+            kw.setdefault("disable_cuda_graph", True)
         self.args = ServerArgs(model_path=model_path, device=kw.pop("device", "cpu"),
                                disable_overlap_schedule=not overlap, overlap_depth=depth, **spec, **kw)
         self.runner, self.ready = build_runner(self.args)
