@@ -26,6 +26,7 @@ from gpu_worker.graphs.cpu_steps import CpuDecodeSteps
 from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool
+from gpu_worker.models.cpu_layout import column_major_projections
 from gpu_worker.models.eos import read_eos_token_ids
 from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
@@ -73,6 +74,10 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
             assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target)
         except ValueError as exc:
             raise ValueError(f"--speculative-draft-model-path: {exc}") from exc
+    if device.type == "cpu" and tp_size() == 1:  # before anything binds the weights' storage
+        for model in (target, assistant):
+            if model is not None:
+                column_major_projections(model)
     t = args.tokens_per_step
     cap = plan_capacity(args, target, device, dtype, t, max_positions(args.model_path))
     pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)

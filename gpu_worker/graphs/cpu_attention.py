@@ -79,10 +79,12 @@ class CpuDecodeAttention:
         hkv, dv = kc.shape[1], vc.shape[2]
         g = hq // hkv
         loc, ok = self._read(meta, layer.sliding_window or 0)
-        keys = kc[loc].to(q.dtype).permute(0, 2, 3, 1)  # [B, Hkv, D, K']
+        # Keys are the left operand: gathered as contiguous [D] rows, the layout a GEMM takes as
+        # is (as the right operand the compiler laid them out transposed: a scalar gather each).
+        keys = kc[loc].to(q.dtype).transpose(1, 2)  # [B, Hkv, K', D]
         vals = vc[loc].to(q.dtype).transpose(1, 2)  # [B, Hkv, K', Dv]
         qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-        scores = (qg @ keys).float() * layer.scaling  # [B, Hkv, G*t, K']
+        scores = (keys @ qg.transpose(-1, -2)).transpose(-1, -2).float() * layer.scaling  # [B, Hkv, G*t, K']
         mask = ok[:, None, None].expand(b, 1, g, t, ok.shape[-1]).reshape(b, 1, g * t, ok.shape[-1])
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
         o = (probs @ vals).view(b, hkv, g, t, dv).permute(0, 3, 1, 2, 4)

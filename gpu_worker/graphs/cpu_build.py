@@ -166,6 +166,7 @@ def build(spec: BuildSpec, key_dir: str) -> None:
     from gpu_worker.graphs.cpu_programs import StepProgram, dynamic_shapes, example_inputs
     from gpu_worker.graphs.decode import DecodeBody
     from gpu_worker.kv_pool import KVPool
+    from gpu_worker.models.cpu_layout import column_major_projections
     from gpu_worker.models.loader import load_model
     from gpu_worker.step.slots import SlotState
 
@@ -174,6 +175,9 @@ def build(spec: BuildSpec, key_dir: str) -> None:
     cpu, dtype = torch.device("cpu"), getattr(torch, spec.dtype)
     target = load_model(spec.model_path, dtype, cpu, spec.load_format)
     assistant = load_model(spec.draft_path, dtype, cpu, spec.load_format, target=target) if spec.draft_path else None
+    for model in (target, assistant):  # the worker's weight layout: a program assumes its constants' strides
+        if model is not None:
+            column_major_projections(model)
     pool = KVPool(target.kv_shapes, 6, spec.page_size, dtype, cpu)
     state = SlotState(3, 5, target.hidden_size, cpu, dtype)  # 4 slot rows, 5 pages: distinct sizes
     attention = CpuDecodeAttention(pool, state.page_table)
