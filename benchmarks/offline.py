@@ -40,9 +40,9 @@ def start_engine(server_argv: list[str]):
     ep = ipc_endpoints(make_run_dir())
     ctx = mp.get_context("spawn")
     init = "file://" + os.path.join(make_run_dir(), "tp.store")  # TP ranks' rendezvous (--tp-size)
-    procs = [ctx.Process(target=child_main, args=(role, args, ep, None), kwargs={"rank": r, "init_method": init})
-             for r, role in enumerate(worker_roles(args.tp_size))]
-    procs.append(ctx.Process(target=child_main, args=("scheduler", args, ep, None)))
+    procs = [ctx.Process(target=child_main, args=(role, args, ep, None), kwargs={"rank": r, "init_method": init},
+                         name=role) for r, role in enumerate(worker_roles(args.tp_size))]
+    procs.append(ctx.Process(target=child_main, args=("scheduler", args, ep, None), name="scheduler"))
     for p in procs:
         p.start()
     return args, ep, procs
@@ -62,10 +62,10 @@ def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperat
     _, stats = _collect(outputs, {"warmup"}, None)
     results = []
     for w, (prompts, out_lens) in enumerate(workloads):
-        walls, before = [], stats
+        walls, before, cpu0 = [], stats, _cpu_seconds(procs)
         for k in range(-warmup, repeat):  # rounds of the same workload; the median round is reported
             if k == 0:  # warm-up rounds (k < 0) are not counted
-                walls, before = [], stats
+                walls, before, cpu0 = [], stats, _cpu_seconds(procs)
             t0 = time.perf_counter()
             for i, (p, n_out) in enumerate(zip(prompts, out_lens)):
                 # Random-id prompts differ between rounds in their first tokens, so that no round
@@ -78,12 +78,31 @@ def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperat
             n_tokens, stats = _collect(outputs, {f"w{w}-b{k}-{i}" for i in range(len(prompts))}, stats)
             walls.append(time.perf_counter() - t0)
         results.append(_summary(walls, n_tokens, before, stats, repeat))
+        # CPU seconds each engine process spent over the timed rounds, per step: on a machine other
+        # work shares, a steadier figure than wall time (which counts waiting for a core too).
+        steps = max(getattr(stats, "steps", 0) - getattr(before, "steps", 0), 1) if stats is not None else 1
+        results[-1]["cpu_ms_per_step"] = {name: round(1e3 * (cpu - cpu0[name]) / steps, 3)
+                                          for name, cpu in _cpu_seconds(procs).items()}
     requests.send(Shutdown("benchmark done"))
     time.sleep(0.5)
     outputs.close()
     requests.close()
     zctx.term()
     return results
+
+
+def _cpu_seconds(procs) -> dict[str, float]:
+    """User + system CPU seconds of each engine process so far (Linux ``/proc``; {} elsewhere)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[p.name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _summary(walls, n_tokens, before, stats, repeat) -> dict:
@@ -154,11 +173,11 @@ def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: s
     gen = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
     if len({len(p) for p in prompts}) > 1:
         batch = 1  # no padding games: unequal prompts run one at a time
-    walls = []
+    walls, cpus = [], []
     with torch.no_grad():
         model.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=2)  # warm-up
         for _ in range(repeat):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             n = 0
             for i in range(0, len(prompts), batch):
                 chunk = torch.tensor(np.stack(prompts[i : i + batch]), device=device)
@@ -167,9 +186,11 @@ def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: s
             if device != "cpu":
                 torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
     wall = float(np.median(walls))
     return {"wall_s": wall, "output_tokens": n, "output_tok_s": n / wall,
-            "round_tok_s": [round(n / w, 1) for w in walls]}
+            "round_tok_s": [round(n / w, 1) for w in walls], "threads": torch.get_num_threads(),
+            "cpu_ms_per_token": round(1e3 * float(np.median(cpus)) / n, 3)}
 
 
 def main() -> None:
