@@ -9,6 +9,7 @@ computes.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import logging
@@ -153,6 +154,15 @@ def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: i
                                min(args.cuda_graph_max_bs or max_slots, max_slots))
 
 
+def _return_free_heap() -> None:
+    """glibc keeps the heap that start-up freed (checkpoint reads, casts, the build's temporaries)
+    mapped; give it back to the OS, so the worker's resident size is what it holds."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _graphs_note(graphs) -> str:
     if graphs is None:
         return "off"
@@ -283,6 +293,7 @@ def run(args: ServerArgs, endpoints: Endpoints, status_conn=None, worker: Worker
         # large stalled steps by tens of milliseconds.
         gc.collect()
         gc.freeze()
+        _return_free_heap()
         worker.results.send(ready)
         log.info("worker ready: %s on %s, %d KV pages of %d tokens, %d slots, context %d, attention %s, "
                  "decode graphs %s", ready.architecture, ready.device, ready.num_pages, ready.page_size,
