@@ -98,7 +98,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     a("--attention-backend", default="auto", help="auto (triton, else flashinfer, on CUDA; torch on the CPU), "
       "torch, triton, flashinfer")
     a("--disable-cuda-graph", "--enforce-eager", action="store_true",
-      help="run every step eagerly on CUDA (no graphs at all)")
+      help="run every step eagerly: no CUDA graphs on the GPU, no compiled decode steps on the CPU")
     a("--disable-piecewise-cuda-graph", action="store_true",
       help="run prefill steps eagerly (default: piecewise graphs per token bucket, attention eager)")
     a("--cuda-graph-max-bs", metavar="N", type=int, default=None, help="largest decode batch captured (default 256)")
