@@ -57,6 +57,14 @@ def tree(root: int) -> dict[int, str]:
     return {pid: _read(f"/proc/{pid}/comm").strip() or "?" for pid in found}
 
 
+def cpu_threads(pid: int) -> tuple[float, int]:
+    """(user + system CPU seconds so far, threads) of one process."""
+    fields = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
+    if len(fields) < 18:
+        return 0.0, 0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[17])
+
+
 def memory_mb(pid: int) -> tuple[float, float]:
     """(RSS, PSS) of one process in MiB (0 once it is gone)."""
     rss = pss = 0.0
@@ -68,9 +76,19 @@ def memory_mb(pid: int) -> tuple[float, float]:
     return rss, pss
 
 
+def _label(pid: int, root: int, comm: str) -> str:
+    """The children name themselves ``tandem-<role>`` (truncated to 15 characters by Linux)."""
+    if pid == root:
+        return "supervisor"
+    if "resource_tracker" in _read(f"/proc/{pid}/cmdline"):
+        return "mp-resource-tracker"
+    return comm
+
+
 def snapshot(root: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
-    for pid, name in sorted(tree(root).items()):
+    for pid, comm in sorted(tree(root).items()):
+        name = _label(pid, root, comm)
         rss, pss = memory_mb(pid)
         key = name if name not in out else f"{name}.{pid}"
         out[key] = {"rss_mb": round(rss, 1), "pss_mb": round(pss, 1)}
@@ -100,8 +118,11 @@ def completion(client: httpx.Client, max_tokens: int, stream: bool = False) -> f
 
 
 def under_streams(url: str, root: int, streams: int, tokens: int) -> dict[str, dict[str, float]]:
-    """The peak RSS / PSS of each process while ``streams`` streaming requests run."""
+    """The peak RSS / PSS of each process while ``streams`` streaming requests run, its CPU
+    seconds over them and its threads."""
     peak: dict[str, dict[str, float]] = {}
+    pids = {_label(pid, root, comm): pid for pid, comm in tree(root).items()}
+    cpu0 = {name: cpu_threads(pid)[0] for name, pid in pids.items()}
     done = threading.Event()
 
     def one() -> None:
@@ -126,6 +147,10 @@ def under_streams(url: str, root: int, streams: int, tokens: int) -> dict[str, d
         w.join()
     done.set()
     sampler.join()
+    for name, pid in pids.items():
+        if name in peak:
+            cpu, threads = cpu_threads(pid)
+            peak[name].update(cpu_s=round(cpu - cpu0[name], 2), threads=threads)
     return peak
 
 

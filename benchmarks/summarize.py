@@ -20,6 +20,8 @@ def main(out: str) -> None:
         if not name.endswith(".json"):
             continue
         r = json.load(open(os.path.join(out, name)))
+        if "engine" not in r:  # not an offline.py result (serve_footprint.py's)
+            continue
         e = r["engine"]
         cpu = e.get("cpu_ms_per_step", {})
         print(f"| {name[:-5]} | {e['output_tok_s']:.1f} | {e.get('accept_length', 1.0):.2f} | "
