@@ -1,7 +1,11 @@
-# Quick start: `make serve` and `make test` each create .venv and install what is missing.
+# Quick start: `make serve` creates .venv with the runtime only; `make test` (and `make install`)
+# add the test and deploy tooling (the `dev` extra). Each installs only what is missing.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip
+# setuptools says on every editable build that a folder named like a package may shadow it:
+# here that folder is the package itself
+PIP    := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip
+RUNTIME_STAMP := $(VENV)/.tandem-runtime
 STAMP  := $(VENV)/.tandem-installed
 # CPU-only machines take the CPU build of torch; an unpinned `torch` would pull the CUDA build.
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
@@ -13,16 +17,25 @@ TORCH  ?= $(if $(HAS_GPU),torch,torch==2.13.0)
 TRITON ?= $(if $(HAS_GPU),,triton==3.9.*)
 ARGS   ?=
 PYTEST_ARGS ?=
+# pip quiet: progress and "already satisfied" lines off, errors still shown
+PIP_Q  := -q --disable-pip-version-check
 
-.PHONY: install tools serve test test-unit test-e2e test-gpu hopper-check clean
+.PHONY: install runtime tools serve test test-unit test-e2e test-gpu hopper-check clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e '.[dev]' $(if $(TRITON),'$(TRITON)')
+runtime: $(RUNTIME_STAMP)
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+$(RUNTIME_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(PIP_Q) "$(TORCH)"
+	$(PIP) install $(PIP_Q) -e .
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): pyproject.toml $(RUNTIME_STAMP)
+	$(PIP) install $(PIP_Q) -e '.[dev]' $(if $(TRITON),'$(TRITON)')
 	touch $(STAMP)
 
 # Debian's prometheus package (prometheus + promtool) for the deploy/ tests, installed only when
@@ -33,7 +46,7 @@ tools:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	  else echo "note: prometheus not installed (needs apt as root): the deploy tests that run it skip"; fi; }
 
-serve: $(STAMP)
+serve: $(RUNTIME_STAMP)
 	$(VENV)/bin/tandem serve $(ARGS)
 
 test: $(STAMP) tools

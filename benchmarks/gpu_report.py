@@ -30,20 +30,21 @@ def decode_phase(shapes: dict, w: dict, bw: float, rows: int | None = None) -> s
             f"{w['decode_tok_s'] / ceil:6.1%} of its step roofline {ceil:8.1f}")
 
 
-# The default-flag runs, then the A/B runs of part "pdl" (reported only when present).
-LLAMA_RUNS = [("llama_overlap", "overlap on", True), ("llama_no_overlap", "overlap off", True)] + \
-    [(f"llama_pdl{p}_fused{f}", f"pdl {p} fused {f}", False) for p in "01" for f in "01"]
-QWEN_RUNS = ["qwen_nano", "qwen_nano_pdl0", "qwen_nano_pdl1", "qwen_nano_lpt0", "qwen_nano_lpt1", "qwen_nano_sg0",
-             "qwen_nano_sg1", "qwen_first_lazy1", "qwen_first_eager", "qwen_first_lazy2"]
-
-
+# The default-flag runs; with BASE (gpu_suite.sh) each also as NAME_base, the base commit's engine.
+LLAMA_RUNS = [("llama_overlap", "overlap on", True), ("llama_no_overlap", "overlap off", True)]
+QWEN_RUNS = ["qwen_nano"]
 SHORT = {"llama-3.1-8b": "8B", "gemma4-dense-9b": "Gemma-4 9B", "qwen3-0.6b": "Qwen3-0.6B"}
 
 
-def env_runs(out: str) -> list[tuple[str, str, bool]]:
-    """Part envab's runs (``llama_env_<variant>.json``), in file order."""
-    names = sorted(os.path.basename(p)[: -len(".json")] for p in glob.glob(os.path.join(out, "llama_env_*.json")))
-    return [(n, "env " + n[len("llama_env_"):], False) for n in names]
+def with_base(out: str, names: list) -> list:
+    """Each run, preceded by its base-commit twin where one ran (gpu_suite.sh BASE=)."""
+    res = []
+    for n in names:
+        name = n[0] if isinstance(n, tuple) else n
+        if os.path.exists(os.path.join(out, name + "_base.json")):
+            res.append((name + "_base", n[1] + " base", *n[2:]) if isinstance(n, tuple) else name + "_base")
+        res.append(n)
+    return res
 
 
 def scale_runs(out: str) -> list[tuple[str, str, bool, str]]:
@@ -56,9 +57,7 @@ def main(out: str, dm: str) -> None:
     bw = json.load(open(os.path.join(out, "hbm.json")))["hbm_copy_bandwidth_bytes_s"]
     rows = [f"copy bandwidth (ceiling): {bw / 1e12:.2f} TB/s"]
     shapes = functools.cache(lambda name: model_shapes(os.path.join(dm, name)))  # a dummy model's, once
-    env_model = os.environ.get("ENVAB_MODEL") or "llama-3.1-8b"  # gpu_suite.sh's envab shape
-    runs = [(*run, "llama-3.1-8b") for run in LLAMA_RUNS] + [(*run, env_model) for run in env_runs(out)] + \
-        scale_runs(out)
+    runs = [(*run, "llama-3.1-8b") for run in with_base(out, LLAMA_RUNS)] + scale_runs(out)
     for name, label, expected, model in runs:
         r = load(out, name)
         if r is None:
@@ -75,33 +74,36 @@ def main(out: str, dm: str) -> None:
                         f"step {w.get('busy_ms_per_step', 0):.2f} ms busy, idle {w.get('gpu_idle_frac', 0):.2%}")
             # fixed lengths: the decoding rows are alike, so the window bound is exact per row
             rows.append(decode_phase(shapes(model), w, bw, rows=max(1, round(w.get("decode_tokens_per_step", 1)))))
-    q = load(out, "qwen_small")  # the 8B's fixed workloads on the Qwen3-0.6B shape
-    for w in q["workloads"] if q else []:
-        rows.append(f"Qwen3-0.6B {w['num_prompts']:>3} req, 512 in / 256 out: {w['output_tok_s']:9.1f} tok/s; "
-                    f"idle {w.get('gpu_idle_frac', 0):.2%}")
-        rows.append(decode_phase(shapes("qwen3-0.6b"), w, bw))
-    for name in QWEN_RUNS:
+    for qs in with_base(out, ["qwen_small"]):  # the 8B's fixed workloads on the Qwen3-0.6B shape
+        q = load(out, qs)
+        for w in q["workloads"] if q else []:
+            rows.append(f"Qwen3-0.6B {w['num_prompts']:>3} req, 512 in / 256 out ({qs}): "
+                        f"{w['output_tok_s']:9.1f} tok/s; idle {w.get('gpu_idle_frac', 0):.2%}")
+            rows.append(decode_phase(shapes("qwen3-0.6b"), w, bw))
+    for name in with_base(out, QWEN_RUNS):
         q = load(out, name)
         if not q:
             continue
         hf = q.get("hf_transformers", {}).get("output_tok_s", 0)
         e = q["engine"]
-        rows.append(f"Qwen3-0.6B nano-vllm recipe ({name}): {e['output_tok_s']:9.1f} tok/s (goal 25,000); "
+        rows.append(f"Qwen3-0.6B nano-vllm recipe ({name}): {e['output_tok_s']:9.1f} tok/s; "
                     f"HF generate {hf:.1f} tok/s; idle {e.get('gpu_idle_frac', 0):.2%}")
         rows.append(decode_phase(shapes("qwen3-0.6b"), e, bw))
-    gp, gm = load(out, "gemma_plain"), load(out, "gemma_mtp")
-    if gp and gm:
-        p, m = gp["engine"], gm["engine"]
-        ratio = m["busy_ms_per_step"] / p["busy_ms_per_step"] if p.get("busy_ms_per_step") else float("nan")
-        rows.append(f"Gemma-4 9B: plain step {p['busy_ms_per_step']:.2f} ms, MTP S=3 step {m['busy_ms_per_step']:.2f} ms "
-                    f"(draft {m['draft_ms_per_step']:.2f}) = {ratio:.2f}x (goal <= 1.25)")
-    for name in ["gemma_plain"] + sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(out, "gemma_plain_*.json"))):
+    for tag in ("_base", ""):
+        gp, gm = load(out, "gemma_plain" + tag), load(out, "gemma_mtp" + tag)
+        if gp and gm:
+            p, m = gp["engine"], gm["engine"]
+            ratio = m["busy_ms_per_step"] / p["busy_ms_per_step"] if p.get("busy_ms_per_step") else float("nan")
+            rows.append(f"Gemma-4 9B{tag}: plain step {p['busy_ms_per_step']:.3f} ms, MTP S=3 step "
+                        f"{m['busy_ms_per_step']:.3f} ms (draft {m['draft_ms_per_step']:.3f}) = {ratio:.4f}x")
+    for name in with_base(out, ["gemma_plain"]):
         g = load(out, name)  # one request: the decode phase is one row a step
         if g:
             rows.append(f"Gemma-4 9B plain, one request ({name}):")
             rows.append(decode_phase(shapes("gemma4-dense-9b"), g["workloads"][0], bw, rows=1))
-    for mode in ("plain", "mtp"):
-        r = load(out, f"pair_{mode}")
+    for name in with_base(out, ["pair_plain", "pair_mtp"]):
+        r = load(out, name)
+        mode = name[len("pair_"):]
         if r:
             for w in r["workloads"]:
                 rows.append(f"bundled pair {mode:5} c{w['num_prompts']}: {w['output_tok_s']:8.1f} tok/s, "

@@ -6,7 +6,7 @@ Reported: the schema's compile time alone, then the gaps between the plain reque
 and after the arrival (median, max). Since grammars compile before admission
 (``scheduler_proc/grammar_gate.py``) the max gap after should stay near the median; before, the
 constrained row's first sample waited for the compile and every row of that step with it.
-The scheduler and the worker's runner run in one process (``tests/helpers/inproc.py``).
+The scheduler and the worker's runner run in one process (``tandem/inproc.py``: per-step timing).
 
     python benchmarks/grammar_stall_bench.py [--depth 300] [--tokens 200] [--json out.json]
 """
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     from proto.messages import GrammarSpec
-    from tests.helpers.inproc import InProcEngine
+    from tandem.inproc import InProcEngine
 
     schema = deep_schema(a.depth)
     alone = compile_seconds(schema)

@@ -1,8 +1,10 @@
-"""Offline throughput: the engine without HTTP, nano-vllm style, beside HF transformers.
+"""Offline throughput: ``tandem.LLM`` (the engine's processes, no HTTP), nano-vllm style,
+beside HF transformers.
 
-Starts the scheduler and worker processes, pushes N requests of random token ids straight onto
-the requests channel (ignore_eos, fixed lengths), and measures output tokens / wall time.
-With --hf it also times HF ``generate`` on the same model and workload in the same run.
+Generates N requests of random token ids (ignore_eos, fixed lengths, ``detokenize=False``: token
+ids only, as nano-vllm's bench) through ``LLM.generate`` and measures output tokens / wall time.
+With --hf it also times HF ``generate`` on the same model and workload in the same run. Flags it
+does not know are ``tandem serve``'s (the engine arguments).
 
     python benchmarks/offline.py --model-path DIR --device cpu --num-prompts 32 \
         --input-len 128 --output-len 64 [--hf] [--speculative-draft-model-path DRAFT]
@@ -17,92 +19,62 @@ between steps (``gpu_idle_frac``: idle / (busy + idle)) from the worker's CUDA e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
 
 import numpy as np
-import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from proto.args import parse_server_args  # noqa: E402
-from proto.messages import EngineInfo, GenerateReq, SamplingParams, SchedulerStats, Shutdown, StepOutputs  # noqa: E402
-from proto.transport import PullChannel, PushChannel, ipc_endpoints, make_run_dir  # noqa: E402
-from tandem.child import child_main  # noqa: E402
-from tandem.supervisor import worker_roles  # noqa: E402
+from benchmarks.procfs import engine_cpu_seconds  # noqa: E402
+from common.args import ServerArgs  # noqa: E402
+from common.serve_cli import parse_server_args  # noqa: E402
+from tandem import LLM, SamplingParams  # noqa: E402
 
 
-def start_engine(server_argv: list[str]):
+def start_engine(server_argv: list[str]) -> tuple[ServerArgs, LLM]:
     args = parse_server_args(server_argv)
-    ep = ipc_endpoints(make_run_dir())
-    ctx = mp.get_context("spawn")
-    init = "file://" + os.path.join(make_run_dir(), "tp.store")  # TP ranks' rendezvous (--tp-size)
-    procs = [ctx.Process(target=child_main, args=(role, args, ep, None), kwargs={"rank": r, "init_method": init},
-                         name=role) for r, role in enumerate(worker_roles(args.tp_size))]
-    procs.append(ctx.Process(target=child_main, args=("scheduler", args, ep, None), name="scheduler"))
-    for p in procs:
-        p.start()
-    return args, ep, procs
+    engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs) if f.name != "model_path"}
+    return args, LLM(args.model_path, **engine_args)
 
 
-def run_engine(ep, workloads: list[tuple[list[np.ndarray], list[int]]], temperature: float, procs,
+def run_engine(llm: LLM, workloads: list[tuple[list[np.ndarray], list[int]]], temperature: float,
                repeat: int = 1, warmup: int = 0, vary_rounds: bool = True) -> list[dict]:
-    zctx = zmq.Context()
-    outputs = PullChannel(zctx, "outputs", ep.outputs)
-    requests = PushChannel(zctx, "requests", ep.requests)
-    while not isinstance(outputs.recv(timeout_ms=1000), EngineInfo):
-        if not all(p.is_alive() for p in procs):
-            raise SystemExit("engine failed to start (see the log above)")
     first = workloads[0][0][0]
-    warm = SamplingParams(max_new_tokens=8, temperature=temperature, ignore_eos=True)
-    requests.send(GenerateReq("warmup", first[:8].astype(np.int32).tobytes(), warm, time.time()))
-    _, stats = _collect(outputs, {"warmup"}, None)
+    warm = SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True, detokenize=False)
+    llm.generate({"prompt_token_ids": first[:8].tolist()}, warm, use_tqdm=False)
+    stats = llm.engine_stats()
     results = []
-    for w, (prompts, out_lens) in enumerate(workloads):
-        walls, before, cpu0 = [], stats, _cpu_seconds(procs)
+    for prompts, out_lens in workloads:
+        walls, before, cpu0 = [], stats, engine_cpu_seconds(os.getpid())
         for k in range(-warmup, repeat):  # rounds of the same workload; the median round is reported
             if k == 0:  # warm-up rounds (k < 0) are not counted
-                walls, before, cpu0 = [], stats, _cpu_seconds(procs)
-            t0 = time.perf_counter()
-            for i, (p, n_out) in enumerate(zip(prompts, out_lens)):
+                walls, before, cpu0 = [], stats, engine_cpu_seconds(os.getpid())
+            batch = []
+            for p in prompts:
                 # Random-id prompts differ between rounds in their first tokens, so that no round
                 # reads another's KV from the prefix cache. Text prompts stay as they are (their
                 # acceptance rates are the point): pass --disable-prefix-cache for such rounds.
                 if vary_rounds and k:
                     p = np.roll(p, k) if k > 0 else p[::-1]
-                params = SamplingParams(max_new_tokens=int(n_out), temperature=temperature, ignore_eos=True)
-                requests.send(GenerateReq(f"w{w}-b{k}-{i}", p.astype(np.int32).tobytes(), params, time.time()))
-            n_tokens, stats = _collect(outputs, {f"w{w}-b{k}-{i}" for i in range(len(prompts))}, stats)
+                batch.append({"prompt_token_ids": p.tolist()})
+            params = [SamplingParams(max_tokens=int(n), temperature=temperature, ignore_eos=True, detokenize=False)
+                      for n in out_lens]
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
             walls.append(time.perf_counter() - t0)
+            n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            stats = llm.engine_stats()
         results.append(_summary(walls, n_tokens, before, stats, repeat))
-        # CPU seconds each engine process spent over the timed rounds, per step: on a machine other
-        # work shares, a steadier figure than wall time (which counts waiting for a core too).
-        steps = max(getattr(stats, "steps", 0) - getattr(before, "steps", 0), 1) if stats is not None else 1
-        results[-1]["cpu_ms_per_step"] = {name: round(1e3 * (cpu - cpu0[name]) / steps, 3)
-                                          for name, cpu in _cpu_seconds(procs).items()}
-    requests.send(Shutdown("benchmark done"))
-    time.sleep(0.5)
-    outputs.close()
-    requests.close()
-    zctx.term()
+        # CPU seconds of each engine process over the timed rounds, per step: on a machine other
+        # work shares, steadier than wall time (which also counts waiting for a core).
+        steps = max(stats.steps - (before.steps if before is not None else 0), 1) if stats is not None else 1
+        results[-1]["cpu_ms_per_step"] = {role: round(1e3 * (cpu - cpu0.get(role, 0.0)) / steps, 3)
+                                          for role, cpu in engine_cpu_seconds(os.getpid()).items()}
     return results
-
-
-def _cpu_seconds(procs) -> dict[str, float]:
-    """User + system CPU seconds of each engine process so far (Linux ``/proc``; {} elsewhere)."""
-    out = {}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for p in procs:
-        try:
-            with open(f"/proc/{p.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[p.name] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def _summary(walls, n_tokens, before, stats, repeat) -> dict:
@@ -134,29 +106,6 @@ def _summary(walls, n_tokens, before, stats, repeat) -> dict:
         out["accepted_per_pos"] = [(x - (prev[i] if i < len(prev) else 0)) / drafts
                                    for i, x in enumerate(stats.spec_accepted_per_pos)]
     return out
-
-
-def _collect(outputs, rids: set[str], stats):
-    """Tokens of ``rids`` until all finish, and the newest SchedulerStats (at least one after
-    the last finish, so the step counters cover the whole workload)."""
-    n = 0
-    pending = set(rids)
-    while pending:
-        msg = outputs.recv()
-        if isinstance(msg, SchedulerStats):
-            stats = msg
-        elif isinstance(msg, StepOutputs):
-            for o in msg.outputs:
-                if o.rid in rids:
-                    n += len(o.token_ids) // 4
-                    if o.finish_reason:
-                        pending.discard(o.rid)
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:  # the stats that follow the last step
-        msg = outputs.recv(timeout_ms=200)
-        if isinstance(msg, SchedulerStats):
-            return n, msg
-    return n, stats
 
 
 def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: str, batch: int,
@@ -211,17 +160,14 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--prompts-file", default=None, help="text prompts, one per line (cycled); default random ids")
     bench, server_argv = ap.parse_known_args()
-    args, ep, procs = start_engine(server_argv)
+    args, llm = start_engine(server_argv)
     counts = [int(x) for x in str(bench.num_prompts).split(",")]
     workloads = [make_workload(bench, args, n, i) for i, n in enumerate(counts)]
-    runs = run_engine(ep, workloads, bench.temperature, procs, bench.repeat, bench.warmup_rounds,
-                      vary_rounds=bench.prompts_file is None)
+    with llm:
+        runs = run_engine(llm, workloads, bench.temperature, bench.repeat, bench.warmup_rounds,
+                          vary_rounds=bench.prompts_file is None)
     results = {"workload": vars(bench), "engine": runs[0],
                "workloads": [{"num_prompts": n, **r} for n, r in zip(counts, runs)]}
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.terminate()
     if bench.hf:
         prompts = workloads[0][0][: bench.hf_num_prompts or None]
         if bench.input_len_range:  # HF batches equal lengths: use the mean length for all

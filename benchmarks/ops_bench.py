@@ -25,10 +25,20 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.e2e.ops_util import StreamEnd, engine_children, stream_completion  # noqa: E402
-from tests.helpers.server import Server  # noqa: E402
+from benchmarks.router import PY, Proc, free_port, wait_health  # noqa: E402
+from benchmarks.stream_ends import StreamEnd, engine_children, stream_completion  # noqa: E402
 
 BODY = {"prompt": "ROMEO:", "temperature": 0, "ignore_eos": True}
+
+
+def serve(model: str | None, *extra: str) -> Proc:
+    """A CPU ``tandem serve`` (``model`` None: the bundled pair), ready to answer."""
+    port = free_port()
+    flags = ["--model-path", model] if model else []
+    srv = Proc([PY, "-m", "tandem", "serve", *flags, "--device", "cpu", "--port", str(port), "--num-threads", "1",
+                "--log-level", "warning", *extra], f"http://127.0.0.1:{port}", f"bench-ops-{port}.log")
+    wait_health(srv.url)
+    return srv
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -94,24 +104,24 @@ def outcomes(ends: list[StreamEnd]) -> dict:
     return {k: sum(e.outcome == k for e in ends) for k in ("tokens", "error", "refused", "lost")}
 
 
-def drain(model: list[str]) -> dict:
-    srv = Server(*model, "--max-running-requests", "4")
+def drain(model: str | None) -> dict:
+    srv = serve(model, "--max-running-requests", "4")
     t = {}
 
     def term():
         t["t0"] = time.monotonic()
-        srv.proc.send_signal(signal.SIGTERM)
+        srv.p.send_signal(signal.SIGTERM)
 
     ends, last_end = asyncio.run(streams_then(srv.url, 8, 96, 4, term))
-    srv.proc.wait(60)
+    srv.p.wait(60)
     return {"streams": outcomes(ends), "last_stream_end_s": last_end,
-            "exit_after_sigterm_s": time.monotonic() - t["t0"], "exit_code": srv.proc.returncode}
+            "exit_after_sigterm_s": time.monotonic() - t["t0"], "exit_code": srv.p.returncode}
 
 
-def restart(model: list[str]) -> dict:
-    srv = Server(*model, "--restart-on-failure")
+def restart(model: str | None) -> dict:
+    srv = serve(model, "--restart-on-failure")
     try:
-        worker = engine_children(srv.proc.pid)["tandem-worker"]
+        worker = engine_children(srv.p.pid)["tandem-worker"]
         ends, all_ended = asyncio.run(streams_then(srv.url, 8, 400, 8, lambda: os.kill(worker, signal.SIGKILL)))
         t0 = time.monotonic() - all_ended
         while httpx.get(srv.url + "/health", timeout=2).status_code != 200:
@@ -137,8 +147,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    model = [a.model_path] if a.model_path else [None]
-    srv = Server(*model, "--max-running-requests", str(a.max_running), "--max-queued-requests", str(a.max_queued))
+    model = a.model_path
+    srv = serve(model, "--max-running-requests", str(a.max_running), "--max-queued-requests", str(a.max_queued))
     try:
         clients = a.load_factor * (a.max_running + a.max_queued)
         result = {"overload": {"clients": clients, "max_running": a.max_running, "max_queued": a.max_queued,

@@ -1,4 +1,4 @@
-"""Encode + decode time of the hot messages (DESIGN §4: a StepPlan for 256 decoding requests
+"""Encode + decode time of the hot messages (a StepPlan for 256 decoding requests
 should take well under 100 µs). Usage: python benchmarks/proto_codec.py"""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The scheduler's share of a host-bound step, timed without a device.
 
-On the H200 the small models are host-bound: at depth 2, between result N leaving the worker
-and plan N+2 reaching it sit two socket hops and the scheduler's work (BENCHMARKS.md, 2026-12-04
-late: ~0.3 ms of the bundled pair's 0.70 ms cycle). This runs the real scheduler process
+Small models are host-bound on a GPU: at depth 2, between result N leaving the worker and plan
+N+2 reaching it sit two socket hops and the scheduler's work (a large share of the bundled
+pair's step cycle). This runs the real scheduler process
 against a stand-in worker that answers every plan at once (each decode row accepts all T tokens)
 and a stand-in front that drains the outputs, so the steady step period is the scheduler's loop
 plus its sockets: the floor a GPU step would have to beat for the scheduler to stay hidden.
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from proto.args import ServerArgs  # noqa: E402
+from common.args import ServerArgs  # noqa: E402
 from proto.arrays import pack_i32, view_i32  # noqa: E402
 from proto.messages import (GenerateReq, SamplingParams, Shutdown, StepOutputs, StepPlan,  # noqa: E402
                             StepResult, WorkerReady)

@@ -29,58 +29,15 @@ import httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.procfs import cmdline, cpu_threads, memory_mb, tree  # noqa: E402
 from tests.helpers.server import free_port  # noqa: E402
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def tree(root: int) -> dict[int, str]:
-    """pid -> name of ``root`` and every descendant (``/proc/PID/comm``)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _read(f"/proc/{entry}/stat")
-            if stat:
-                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        kids = [p for p, pp in parents.items() if pp == pid and p not in found]
-        found.update(kids)
-        frontier.extend(kids)
-    return {pid: _read(f"/proc/{pid}/comm").strip() or "?" for pid in found}
-
-
-def cpu_threads(pid: int) -> tuple[float, int]:
-    """(user + system CPU seconds so far, threads) of one process."""
-    fields = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
-    if len(fields) < 18:
-        return 0.0, 0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[17])
-
-
-def memory_mb(pid: int) -> tuple[float, float]:
-    """(RSS, PSS) of one process in MiB (0 once it is gone)."""
-    rss = pss = 0.0
-    for line in _read(f"/proc/{pid}/smaps_rollup").splitlines():
-        if line.startswith("Rss:"):
-            rss = int(line.split()[1]) / 1024
-        elif line.startswith("Pss:"):
-            pss = int(line.split()[1]) / 1024
-    return rss, pss
 
 
 def _label(pid: int, root: int, comm: str) -> str:
     """The children name themselves ``tandem-<role>`` (truncated to 15 characters by Linux)."""
     if pid == root:
         return "supervisor"
-    if "resource_tracker" in _read(f"/proc/{pid}/cmdline"):
+    if "resource_tracker" in cmdline(pid):
         return "mp-resource-tracker"
     return comm
 

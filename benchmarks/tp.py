@@ -52,7 +52,7 @@ def _sync(device) -> None:
 def _drive(runner, core, planner, device, steps: int | None = None) -> tuple[int, int]:
     """Plan/launch/result at the default overlap depth until idle (or ``steps`` plans);
     -> (plans, tokens out)."""
-    from proto.args import ServerArgs
+    from common.args import ServerArgs
 
     depth = ServerArgs.overlap_depth
     pending: deque = deque()
@@ -106,7 +106,7 @@ def rank_main(rank: int, tp: int, init: str, opts: dict, out) -> None:
 
         from gpu_worker.main import build_runner
         from gpu_worker.parallel.state import destroy_tp, init_tp
-        from proto.args import ServerArgs
+        from common.args import ServerArgs
         from scheduler_proc.core import SchedConfig, SchedulerCore
         from scheduler_proc.planner import Planner
 

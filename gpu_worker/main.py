@@ -37,7 +37,7 @@ from gpu_worker.settings import DevSettings
 from gpu_worker.step.slots import SlotState
 from gpu_worker.graphs.warmup import prefill_sizes, warm_prefill
 from gpu_worker.sizing import plan_capacity
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import Shutdown, StepPlan, WorkerError, WorkerReady
 from proto.transport import ChannelRefused, Endpoints, PullChannel, PushChannel
 

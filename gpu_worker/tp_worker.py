@@ -22,7 +22,9 @@ restart every rank together: they form one process group.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import sys
 from collections import deque
 
 import msgspec
@@ -33,7 +35,7 @@ from gpu_worker.main import Worker, build_runner, inflight_limit
 from gpu_worker.main import run as run_worker
 from gpu_worker.parallel import comm
 from gpu_worker.parallel.state import all_gather_object, destroy_tp, init_tp
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import PlanMsg, Shutdown, StepPlan
 from proto.transport import Endpoints, make_run_dir
 
@@ -162,7 +164,22 @@ def run_follower(args: ServerArgs, rank: int, init_method: str, status_conn=None
 
 def run_rank(args: ServerArgs, endpoints: Endpoints, status_conn=None, rank: int = 0,
              init_method: str | None = None) -> None:
-    """Process entry point of worker rank ``rank`` (the supervisor spawns one per rank)."""
+    """Process entry point of worker rank ``rank`` (the supervisor spawns one per rank). Once the
+    worker has shut down (or failed with its one-line error) the process ends without the
+    interpreter's teardown: Triton's compiled modules, torn down there, print a report of
+    "leaked" nanobind objects that only outlive their module, and nothing is left to run."""
+    code = 0
+    try:
+        _run_rank(args, endpoints, status_conn, rank, init_method)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_rank(args: ServerArgs, endpoints: Endpoints, status_conn, rank: int, init_method: str | None) -> None:
     if args.tp_size == 1:
         return run_worker(args, endpoints, status_conn)
     if init_method is None:

@@ -19,7 +19,8 @@ On the CPU there is no copy: views are the numpy arrays themselves, as tensors.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,16 +34,22 @@ def staged(**kw) -> Any:
     return dataclasses.field(metadata={"staged": True}, **kw)
 
 
-def _host_arrays(obj) -> Iterator[tuple[object, str, np.ndarray]]:
-    """(owner, field name, array) for every staged array under ``obj``, depth first."""
-    for f in dataclasses.fields(obj):
-        if not f.metadata.get("staged"):
+@functools.cache
+def _staged_names(cls: type) -> tuple[str, ...]:
+    """The ``staged()`` fields of a dataclass type, once per type (a step walks them every time)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("staged"))
+
+
+def _host_arrays(obj, found: list) -> None:
+    """(owner, field name, array) for every staged array under ``obj``, depth first, into ``found``."""
+    for name in _staged_names(type(obj)):
+        v = getattr(obj, name)
+        if v is None:
             continue
-        v = getattr(obj, f.name)
         if isinstance(v, np.ndarray):
-            yield obj, f.name, v
-        elif dataclasses.is_dataclass(v):
-            yield from _host_arrays(v)
+            found.append((obj, name, v))
+        elif hasattr(type(v), "__dataclass_fields__"):
+            _host_arrays(v, found)
 
 
 def _as_int64(a: np.ndarray) -> np.ndarray:
@@ -67,7 +74,11 @@ class Upload:
     def send(self) -> None:
         """Every registered object's staged arrays become device tensors of their shape, in one
         copy (none when every array is empty)."""
-        found = [x for obj in self._objs for x in _host_arrays(obj)]
+        found: list = []
+        for obj in self._objs:
+            _host_arrays(obj, found)
+        if not found:  # a graph step whose bucket holds its slots: nothing to copy
+            return
         views = self._ring.copy([_as_int64(a).reshape(-1) for _, _, a in found])
         for (owner, name, a), v in zip(found, views):
             v = v.view(torch.float64) if a.dtype.kind == "f" else v

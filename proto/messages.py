@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, as msgspec Structs.
 
-Four PUSH/PULL channels (DESIGN §2), each with a tagged union and a typed decoder:
+Four PUSH/PULL channels (docs/design.md §2), each with a tagged union and a typed decoder:
 
     requests : tokenizer_proc -> scheduler_proc   GenerateReq | AbortReq | FlushCache | Shutdown
     outputs  : scheduler_proc -> tokenizer_proc   StepOutputs | SchedulerStats | EngineInfo | EngineDead
@@ -62,7 +62,7 @@ class GrammarDone(msgspec.Struct, frozen=True, array_like=True):
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """Per-request sampling and stopping rules the engine itself applies.
 
-    Stop *strings* are not here: the tokenizer process matches them on text (DESIGN §3).
+    Stop *strings* are not here: the tokenizer process matches them on text (docs/design.md §3).
     """
 
     max_new_tokens: int = 16
@@ -220,7 +220,7 @@ class AdmitRow(msgspec.Struct, frozen=True, array_like=True):
 
     slot: int
     params: SamplingParams
-    seed: int  # 63-bit; the request's own RNG stream (DESIGN §3)
+    seed: int  # 63-bit; the request's own RNG stream (docs/design.md §3)
     prompt_len: int = 0  # positions >= prompt_len hold generated tokens (penalties, min_tokens)
 
 
@@ -245,7 +245,7 @@ class StepPlan(msgspec.Struct, tag="plan", frozen=True):
     """One forward step. Row order of the result: sampled extend rows, then decode rows.
 
     Invariants: a slot appears in at most one of ``extend``/``decode``; ``free`` names slots
-    whose last referencing step has already returned a result (DESIGN §4.3).
+    whose last referencing step has already returned a result (docs/design.md §4.3).
     """
 
     step_id: int

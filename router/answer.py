@@ -13,13 +13,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import aiohttp
 
-if TYPE_CHECKING:
-    from router.proxy import Proxy, _Ctx
-    from router.workers import Worker
+from router.extract import RequestFacts
+from router.metrics import RouterMetrics
+from router.policies import RouteInfo
+from router.workers import Worker
 
 log = logging.getLogger("tandem.router")
 
@@ -33,6 +33,25 @@ _DROP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-
                    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"content-length", b"date",
                    b"server"})
 _JSON = (b"content-type", b"application/json")
+
+
+@dataclass
+class RequestCtx:
+    """One proxied request, as the proxy's attempts and the relay of its answer see it."""
+    route: str
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    rid: str
+    facts: RequestFacts
+    info: RouteInfo | None  # None: not routed by the policy (tokenize and similar)
+    t0: float
+
+
+def upstream_failed(metrics: RouterMetrics, w: Worker, outcome: str) -> None:
+    """An exchange with ``w`` failed: its breaker and the per-worker outcome count hear of it."""
+    w.breaker.record_failure()
+    metrics.worker_requests.labels(w.url, outcome).inc()
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -76,8 +95,9 @@ class Answer:
 class Relay:
     """One upstream stream: the first chunk is already read (so retries were still possible)."""
 
-    def __init__(self, proxy: Proxy, ctx: _Ctx, w: Worker, resp: aiohttp.ClientResponse, first: bytes):
-        self.proxy, self.ctx, self.w, self.resp, self.first = proxy, ctx, w, resp, first
+    def __init__(self, metrics: RouterMetrics, ctx: RequestCtx, w: Worker, resp: aiohttp.ClientResponse,
+                 first: bytes):
+        self.metrics, self.ctx, self.w, self.resp, self.first = metrics, ctx, w, resp, first
         self.status = resp.status
         self.headers = upstream_headers(resp, w.id)
         self.complete = False
@@ -93,7 +113,7 @@ class Relay:
             self.finish()
 
     async def _pass_through(self, send) -> None:
-        p, ctx, w = self.proxy, self.ctx, self.w
+        m, ctx, w = self.metrics, self.ctx, self.w
         tail = b"\n\n"
         try:
             if self.first:
@@ -105,8 +125,8 @@ class Relay:
             self.complete = True
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # After the first byte there is no retry: tell the client explicitly.
-            p.upstream_failed(w, "stream_broken")
-            p.metrics.stream_errors.labels(ctx.route).inc()
+            upstream_failed(m, w, "stream_broken")
+            m.stream_errors.labels(ctx.route).inc()
             log.warning("request %s: stream from %s broke mid-way: %s", ctx.rid, w.url, type(exc).__name__)
             self.status = 502
             if tail != b"\n\n":  # the engine died inside an event: close it so ours parses
@@ -118,14 +138,14 @@ class Relay:
         if self._done:
             return
         self._done = True
-        p, ctx = self.proxy, self.ctx
+        m, ctx = self.metrics, self.ctx
         self.w.inflight -= 1
         if not self.complete and self.status < 400:  # neither read to the end nor broken: the client left
             self.status = 499
-            p.metrics.disconnects.labels(ctx.route).inc()
+            m.disconnects.labels(ctx.route).inc()
         if self.complete:
             self.resp.release()  # read to the end: the connection goes back to the pool
         else:
             self.resp.close()  # closing mid-stream drops the connection: the engine aborts
-        p.metrics.requests.labels(ctx.route, str(self.status)).inc()
-        p.metrics.duration.labels(ctx.route).observe(time.perf_counter() - ctx.t0)
+        m.requests.labels(ctx.route, str(self.status)).inc()
+        m.duration.labels(ctx.route).observe(time.perf_counter() - ctx.t0)

@@ -15,9 +15,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from proto.args import ArgError
-from proto.auth import APIKeyMiddleware
+from common.args import ArgError
+from common.auth import APIKeyMiddleware
 from router.config import RouterConfig, normalize_url
+from router.federate import engine_metrics
 from router.metrics import RouterMetrics
 from router.monitor import Monitor
 from router.policies import CacheAware, make_policy
@@ -185,7 +186,10 @@ def build_app(router: Router) -> RouterApp | APIKeyMiddleware:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        body = router.metrics.render()
+        if router.cfg.engine_metrics and router.client is not None:
+            body += await engine_metrics(router.client, router.registry.all(), router.cfg.health_check_timeout_s)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/workers")
     async def list_workers() -> dict:

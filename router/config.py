@@ -14,68 +14,121 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from proto.args import LOG_LEVELS, ArgError
+from common.args import LOG_LEVELS
+from common.flags import ArgError, Parser, add_flags, check_numbers, formatter, given_values, opt
 
 _HOST_RE = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+")
 POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "consistent_hash")
 
+ROUTING, HEALTH, CACHE, RETRY, BREAKER, SERVER = (
+    "routing", "health checks and load polls", "cache_aware policy", "retries (before the first byte only)",
+    "circuit breaker (per worker)", "server")
+
 
 @dataclass(frozen=True)
 class RetryConfig:
-    max_retries: int = 5  # extra attempts after the first
-    initial_backoff_ms: float = 50.0
-    max_backoff_ms: float = 30_000.0
-    backoff_multiplier: float = 1.5
-    jitter_factor: float = 0.2  # each wait is scaled by a uniform factor in [1 - j, 1 + j]
-    enabled: bool = True
+    max_retries: int = opt(5, "--retry-max-retries", group=RETRY, metavar="N",
+                           help="extra attempts after the first (on 408/429/5xx, connect errors, timeouts)")
+    initial_backoff_ms: float = opt(50.0, "--retry-initial-backoff-ms", group=RETRY, metavar="MS",
+                                    help="the first wait between attempts")
+    max_backoff_ms: float = opt(30_000.0, "--retry-max-backoff-ms", group=RETRY, metavar="MS", positive=True,
+                                help="the longest wait between attempts")
+    backoff_multiplier: float = opt(1.5, "--retry-backoff-multiplier", group=RETRY, metavar="X",
+                                    help="each wait is the previous one times this")
+    jitter_factor: float = opt(0.2, "--retry-jitter-factor", group=RETRY, metavar="J",
+                               help="each wait is scaled by a uniform factor in [1 - J, 1 + J]")
+    enabled: bool = opt(True, "--disable-retries", group=RETRY, invert=True,
+                        help="send each request once")
 
 
 @dataclass(frozen=True)
 class BreakerConfig:
-    failure_threshold: int = 5  # failures within the window that open the breaker
-    success_threshold: int = 2  # half-open successes that close it
-    timeout_s: float = 30.0  # open -> half-open after this long
-    window_s: float = 60.0  # failures older than this are forgotten
-    enabled: bool = True
+    failure_threshold: int = opt(5, "--cb-failure-threshold", group=BREAKER, metavar="N", positive=True,
+                                 help="failures (5xx, timeouts, transport errors) within the window that open it")
+    success_threshold: int = opt(2, "--cb-success-threshold", group=BREAKER, metavar="N", positive=True,
+                                 help="half-open successes that close it")
+    timeout_s: float = opt(30.0, "--cb-timeout-duration-secs", group=BREAKER, metavar="S", positive=True,
+                           help="open -> half-open after this long")
+    window_s: float = opt(60.0, "--cb-window-duration-secs", group=BREAKER, metavar="S", positive=True,
+                          help="failures older than this are forgotten")
+    enabled: bool = opt(True, "--disable-circuit-breaker", group=BREAKER, invert=True,
+                        help="never take a worker out of rotation for its failures")
 
 
 @dataclass(frozen=True)
 class CacheAwareConfig:
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    eviction_interval_s: float = 120.0
-    max_tree_size: int = 2**26  # characters per worker
-    max_prefix_chars: int = 8192  # routed text is cut here: the cost per request stays flat
+    cache_threshold: float = opt(0.3, "--cache-threshold", group=CACHE, metavar="F",
+                                 help="the worker whose tree matches more than this share of the routed text "
+                                 "gets it; below it, the worker with the smallest tree")
+    balance_abs_threshold: int = opt(64, "--balance-abs-threshold", group=CACHE, metavar="N",
+                                     help="the load spread (max - min) beyond which ...")
+    balance_rel_threshold: float = opt(1.5, "--balance-rel-threshold", group=CACHE, metavar="X",
+                                       help="... and the ratio (max / min) beyond which the least loaded worker "
+                                       "gets the request, whatever the cache")
+    eviction_interval_s: float = opt(120.0, "--eviction-interval-secs", "--eviction-interval", group=CACHE,
+                                     metavar="S", positive=True,
+                                     help="how often each worker's tree is cut back to --max-tree-size")
+    max_tree_size: int = opt(2**26, "--max-tree-size", group=CACHE, metavar="CHARS", positive=True,
+                             default_text="2^26 = 67108864",
+                             help="characters kept per worker's tree (evicted least recently used first)")
+    max_prefix_chars: int = opt(8192, "--max-prefix-chars", group=CACHE, metavar="CHARS", positive=True,
+                                help="routed text is cut here, so the cost per request stays flat")
     # An engine whose own queue or KV usage says it is hot loses its affinity (beyond SGLang).
-    hot_waiting_threshold: int = 8
-    hot_kv_usage: float = 0.95
+    hot_waiting_threshold: int = opt(8, "--hot-waiting-threshold", group=CACHE, metavar="N",
+                                     help="an engine with more waiting requests than this loses its cache "
+                                     "affinity to the least loaded engine that is not hot")
+    hot_kv_usage: float = opt(0.95, "--hot-kv-usage", group=CACHE, metavar="F",
+                              help="... as does one whose KV cache is at least this full")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    worker_urls: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 30000
-    policy: str = "cache_aware"
-    request_timeout_s: float = 1800.0  # whole upstream exchange, to a stream's last byte
-    connect_timeout_s: float = 5.0
-    health_check_interval_s: float = 5.0
-    health_check_timeout_s: float = 5.0
-    health_failure_threshold: int = 3
-    health_success_threshold: int = 2
-    health_check_endpoint: str = "/health"
-    load_poll_interval_s: float = 0.5  # engine /load (running, waiting, KV usage)
-    max_connections: int = 4096
-    max_request_body_bytes: int = 8 * 1024 * 1024  # beyond it 413, before buffering more (the engines' default)
-    log_level: str = "info"
+    worker_urls: tuple[str, ...] = opt((), "--worker-urls", group=ROUTING, metavar="URL", nargs="*",
+                                       help="engine base URLs, host:port or http(s)://host:port (more can be added "
+                                       "at run time: POST /workers)")
+    policy: str = opt("cache_aware", "--policy", group=ROUTING, metavar="NAME", choices=POLICIES,
+                      help="how a worker is picked")
+    request_timeout_s: float = opt(1800.0, "--request-timeout-secs", "--request-timeout", group=ROUTING,
+                                   metavar="S", positive=True,
+                                   help="the whole upstream exchange, to a stream's last byte")
+    connect_timeout_s: float = opt(5.0, "--connect-timeout-secs", group=ROUTING, metavar="S", positive=True,
+                                   help="connecting to an engine")
+    max_connections: int = opt(4096, "--max-connections", group=ROUTING, metavar="N", positive=True,
+                               help="pooled upstream connections, all engines together")
+    health_check_interval_s: float = opt(5.0, "--health-check-interval-secs", "--health-check-interval",
+                                         group=HEALTH, metavar="S", positive=True, help="between health checks")
+    health_check_timeout_s: float = opt(5.0, "--health-check-timeout-secs", group=HEALTH, metavar="S",
+                                        positive=True, help="one health check")
+    health_failure_threshold: int = opt(3, "--health-failure-threshold", group=HEALTH, metavar="N", positive=True,
+                                        help="failed checks in a row that eject a worker (one refused connection "
+                                        "does too)")
+    health_success_threshold: int = opt(2, "--health-success-threshold", group=HEALTH, metavar="N", positive=True,
+                                        help="passed checks in a row that re-admit an ejected worker")
+    health_check_endpoint: str = opt("/health", "--health-check-endpoint", group=HEALTH, metavar="PATH",
+                                     help="the path checked")
+    load_poll_interval_s: float = opt(0.5, "--load-poll-interval-secs", group=HEALTH, metavar="S", positive=True,
+                                      help="between polls of each engine's /load (running, waiting, KV usage)")
+    host: str = opt("127.0.0.1", "--host", group=SERVER, metavar="ADDR", help="the HTTP address to listen on")
+    port: int = opt(30000, "--port", group=SERVER, metavar="PORT", help="the HTTP port")
+    max_request_body_bytes: int = opt(8 * 1024 * 1024, "--max-request-body-bytes", group=SERVER, metavar="N",
+                                      positive=True, default_text="8 MiB, the engines'",
+                                      help="larger request bodies get 413 before they are buffered")
+    log_level: str = opt("info", "--log-level", group=SERVER, metavar="LEVEL", choices=LOG_LEVELS,
+                         help="the router's log level")
+    engine_metrics: bool = opt(False, "--engine-metrics", group=SERVER,
+                               help="also serve every healthy engine's /metrics series on /metrics, each labelled "
+                               "engine=host:port (tandem serve --dp-size turns it on: its engines listen on "
+                               "loopback only)")
+    api_key: str | None = opt(None, "--api-key", group=SERVER, metavar="KEY", secret=True,
+                              default_text="none, or $TANDEM_API_KEY",
+                              help="require 'Authorization: Bearer KEY' (and send it to the engines)")
+    metrics_require_key: bool = opt(False, "--metrics-require-key", group=SERVER,
+                                    help="require the key on /health, /metrics ... too")
     routing_key_headers: tuple[str, ...] = ("x-session-id", "x-smg-routing-key", "x-user-id")
     request_id_headers: tuple[str, ...] = ("x-request-id", "x-correlation-id", "x-trace-id")
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     cache: CacheAwareConfig = field(default_factory=CacheAwareConfig)
-    api_key: str | None = field(default=None, repr=False)  # proto/auth.py; or TANDEM_API_KEY
-    metrics_require_key: bool = False
 
 
 def normalize_url(url: str, flag: str = "--worker-urls") -> str:
@@ -96,66 +149,17 @@ def normalize_url(url: str, flag: str = "--worker-urls") -> str:
     return f"{parts.scheme}://{host}" + (f":{port}" if port else "")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise ArgError(message)
-
-
 def build_parser(prog: str = "tandem router") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Route OpenAI-compatible requests across Tandem engines.")
-    a = p.add_argument
-    a("--worker-urls", nargs="*", default=[], help="engine base URLs (more can be added at run time: POST /workers)")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=30000)
-    a("--policy", default="cache_aware", help="|".join(POLICIES))
-    a("--request-timeout-secs", "--request-timeout", type=float, default=1800.0)
-    a("--connect-timeout-secs", type=float, default=5.0)
-    a("--health-check-interval-secs", "--health-check-interval", type=float, default=5.0)
-    a("--health-check-timeout-secs", type=float, default=5.0)
-    a("--health-failure-threshold", type=int, default=3)
-    a("--health-success-threshold", type=int, default=2)
-    a("--health-check-endpoint", default="/health")
-    a("--load-poll-interval-secs", type=float, default=0.5)
-    a("--max-connections", type=int, default=4096)
-    a("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
-      help="larger request bodies get 413 before they are buffered (default: the engines' 8 MiB)")
-    a("--log-level", default="info")
-    a("--cache-threshold", type=float, default=0.3)
-    a("--balance-abs-threshold", type=int, default=64)
-    a("--balance-rel-threshold", type=float, default=1.5)
-    a("--eviction-interval-secs", "--eviction-interval", type=float, default=120.0)
-    a("--max-tree-size", type=int, default=2**26)
-    a("--max-prefix-chars", type=int, default=8192)
-    a("--hot-waiting-threshold", type=int, default=8)
-    a("--hot-kv-usage", type=float, default=0.95)
-    a("--retry-max-retries", type=int, default=5)
-    a("--retry-initial-backoff-ms", type=float, default=50.0)
-    a("--retry-max-backoff-ms", type=float, default=30_000.0)
-    a("--retry-backoff-multiplier", type=float, default=1.5)
-    a("--retry-jitter-factor", type=float, default=0.2)
-    a("--disable-retries", action="store_true")
-    a("--cb-failure-threshold", type=int, default=5)
-    a("--cb-success-threshold", type=int, default=2)
-    a("--cb-timeout-duration-secs", type=float, default=30.0)
-    a("--cb-window-duration-secs", type=float, default=60.0)
-    a("--disable-circuit-breaker", action="store_true")
-    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' (and send it to the engines); "
-                                      "or set TANDEM_API_KEY")
-    a("--metrics-require-key", action="store_true", help="require the key on /health, /metrics ... too")
+    p = Parser(prog=prog, usage=f"{prog} --worker-urls URL... [options]", formatter_class=formatter, description="Route OpenAI-compatible requests across Tandem "
+               "engines. Flags and defaults follow SGLang's Model Gateway.")
+    add_flags(p, RouterConfig)
     return p
 
 
 def _check(cfg: RouterConfig) -> RouterConfig:
-    def positive(flag: str, value: float, allow_zero: bool = False) -> None:
-        if value < 0 or (value == 0 and not allow_zero):
-            raise ArgError(f"{flag}: must be {'non-negative' if allow_zero else 'positive'}, got {value}")
-
-    if cfg.policy not in POLICIES:
-        raise ArgError(f"--policy: expected one of {', '.join(POLICIES)}, got {cfg.policy!r}")
+    check_numbers(cfg)  # every `positive` and `choices` of the field declarations
     if not 0 < cfg.port < 65536:
         raise ArgError(f"--port: must be in 1..65535, got {cfg.port}")
-    if cfg.log_level not in LOG_LEVELS:
-        raise ArgError(f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {cfg.log_level!r}")
     if not 0.0 <= cfg.cache.cache_threshold <= 1.0:
         raise ArgError(f"--cache-threshold: must be in [0, 1], got {cfg.cache.cache_threshold}")
     if not 0.0 < cfg.cache.hot_kv_usage <= 1.0:
@@ -166,28 +170,12 @@ def _check(cfg: RouterConfig) -> RouterConfig:
         raise ArgError(f"--retry-jitter-factor: must be in [0, 1), got {cfg.retry.jitter_factor}")
     if cfg.retry.backoff_multiplier < 1.0:
         raise ArgError(f"--retry-backoff-multiplier: must be >= 1, got {cfg.retry.backoff_multiplier}")
-    for flag, value in (("--request-timeout-secs", cfg.request_timeout_s),
-                        ("--connect-timeout-secs", cfg.connect_timeout_s),
-                        ("--health-check-interval-secs", cfg.health_check_interval_s),
-                        ("--health-check-timeout-secs", cfg.health_check_timeout_s),
-                        ("--load-poll-interval-secs", cfg.load_poll_interval_s),
-                        ("--eviction-interval-secs", cfg.cache.eviction_interval_s),
-                        ("--max-tree-size", cfg.cache.max_tree_size),
-                        ("--max-prefix-chars", cfg.cache.max_prefix_chars),
-                        ("--max-connections", cfg.max_connections),
-                        ("--max-request-body-bytes", cfg.max_request_body_bytes),
-                        ("--health-failure-threshold", cfg.health_failure_threshold),
-                        ("--health-success-threshold", cfg.health_success_threshold),
-                        ("--cb-failure-threshold", cfg.breaker.failure_threshold),
-                        ("--cb-success-threshold", cfg.breaker.success_threshold),
-                        ("--cb-timeout-duration-secs", cfg.breaker.timeout_s),
-                        ("--cb-window-duration-secs", cfg.breaker.window_s),
-                        ("--retry-max-backoff-ms", cfg.retry.max_backoff_ms)):
-        positive(flag, value)
-    positive("--retry-max-retries", cfg.retry.max_retries, allow_zero=True)
-    positive("--retry-initial-backoff-ms", cfg.retry.initial_backoff_ms, allow_zero=True)
-    positive("--balance-abs-threshold", cfg.cache.balance_abs_threshold, allow_zero=True)
-    positive("--hot-waiting-threshold", cfg.cache.hot_waiting_threshold, allow_zero=True)
+    for flag, value in (("--retry-max-retries", cfg.retry.max_retries),
+                        ("--retry-initial-backoff-ms", cfg.retry.initial_backoff_ms),
+                        ("--balance-abs-threshold", cfg.cache.balance_abs_threshold),
+                        ("--hot-waiting-threshold", cfg.cache.hot_waiting_threshold)):
+        if value < 0:
+            raise ArgError(f"{flag}: must be non-negative, got {value}")
     if cfg.api_key is not None and not cfg.api_key.strip():
         raise ArgError("--api-key: must not be empty")
     if cfg.metrics_require_key and cfg.api_key is None:
@@ -198,27 +186,8 @@ def _check(cfg: RouterConfig) -> RouterConfig:
 
 
 def parse_router_args(argv: list[str]) -> RouterConfig:
-    ns = build_parser().parse_args(argv)
-    urls = tuple(dict.fromkeys(normalize_url(u) for u in ns.worker_urls))
-    api_key = ns.api_key if ns.api_key is not None else os.environ.get("TANDEM_API_KEY") or None
-    return _check(RouterConfig(
-        worker_urls=urls, host=ns.host, port=ns.port, policy=ns.policy,
-        request_timeout_s=ns.request_timeout_secs, connect_timeout_s=ns.connect_timeout_secs,
-        health_check_interval_s=ns.health_check_interval_secs, health_check_timeout_s=ns.health_check_timeout_secs,
-        health_failure_threshold=ns.health_failure_threshold, health_success_threshold=ns.health_success_threshold,
-        health_check_endpoint=ns.health_check_endpoint, load_poll_interval_s=ns.load_poll_interval_secs,
-        max_connections=ns.max_connections, max_request_body_bytes=ns.max_request_body_bytes,
-        log_level=ns.log_level,
-        retry=RetryConfig(max_retries=ns.retry_max_retries, initial_backoff_ms=ns.retry_initial_backoff_ms,
-                          max_backoff_ms=ns.retry_max_backoff_ms, backoff_multiplier=ns.retry_backoff_multiplier,
-                          jitter_factor=ns.retry_jitter_factor, enabled=not ns.disable_retries),
-        breaker=BreakerConfig(failure_threshold=ns.cb_failure_threshold, success_threshold=ns.cb_success_threshold,
-                              timeout_s=ns.cb_timeout_duration_secs, window_s=ns.cb_window_duration_secs,
-                              enabled=not ns.disable_circuit_breaker),
-        cache=CacheAwareConfig(cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
-                               balance_rel_threshold=ns.balance_rel_threshold,
-                               eviction_interval_s=ns.eviction_interval_secs, max_tree_size=ns.max_tree_size,
-                               max_prefix_chars=ns.max_prefix_chars, hot_waiting_threshold=ns.hot_waiting_threshold,
-                               hot_kv_usage=ns.hot_kv_usage),
-        api_key=api_key, metrics_require_key=ns.metrics_require_key,
-    ))
+    kw = given_values(RouterConfig, build_parser().parse_args(argv))
+    kw["worker_urls"] = tuple(dict.fromkeys(normalize_url(u) for u in kw.get("worker_urls", ())))
+    if kw.get("api_key") is None:
+        kw["api_key"] = os.environ.get("TANDEM_API_KEY") or None
+    return _check(RouterConfig(**kw))

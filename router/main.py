@@ -6,7 +6,7 @@ import importlib.util
 import logging
 import sys
 
-from proto.args import ArgError
+from common.args import ArgError
 from router.config import RouterConfig, build_parser, parse_router_args
 
 log = logging.getLogger("tandem.router")

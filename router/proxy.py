@@ -19,14 +19,13 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
 
 import aiohttp
 from starlette.responses import JSONResponse
 
-from router.answer import Answer, Relay, error_body, upstream_headers
+from router.answer import Answer, Relay, RequestCtx, error_body, upstream_failed, upstream_headers
 from router.config import RouterConfig
-from router.extract import RequestFacts, read_facts
+from router.extract import read_facts
 from router.metrics import RouterMetrics
 from router.policies import Policy, RouteInfo, least_loaded
 from router.workers import Worker, WorkerRegistry
@@ -53,18 +52,6 @@ class _Retry(Exception):
         super().__init__(reason)
         self.status = status
         self.answer = answer  # the upstream's own answer, returned if retries run out
-
-
-@dataclass
-class _Ctx:
-    route: str
-    path: str
-    body: bytes
-    headers: dict[str, str]
-    rid: str
-    facts: RequestFacts
-    info: RouteInfo | None  # None: not routed by the policy (tokenize and similar)
-    t0: float
 
 
 class _Gone:
@@ -108,7 +95,7 @@ class Proxy:
         facts = read_facts(route, body, self.cfg.cache.max_prefix_chars)
         headers = _forward_headers(scope, rid)
         key = next((headers[h] for h in self.cfg.routing_key_headers if h in headers), facts.user)
-        ctx = _Ctx(route, scope["path"], body, headers, rid, facts,
+        ctx = RequestCtx(route, scope["path"], body, headers, rid, facts,
                    RouteInfo(facts.text, key) if routed else None, t0)
         me = asyncio.current_task()
         flag = _Gone()
@@ -144,7 +131,7 @@ class Proxy:
         return uuid.uuid4().hex
 
     # ------------------------------------------------------------------ attempts
-    async def _with_retries(self, ctx: _Ctx) -> Answer | Relay:
+    async def _with_retries(self, ctx: RequestCtx) -> Answer | Relay:
         retry = self.cfg.retry
         tries = 1 + (retry.max_retries if retry.enabled else 0)
         failed: set[str] = set()
@@ -174,7 +161,7 @@ class Proxy:
         return self._final(ctx, Answer.error(last.status, f"request failed after {tries} attempt(s): {last}"),
                            "retries_exhausted")
 
-    def _final(self, ctx: _Ctx, answer: Answer, reason: str) -> Answer:
+    def _final(self, ctx: RequestCtx, answer: Answer, reason: str) -> Answer:
         self.metrics.errors.labels(ctx.route, reason).inc()
         self.metrics.requests.labels(ctx.route, str(answer.status)).inc()
         self.metrics.duration.labels(ctx.route).observe(time.perf_counter() - ctx.t0)
@@ -185,7 +172,7 @@ class Proxy:
         base = min(r.max_backoff_ms, r.initial_backoff_ms * r.backoff_multiplier ** (n - 1))
         return base * self._rng.uniform(1 - r.jitter_factor, 1 + r.jitter_factor) / 1000.0
 
-    def _pick(self, ctx: _Ctx, failed: set[str]) -> Worker | None:
+    def _pick(self, ctx: RequestCtx, failed: set[str]) -> Worker | None:
         workers = self.registry.available(ctx.facts.model)
         fresh = [w for w in workers if w.url not in failed]
         workers = fresh or workers
@@ -195,7 +182,7 @@ class Proxy:
             return least_loaded(workers)
         return self.policy.select(workers, ctx.info)
 
-    async def _attempt(self, ctx: _Ctx, w: Worker) -> Answer | Relay:
+    async def _attempt(self, ctx: RequestCtx, w: Worker) -> Answer | Relay:
         w.inflight += 1
         handed_off = False
         resp: aiohttp.ClientResponse | None = None
@@ -233,7 +220,7 @@ class Proxy:
                 if resp is not None:
                     resp.close()  # drop the connection: an engine mid-request sees the disconnect
 
-    async def _whole(self, ctx: _Ctx, w: Worker, resp: aiohttp.ClientResponse) -> Answer:
+    async def _whole(self, ctx: RequestCtx, w: Worker, resp: aiohttp.ClientResponse) -> Answer:
         try:
             data = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -247,7 +234,7 @@ class Proxy:
         self.metrics.requests.labels(ctx.route, str(resp.status)).inc()
         return Answer(resp.status, data, upstream_headers(resp, w.id))
 
-    async def _stream(self, ctx: _Ctx, w: Worker, resp: aiohttp.ClientResponse) -> Relay:
+    async def _stream(self, ctx: RequestCtx, w: Worker, resp: aiohttp.ClientResponse) -> Relay:
         chunks = resp.content.iter_any()
         try:
             first = await chunks.__anext__()
@@ -257,12 +244,11 @@ class Proxy:
             self.upstream_failed(w, "read_error")
             raise _Retry(f"{w.url}: stream broke before its first byte ({type(exc).__name__})") from None
         self.metrics.ttft.labels(ctx.route).observe(time.perf_counter() - ctx.t0)
-        return Relay(self, ctx, w, resp, first)
+        return Relay(self.metrics, ctx, w, resp, first)
 
     # ------------------------------------------------------------------ helpers
     def upstream_failed(self, w: Worker, outcome: str) -> None:
-        w.breaker.record_failure()
-        self.metrics.worker_requests.labels(w.url, outcome).inc()
+        upstream_failed(self.metrics, w, outcome)
 
     @staticmethod
     async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:

@@ -65,6 +65,7 @@ class Worker:
             self.ok_streak, self.fail_streak = self.ok_streak + 1, 0
             if not self.healthy and (not self.ever_healthy or self.ok_streak >= success_threshold):
                 self.healthy = self.ever_healthy = True
+                self.last_error = ""  # it describes a past outage (or start-up), not this worker now
         else:
             self.fail_streak, self.ok_streak = self.fail_streak + 1, 0
             self.last_error = reason

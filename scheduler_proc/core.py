@@ -8,7 +8,7 @@ Lifecycle of a request and who releases what:
 
 A request that finished in step N is usually already part of in-flight step N+1: its N+1 tokens
 are dropped, and its slot and pages return only after result N+1, the last step that touched
-them (DESIGN §4.3). Every accepted request ends with exactly one finishing ReqOutput.
+them (docs/design.md §4.3). Every accepted request ends with exactly one finishing ReqOutput.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class SchedulerCore:
         bad = _out_of_vocab(prompt, msg.params.stop_token_ids, self.cfg.vocab_size)
         if bad is not None:
             return self._reject(msg.rid, len(prompt), bad, 400)
-        # The front admits against --max-queued-requests (DESIGN §8); this is only a backstop
+        # The front admits against --max-queued-requests (docs/design.md §8); this is only a backstop
         # against another client of the requests channel. Preempted requests also wait, hence
         # the running allowance.
         if len(self.waiting) + len(self.gate) >= self.cfg.max_queued + self.cfg.max_running:

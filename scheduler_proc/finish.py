@@ -1,4 +1,4 @@
-"""Token-level finish rules applied to a multi-token chunk (DESIGN §5, reference §4).
+"""Token-level finish rules applied to a multi-token chunk (docs/design.md §5).
 
 Scan every accepted token in order; the earliest finishing position wins. At one position a
 stop token (EOS / stop_token_ids, honoured only once ``min_new_tokens`` is reached) beats the

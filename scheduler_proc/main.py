@@ -1,6 +1,6 @@
 """The scheduler process: receive requests, plan steps, process results, stream outputs.
 
-Overlap (DESIGN §4): with depth 2 the scheduler sends plan N+1 right after plan N, from its
+Overlap (docs/design.md §4): with depth 2 the scheduler sends plan N+1 right after plan N, from its
 lagged view, then processes result N while the worker runs N+1. The default, depth 3, keeps
 three steps launched, so the worker has plan N+2 in hand when it sends result N (the
 scheduler's round trip leaves the step cycle of host-bound models). ``--disable-overlap-schedule``
@@ -16,7 +16,7 @@ import time
 import msgspec
 import zmq
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import (
     AbortReq,
     EngineInfo,

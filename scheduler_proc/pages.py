@@ -7,7 +7,7 @@ Page 0 is the padding page and is never handed out. Every other page is in exact
     in use      refcount > 0                  -> owned by one or more requests
 
 Who frees a page: the scheduler calls ``release`` for a request's pages only after the result
-of the last step that referenced the request has come back (DESIGN §4.3), so a page is never
+of the last step that referenced the request has come back (docs/design.md §4.3), so a page is never
 reused while an in-flight step may still write or read it.
 
 Prefix hashes chain over full pages: ``h_i = hash((h_{i-1}, tokens of page i))``. A page is

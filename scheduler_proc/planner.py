@@ -4,9 +4,9 @@ Order within a step: decode rows of running requests first (they hold memory; st
 wastes it), then continuing prefill chunks, then new admissions, all under one token budget
 (``chunk_budget``; a decode row costs T tokens). Prefill and decode share one forward.
 
-Page reservation (DESIGN §4.1): a decode row is planned only if the request's pages cover
+Page reservation (docs/design.md §4.1): a decode row is planned only if the request's pages cover
 ``worst_len + T``, where ``worst_len`` already assumes every in-flight step accepts all T
-tokens. With one step in flight that is ``committed + 2T``, the bound DESIGN gives. When pages
+tokens. With one step in flight that is ``committed + 2T``. When pages
 run out, the newest running request is preempted (recompute); its pages come back only after
 its in-flight steps return, so the planner skips rows it cannot back this step rather than
 over-commit.

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import sys
 
-from proto.args import BUNDLED_MODEL_DIR, ArgError, parse_server_args
+from common.args import BUNDLED_MODEL_DIR, ArgError
 
-USAGE = ("usage: tandem serve [MODEL | --model-path DIR] [--dp-size N] [options]   (tandem serve --help)\n"
+USAGE = ("usage: tandem serve [MODEL | --model-path DIR|HUB_ID] [--dp-size N] [options]   (tandem serve --help)\n"
          "       tandem router --worker-urls URL... [--policy cache_aware] [options]   (tandem router --help)\n"
-         "       tandem keys generate DIR                      (CURVE keys for --transport tcp)")
+         "       tandem keys generate DIR                      (CURVE keys for --transport tcp)\n"
+         "       tandem --version")
+
+
+def version() -> str:
+    return importlib.metadata.version("tandem-serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V", "version"):
+        print(f"tandem {version()}")
+        return 0
     if argv[0] == "keys":
         from tandem.keys import main as keys_main
 
@@ -28,28 +37,33 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] != "serve":
         print(f"tandem: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
-    if "-h" in argv[1:] or "--help" in argv[1:]:
-        from proto.args import build_parser
+    return serve_main(argv[1:])
 
+
+def serve_main(argv: list[str]) -> int:
+    from common.serve_cli import build_parser, parse_server_args
+    from tandem.dp import split_router_args
+
+    if "-h" in argv or "--help" in argv:
         build_parser().print_help()
-        from tandem.dp import DP_HELP
-
-        print(DP_HELP)
         return 0
-    from tandem.dp import split_dp_args
-
+    if "--version" in argv:
+        print(f"tandem {version()}")
+        return 0
     try:
-        dp, engine_argv, router_argv = split_dp_args(argv[1:])
+        engine_argv, router_argv = split_router_args(argv)
         args = parse_server_args(engine_argv)
+        if router_argv and args.dp_size == 1:
+            raise ArgError(f"{router_argv[0].replace('--', '--router-', 1)}: router flags need --dp-size N with N > 1")
     except ArgError as exc:
         print(f"tandem serve: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _announce(args)
-    if dp is not None:
+    if args.dp_size > 1:
         from tandem.dp import serve_dp
 
-        return serve_dp(dp, args, engine_argv, router_argv)
+        return serve_dp(args, engine_argv, router_argv)
     from tandem.supervisor import serve
 
     return serve(args)

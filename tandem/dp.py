@@ -1,9 +1,12 @@
 """``tandem serve --dp-size N``: N engine instances behind one router, run as one service.
 
-Like SGLang's ``--dp-size``, but built from the two pieces users can also run apart: each
-engine is a child ``tandem serve`` on a free loopback port (on CUDA one visible GPU each; on
-the CPU they share the cores, one worker thread each unless --num-threads is given), and a
-child ``tandem router`` listens on --host/--port in front of them.
+Like SGLang's ``--dp-size``, but built from the two pieces users can also run apart: engine i
+is a child ``tandem serve`` on 127.0.0.1, port ``--dp-base-port`` + i (default ``--port`` + 1;
+on CUDA one visible GPU each; on the CPU they share the cores, one worker thread each unless
+--num-threads is given), and a child ``tandem router`` listens on --host/--port in front of
+them, its ``/metrics`` carrying every engine's series too (``--engine-metrics``). Every line a
+child prints reaches our stderr tagged ``[engine i]`` or ``[router]``. This process imports no
+torch: it finds GPUs through ``common.devices``.
 Lifecycle: ready once every engine is healthy; SIGTERM/SIGINT goes to every child (engines
 drain, the router finishes its streams), stragglers are killed after the grace period. An
 engine that dies is ejected by the router (connection refused / health checks) and the rest
@@ -16,54 +19,30 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 
 import urllib.error
 import urllib.request
 
-from proto.args import ArgError, ServerArgs
+from common.args import ArgError, ServerArgs
 
 log = logging.getLogger("tandem")
 
-DP_HELP = """
-data parallelism (N engines behind one router on --port):
-  --dp-size N, --data-parallel-size N
-                        run N engine instances (CUDA: one GPU each; CPU: sharing the cores)
-                        behind a cache-aware router (default 1: a single engine, no router)
-  --router-<flag> V     passed to the router as --<flag> V (e.g. --router-policy round_robin,
-                        --router-cache-threshold 0.5); see `tandem router --help`"""
-
-_DP_FLAGS = ("--dp-size", "--data-parallel-size", "--dp")
 _READY_POLL_S = 0.25
 
 
-def _dp_value(flag: str, raw: str | None) -> int:
-    if raw is None or not raw.lstrip("-").isdigit():
-        raise ArgError(f"{flag}: expected a positive integer, got {raw!r}")
-    value = int(raw)
-    if value < 1:
-        raise ArgError(f"{flag}: must be >= 1, got {value}")
-    return value
-
-
-def split_dp_args(argv: list[str]) -> tuple[int | None, list[str], list[str]]:
-    """(dp size or None for a single engine, the engines' argv, the router's argv)."""
-    dp: int | None = None
+def split_router_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the engines' argv, the router's argv): every ``--router-X [V]`` becomes ``--X [V]``."""
     engine: list[str] = []
     router: list[str] = []
     i = 0
     while i < len(argv):
         tok = argv[i]
         name, eq, val = tok.partition("=")
-        if name in _DP_FLAGS:
-            if not eq:
-                val = argv[i + 1] if i + 1 < len(argv) else None
-                i += 1
-            dp = _dp_value(name, val)
-        elif name.startswith("--router-"):
+        if name.startswith("--router-"):
             router.append("--" + name[len("--router-"):])
             if eq:
                 router.append(val)
@@ -73,15 +52,7 @@ def split_dp_args(argv: list[str]) -> tuple[int | None, list[str], list[str]]:
         else:
             engine.append(tok)
         i += 1
-    if router and (dp is None or dp == 1):
-        raise ArgError(f"{router[0].replace('--', '--router-', 1)}: router flags need --dp-size N with N > 1")
-    return (dp if dp and dp > 1 else None), engine, router
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return engine, router
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -96,64 +67,92 @@ def _child_setup() -> None:  # runs in the child between fork and exec
 
 
 def _gpu_ids(n: int) -> list[str]:
-    import torch
-
+    """The first ``n`` GPUs of CUDA_VISIBLE_DEVICES (or of the driver's count), torch-free."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [
-        str(i) for i in range(torch.cuda.device_count())]
+    if visible:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        from common.devices import cuda_devices  # noqa: PLC0415 - loads the NVIDIA driver
+
+        ids = [str(i) for i in range(cuda_devices().count)]
     if len(ids) < n:
         raise ArgError(f"--dp-size: {n} engines need {n} GPUs, {len(ids)} visible")
     return ids[:n]
 
 
+def _on_cpu(args: ServerArgs) -> bool:
+    if args.device != "auto":
+        return args.device == "cpu"
+    from common.devices import cuda_devices  # noqa: PLC0415
+
+    return cuda_devices().count == 0
+
+
+def _tag_lines(stream, tag: bytes) -> None:
+    """Copy a child's output to ours, each line prefixed with the child's tag (until EOF)."""
+    out = sys.stderr.buffer
+    for line in iter(stream.readline, b""):
+        out.write(tag + line)
+        out.flush()
+    stream.close()
+
+
 class DataParallel:
-    def __init__(self, n: int, args: ServerArgs, engine_argv: list[str], router_argv: list[str]):
-        self.n, self.args = n, args
+    def __init__(self, args: ServerArgs, engine_argv: list[str], router_argv: list[str]):
+        self.n, self.args = args.dp_size, args
         self.engine_argv, self.router_argv = engine_argv, router_argv
+        self.base_port = args.dp_base_port or args.port + 1
         self.engines: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.router: subprocess.Popen | None = None
         self.stopping = False
 
-    def _engine_cmd(self, i: int, port: int, cpu: bool) -> list[str]:
+    def _engine_cmd(self, i: int, cpu: bool) -> list[str]:
         a = self.args
         # Engine i seeds unseeded requests from --random-seed + i: with one seed each engine's k-th
         # sampled request would draw the same numbers, and the router spreads alike requests.
-        cmd = [sys.executable, "-m", "tandem", "serve", *self.engine_argv, "--host", "127.0.0.1",
-               "--port", str(port), "--random-seed", str(a.random_seed + i)]
+        cmd = [sys.executable, "-m", "tandem", "serve", *self.engine_argv, "--dp-size", "1", "--host", "127.0.0.1",
+               "--port", str(self.base_port + i), "--random-seed", str(a.random_seed + i)]
         if cpu and a.num_threads is None:
             cmd += ["--num-threads", str(max(1, ((os.cpu_count() or 2) - 1) // self.n))]
         if not cpu:
             cmd += ["--device", "cuda"]  # its one visible GPU (CUDA_VISIBLE_DEVICES), whatever cuda:N was asked
         if a.run_dir:
             cmd += ["--run-dir", os.path.join(a.run_dir, f"dp{i}")]
-        if a.transport == "tcp":
-            cmd += ["--tcp-base-port", str((a.tcp_base_port or a.port + 1) + 8 * i)]
+        if a.transport == "tcp":  # four channel ports per engine, after the engines' HTTP ports
+            cmd += ["--tcp-base-port", str((a.tcp_base_port or self.base_port + self.n) + 8 * i)]
         return cmd
 
+    def _start(self, cmd: list[str], env: dict, tag: str) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        threading.Thread(target=_tag_lines, args=(proc.stdout, f"[{tag}] ".encode()), daemon=True,
+                         name=f"log-{tag}").start()
+        return proc
+
     def start(self) -> None:
-        device = self.args.resolved_device()
-        cpu = device == "cpu"
+        cpu = _on_cpu(self.args)
         gpus = None if cpu else _gpu_ids(self.n)
         for i in range(self.n):
-            port = _free_port()
-            env = dict(os.environ)
+            # The checkpoints are local or already in the Hub cache (this process resolved them):
+            # the engines read the cache and never ask the Hub again.
+            env = dict(os.environ, HF_HUB_OFFLINE="1")
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i]
-            self.engines.append(subprocess.Popen(self._engine_cmd(i, port, cpu), env=env, preexec_fn=_child_setup))
-            self.urls.append(f"http://127.0.0.1:{port}")
+            self.urls.append(f"http://127.0.0.1:{self.base_port + i}")
+            self.engines.append(self._start(self._engine_cmd(i, cpu), env, f"engine {i}"))
             log.info("dp engine %d: %s%s", i, self.urls[-1], f" (GPU {gpus[i]})" if gpus else "")
         a = self.args
         cmd = [sys.executable, "-m", "tandem", "router", "--worker-urls", *self.urls, "--host", a.host,
                "--port", str(a.port), "--log-level", a.log_level, "--health-check-interval-secs", "2",
-               "--max-request-body-bytes", str(a.max_request_body_bytes),
+               "--max-request-body-bytes", str(a.max_request_body_bytes), "--engine-metrics",
                *(["--metrics-require-key"] if a.metrics_require_key else []), *self.router_argv]
         env = dict(os.environ)
         if a.api_key is not None:
             # The router is the public door: it checks the engines' key and sends it to them.
             # Through the environment, not argv, so ps does not show it.
             env["TANDEM_API_KEY"] = a.api_key
-        self.router = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup)
+        self.router = self._start(cmd, env, "router")
 
     def wait_ready(self) -> str | None:
         """None once every engine and the router answer /health, else a reason."""
@@ -229,8 +228,8 @@ def _healthy(url: str, api_key: str | None = None) -> bool:
         return False
 
 
-def serve_dp(n: int, args: ServerArgs, engine_argv: list[str], router_argv: list[str]) -> int:
-    dp = DataParallel(n, args, engine_argv, router_argv)
+def serve_dp(args: ServerArgs, engine_argv: list[str], router_argv: list[str]) -> int:
+    dp = DataParallel(args, engine_argv, router_argv)
     signal.signal(signal.SIGTERM, dp.request_stop)
     signal.signal(signal.SIGINT, dp.request_stop)
     try:
@@ -244,5 +243,6 @@ def serve_dp(n: int, args: ServerArgs, engine_argv: list[str], router_argv: list
         log.error("start-up failed: %s", reason)
         dp.stop()
         return 1
-    log.info("ready: %d engines behind the router at http://%s:%d", n, args.host, args.port)
+    log.info("ready: %d engines behind the router at http://%s:%d (engines on 127.0.0.1:%d-%d)", dp.n, args.host,
+             args.port, dp.base_port, dp.base_port + dp.n - 1)
     return dp.watch()

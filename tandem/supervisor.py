@@ -30,7 +30,7 @@ from typing import Callable
 
 import zmq
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.curve import generate_keys
 from proto.messages import EngineDead
 from proto.transport import Endpoints, PushChannel, ipc_endpoints, make_run_dir, tcp_endpoints, use_endpoint_security
@@ -103,8 +103,14 @@ class Supervisor:
     def start(self) -> None:
         self._zctx = zmq.Context()
         self._announcer = PushChannel(self._zctx, "outputs", self.endpoints.outputs)
+        self.start_engine()
+        self._spawn("tokenizer")
+
+    def start_engine(self) -> None:
+        """The scheduler and the worker process(es), on this supervisor's endpoints; whoever
+        binds ``outputs`` is their front (the HTTP front, or ``tandem.LLM`` in its own process)."""
         self._new_engine()
-        for role in [*self.engine_roles, "tokenizer"]:
+        for role in self.engine_roles:
             self._spawn(role)
         self.engine_started = time.monotonic()
 
@@ -175,7 +181,7 @@ class Supervisor:
         give_up = self.failures > self.args.max_engine_restarts
         note = "giving up" if give_up else "restarting the engine"
         self._announce_death(f"{role} process died (exit code {code}); {note}")
-        self._stop_engine()
+        self.stop_engine()
         if give_up:
             log.error("engine died %d times in a row (--max-engine-restarts %d): giving up",
                       self.failures, self.args.max_engine_restarts)
@@ -188,16 +194,13 @@ class Supervisor:
             time.sleep(0.05)
         if self.stopping:
             return True  # watch() sees it and stops in order
-        self._new_engine()
-        for r in self.engine_roles:
-            self._spawn(r)
-        self.engine_started = time.monotonic()
+        self.start_engine()
         self.death_announced = False
         return True
 
-    def _stop_engine(self) -> None:
+    def stop_engine(self) -> None:
         """Scheduler and worker, whichever is left: SIGTERM, then SIGKILL; all joined (no orphan)."""
-        procs = [self.procs[r] for r in self.engine_roles]
+        procs = [self.procs[r] for r in self.engine_roles if r in self.procs]
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proto.auth import APIKeyMiddleware
+from common.auth import APIKeyMiddleware
 from tokenizer_proc import serving_chat, serving_native, serving_openai
 from tokenizer_proc.context import Front
 from tokenizer_proc.errors import APIError, error_body, error_response

@@ -4,10 +4,10 @@ Where the template comes from (first found wins, as in recent ``transformers``):
 ``chat_template.jinja``, then ``chat_template.json`` (``{"chat_template": ...}``), then
 ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: "default").
 
-``--chat-template`` (a file or inline Jinja, ``proto/jinja_env.py``) replaces all of them; a
+``--chat-template`` (a file or inline Jinja, ``common/jinja_env.py``) replaces all of them; a
 request's own ``chat_template`` replaces that, when the server trusts request templates.
 
-The environment (``proto/jinja_env.py``) mirrors HF's. Messages with ``None`` values lose those keys (HF does the same: many
+The environment (``common/jinja_env.py``) mirrors HF's. Messages with ``None`` values lose those keys (HF does the same: many
 templates print a literal "None" otherwise).
 
 Without any template we use ``FALLBACK_TEMPLATE``: one ``role: content`` line per message and,
@@ -26,7 +26,7 @@ from typing import Any
 
 import jinja2
 
-from proto.jinja_env import compile_template
+from common.jinja_env import compile_template
 from tokenizer_proc.tokenizer import TextTokenizer, read_json
 
 FALLBACK_TEMPLATE = (

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from tokenizer_proc.chat_template import ChatTemplate, RequestTemplates
 from tokenizer_proc.engine_client import EngineClient
 from tokenizer_proc.errors import APIError, bad_request, check_content_type

@@ -35,7 +35,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.arrays import pack_i32
 from proto.messages import (
     AbortReq,

@@ -22,8 +22,8 @@ from typing import Callable
 
 import uvicorn
 
-from proto.args import ServerArgs
-from proto.jinja_env import read_template_source
+from common.args import ServerArgs
+from common.jinja_env import read_template_source
 from proto.transport import Endpoints
 from tokenizer_proc.app import build_app
 from tokenizer_proc.chat_template import ChatTemplate

@@ -62,9 +62,9 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 
 
 class StructuredOutputs(msgspec.Struct, kw_only=True):
-    """vLLM's ``structured_outputs``: at most one constraint (structured.py).
-    ``disable_any_whitespace`` gives JSON fixed separators; its other whitespace options are
-    ignored; ``structural_tag`` is the tag's JSON text (or object)."""
+    """vLLM's ``structured_outputs``: at most one constraint, and options that bind the
+    constraint whichever field carries it (structured.py, ``with_options``);
+    ``structural_tag`` is the tag's JSON text (or object)."""
 
     json: Any = None  # a JSON Schema, or its text
     regex: str | None = None
@@ -72,7 +72,10 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: Any = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = False  # JSON with fixed separators
+    disable_additional_properties: bool = False  # already so: xgrammar lists only the schema's properties
+    disable_fallback: bool = False  # nothing to fall back from: one grammar backend
+    whitespace_pattern: str | None = None  # outlines' option: a 400 (xgrammar has none)
 
 
 class ConstraintFields(msgspec.Struct, kw_only=True):

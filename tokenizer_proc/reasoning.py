@@ -30,25 +30,13 @@ pieces, and the non-streaming split is the same machine fed the whole text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import msgspec
 
+from common.parsers import REASONING_PARSERS
 from tokenizer_proc.stops import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
-
-
-def _deepseek_r1(kwargs: dict) -> bool:
-    return True
-
-
-def _qwen3(kwargs: dict) -> bool:
-    return bool(kwargs.get("enable_thinking", True))
-
-
-# name -> whether an answer starts in reasoning when the prompt does not say (names: proto.args)
-PARSERS: dict[str, Callable[[dict], bool]] = {"deepseek_r1": _deepseek_r1, "qwen3": _qwen3}
 
 
 def starts_in_reasoning(name: str, prompt: str, template_kwargs: dict | None, continue_final: bool) -> bool:
@@ -58,7 +46,8 @@ def starts_in_reasoning(name: str, prompt: str, template_kwargs: dict | None, co
         return True
     if last_close >= 0 and (continue_final or not prompt[last_close + len(CLOSE):].strip()):
         return False
-    return PARSERS[name](template_kwargs or {})
+    switch = REASONING_PARSERS[name]  # the kwarg that turns thinking off, if the parser has one
+    return switch is None or bool((template_kwargs or {}).get(switch, True))
 
 
 def grammar_after_reasoning(grammar, in_reasoning: bool, tok):

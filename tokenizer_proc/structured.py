@@ -7,8 +7,9 @@ Spellings, in the order they are read (at most one per request: a second is a 40
   the schema at ``response_format.schema`` too); ``structural_tag`` (xgrammar's ``format`` object,
   or the older ``structures`` + ``triggers``, as vLLM and SGLang take it);
 - vLLM's ``structured_outputs``: ``json`` (a schema, or its text), ``regex``, ``choice`` (a list
-  of strings), ``grammar`` (GBNF/EBNF), ``json_object: true``; ``disable_any_whitespace`` gives
-  JSON fixed separators; ``structural_tag`` (the tag's JSON text);
+  of strings), ``grammar`` (GBNF/EBNF), ``json_object: true``; ``structural_tag`` (the tag's JSON
+  text). Its options (``disable_any_whitespace``: JSON fixed separators) bind the constraint
+  whichever field carries it (``with_options``);
 - vLLM's older top-level ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
 - SGLang's top-level ``json_schema`` (schema text), ``regex``, ``ebnf``, and the same three in
   ``/generate``'s ``sampling_params`` (params named ``sampling_params.<field>``), where
@@ -158,13 +159,11 @@ def _candidates(req: Any, prefix: str) -> Iterator[tuple[str, GrammarSpec]]:
             yield "response_format", spec
     so = getattr(req, "structured_outputs", None)
     if so is not None:
-        fixed = {"any_whitespace": False} if so.disable_any_whitespace else {}
         for key, kind in STRUCTURED_OUTPUTS:
             if getattr(so, key) is not None:
-                spec = MAKERS[kind](getattr(so, key), f"structured_outputs.{key}")
-                yield f"structured_outputs.{key}", msgspec.structs.replace(spec, **fixed) if kind == "json" else spec
+                yield f"structured_outputs.{key}", MAKERS[kind](getattr(so, key), f"structured_outputs.{key}")
         if so.json_object:
-            yield "structured_outputs.json_object", GrammarSpec("json", JSON_OBJECT, **fixed)
+            yield "structured_outputs.json_object", GrammarSpec("json", JSON_OBJECT)
         if so.structural_tag is not None:
             yield "structured_outputs.structural_tag", structural_tag_grammar(so.structural_tag,
                                                                               "structured_outputs.structural_tag")
@@ -176,15 +175,37 @@ def _candidates(req: Any, prefix: str) -> Iterator[tuple[str, GrammarSpec]]:
         yield prefix + "structural_tag", structural_tag_grammar(req.structural_tag, prefix + "structural_tag")
 
 
+def with_options(spec: GrammarSpec | None, req: Any) -> GrammarSpec | None:
+    """``structured_outputs``' options applied to the grammar, whichever field carries it: vLLM
+    merges ``response_format``, the older fields and a forced ``tool_choice`` into
+    ``structured_outputs`` before reading its options, so ``disable_any_whitespace`` binds a
+    schema sent in ``response_format`` or ``tools`` too. ``disable_additional_properties`` is what
+    the worker's xgrammar does anyway (strict mode: no property the schema does not list), and
+    ``disable_fallback`` has nothing to disable (one backend); ``whitespace_pattern`` (outlines'
+    option) has no xgrammar equivalent: a 400 rather than a pattern silently not applied."""
+    so = getattr(req, "structured_outputs", None)
+    if so is None:
+        return spec
+    if so.whitespace_pattern is not None:
+        raise bad_request("Invalid 'structured_outputs.whitespace_pattern': not supported by this server's grammar "
+                          "backend (xgrammar); use 'disable_any_whitespace' for compact JSON.",
+                          "structured_outputs.whitespace_pattern")
+    if spec is not None and spec.kind == "json" and so.disable_any_whitespace:
+        return msgspec.structs.replace(spec, any_whitespace=False)
+    return spec
+
+
 def find_constraint(req: Any, prefix: str = "") -> tuple[str, GrammarSpec] | None:
-    """(the field that set it, the grammar) of a request body or /generate's ``sampling_params``
-    (``prefix`` "sampling_params."); None without a constraint. APIError(400) on bad input."""
+    """(the field that set it, the grammar, ``structured_outputs``' options applied) of a request
+    body or /generate's ``sampling_params`` (``prefix`` "sampling_params."); None without a
+    constraint. APIError(400) on bad input."""
     found = None
     for param, spec in _candidates(req, prefix):
         if found is not None:
             raise conflict(found[0], param)
         found = (param, spec)
-    return found
+    with_options(None, req)  # a bad option is a 400 with or without a constraint
+    return None if found is None else (found[0], with_options(found[1], req))
 
 
 def request_grammar(req: Any, prefix: str = "") -> GrammarSpec | None:
@@ -198,7 +219,7 @@ def chat_grammar(req: Any, forced: GrammarSpec | None) -> GrammarSpec | None:
     found = find_constraint(req)
     if found and forced:
         raise conflict(found[0], "tool_choice")
-    return forced or (found[1] if found else None)
+    return with_options(forced, req) if forced else (found[1] if found else None)
 
 
 def conflict(first: str, second: str) -> APIError:

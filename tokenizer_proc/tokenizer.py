@@ -13,7 +13,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from proto.hf_files import read_json, special_token
+from common.hf_files import read_json, special_token
 
 
 class TokenizerError(RuntimeError):

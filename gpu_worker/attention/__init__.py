@@ -1,9 +1,9 @@
 """Attention backends, chosen by name (--attention-backend).
 
 ``auto`` (the default) resolves to triton on CUDA (flashinfer if Triton is missing) and to torch
-on the CPU. Triton first because it measured faster end to end on the H200 at every workload of
-BENCHMARKS.md (2026-12-02: 8B 1 / 64 requests, Qwen3 recipe), and it serves MTP verify and draft
-reads, which the flashinfer backend hands to triton anyway.
+on the CPU. Triton first because it is faster end to end for our decode shapes
+(docs/decisions/attention.md), and it serves MTP verify and draft reads, which the flashinfer
+backend hands to triton anyway.
 On the CPU ``triton`` runs our kernels in Triton's interpreter (``TRITON_INTERPRET=1``: slow,
 for tests); ``flashinfer`` needs CUDA.
 """

@@ -2,10 +2,9 @@
 bucket in pieces cut at each layer's attention.
 
 Why: an eager prefill step launches ~11 kernels a layer, and each launch costs tens of
-microseconds of host time (Triton's Python launcher, cuBLAS's host side): on an 8192-token step
-of Qwen3-0.6B the host took about as long as the kernels, so the GPU waited on it (the step:
-25.7-26.9 ms eager, 24.9-25.2 ms with these graphs on the H200; BENCHMARKS.md, 2026-12-02
-late). Everything in the forward but attention depends only on the token count; attention's
+microseconds of host time (Triton's Python launcher, cuBLAS's host side): on a long prefill
+step of a small model the host takes about as long as the kernels, so the GPU waits on it
+(docs/decisions/graphs.md). Everything in the forward but attention depends only on the token count; attention's
 launch depends on the rows' lengths. So for each bucket of N
 tokens the forward is captured as L+1 graphs: piece i ends with layer i's rotated q (and its KV
 written) in a static buffer; the attention then runs eagerly with this step's metadata into a

@@ -1,15 +1,14 @@
 """Prefill-shaped forwards at start-up, before the worker reports ready.
 
 CUDA graphs cover decode steps only; a step with a prefill chunk runs eagerly, and the first
-such step of a process met every kernel of its shapes for the first time: cuBLAS modules
-loaded lazily for large-M GEMMs, Triton variants compiled or read from disk. On a fresh
-machine that made the first engine process's first seconds of prefill steps 10-30x slower in
-host time (BENCHMARKS.md, "start-up transient"). A few forwards at chunk-like sizes pay
-that before serving, as vLLM's and SGLang's start-up dummy runs do.
+such step of a process would meet every kernel of its shapes for the first time: cuBLAS
+modules loaded lazily for large-M GEMMs, Triton variants compiled or read from disk, making the
+first seconds of prefill steps many times slower in host time. A few forwards at chunk-like
+sizes pay that before serving, as vLLM's and SGLang's start-up dummy runs do.
 
 Invariant kept: the forwards touch no slot state. They run as slot 0, the padding row, whose
 page-table row is all page 0, so they read and write only page 0, scratch for padding rows
-already (``cuda_graphs.py``).
+already (``graphs/decode.py``).
 """
 
 from __future__ import annotations

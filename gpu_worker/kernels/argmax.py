@@ -2,8 +2,7 @@
 ``torch.argmax``), in two small kernels: every (row, chunk of the vocabulary) program finds
 its chunk's maximum and first index, then one program per row picks the first chunk holding
 the row's maximum. Spread over rows x chunks, one row of a 128k vocabulary uses 63 programs
-where ``torch.argmax`` reduces it in a few (26 us on the H200 for one row,
-benchmarks/kernel_sweep.py "logits").
+where ``torch.argmax`` reduces it in a few programs (a latency-bound launch at one row).
 
 NaN counts as +inf here (torch returns the first NaN's index): a NaN logit is a broken model
 either way, and the token stays a valid id.

@@ -3,8 +3,7 @@ a scaled embedding (``embed_scaled``).
 
 Each of the S draft steps feeds the assistant's pre-projection ``[R, 2H]``: the target's scaled
 embedding of the token just drafted, then the previous hidden. In torch that is a gather, a
-multiply and a cat, three launches of ~2 us each at one row (the H200 trace of the Gemma-4 9B
-MTP step, BENCHMARKS.md 2026-12-04 evening), on the draft loop's critical path.
+multiply and a cat, three launches at one row on the draft loop's critical path.
 
 Bitwise torch's result: a bf16 / fp16 tensor times a Python float is computed in float32 and
 rounded once to the tensor's dtype; the tail is copied as is. Both halves are rounded to the

@@ -125,7 +125,7 @@ if triton is not None:
                          PREFETCH_K: tl.constexpr):
         """Tensor-core variant for 1..DOT_MAX_M rows: acc [BLOCK_N, MP] += W tile @ x tile^T (x
         padded to MP rows, read as zeros). The FMA kernel above reduces every tile once per row, which at
-        four rows made it 2-3x slower than cuBLAS (BENCHMARKS.md 2026-12-03, ``h200-2026-12-03g``).
+        four rows makes it 2-3x slower than cuBLAS (docs/decisions/gemv.md).
         Gated (``ACT`` >= 0): the epilogue splits the accumulator into its gate and up halves and
         writes ``act(gate) * up`` [M, N] (the activation kernel's work, in registers).
         ``ROWS_RT``: the row count is the runtime ``rows`` (decode batches past GEMV_MAX_M share

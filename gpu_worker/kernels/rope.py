@@ -52,7 +52,7 @@ if triton is not None:
         """a * b (float32), never contracted into an add: with FP fusion on, LLVM narrowed
         ``rnd(rnd(x1 * c) + rnd(-x2 * s))`` to a bf16 FMA, dropping the product's rounding (HF
         rounds it), and picked which product to fuse per kernel (rope_store and the fused qkv
-        GEMV then disagreed in the last bit on the H200)."""
+        GEMV then disagreed in the last bit on the GPU)."""
         if _EXACT_MUL:
             return libdevice.mul_rn(a, b)
         return a * b
@@ -122,8 +122,8 @@ if triton is not None:
 
 def heads_per_program(tokens: int, heads: int) -> int:
     """Heads one program handles: 1 at decode sizes (most parallelism for few tokens), up to 8
-    from 64 tokens on, where one program per (token, head) made the kernel launch-grid bound
-    (120 us for 8192 tokens of Qwen3-0.6B's 24 heads on the H200, ~5x its bytes' time)."""
+    from 64 tokens on, where one program per (token, head) makes the kernel launch-grid bound
+    (about 5x its bytes' time at 8192 tokens of a 24-head model)."""
     if tokens < 64:
         return 1
     return min(8, 1 << max(0, heads.bit_length() - 1))

@@ -1,8 +1,7 @@
 """Final-logit softcapping in one pass: ``tanh(float(x) / cap) * cap``, float32 out.
 
 Gemma's LM head returns model-dtype logits; torch's float copy, divide, tanh and multiply are four
-launches over [rows, vocab] (~11 us at four rows of a 262k vocabulary on the H200, the Gemma-4
-9B MTP trace in BENCHMARKS.md 2026-12-04 late), on every decode step. The kernel does torch's
+launches over [rows, vocab] on every decode step, each a pass over a 262k vocabulary. The kernel does torch's
 float32 operations in its order: the division as torch's CUDA kernel does it for a scalar
 divisor, a multiply by the float32 reciprocal (``div_true_kernel_cuda``), then libdevice's
 ``tanh`` (torch calls the CUDA toolkit's ``tanhf``; the GPU test allows 2 ulp there), then the

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from proto.hf_files import read_json, special_token
+from common.hf_files import read_json, special_token
 
 
 def _as_ids(value: Any) -> list[int]:

@@ -1,6 +1,6 @@
 """The Gemma 4 assistant (frozen-KV MTP draft), as HF ``Gemma4AssistantForCausalLM``.
 
-One draft step, per row (DESIGN.md §5):
+One draft step, per row (docs/design.md §5):
     z = pre_projection(cat(target_embed(token), prev_hidden))       # [R, 2*Ht] -> [R, Ha]
     h = norm(decoder layers over z)   # Q-only attention over the TARGET's KV, no KV written
     logits = lm_head(h)  or the centroid-masked head (use_ordered_embeddings)

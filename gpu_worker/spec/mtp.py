@@ -1,4 +1,4 @@
-"""Frozen-KV MTP: the draft chain and the verify/accept rule (DESIGN §5, K = 1).
+"""Frozen-KV MTP: the draft chain and the verify/accept rule (docs/design.md §5, a chain).
 
 Seed for a decoding slot = (bonus token = last_token[s], target post-norm hidden at the last
 committed position = hidden[s]). Each of the S draft steps is one assistant forward that reads

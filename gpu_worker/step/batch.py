@@ -2,7 +2,7 @@
 
 Token layout, row-contiguous: every extend row's chunk, then every decode row's T tokens
 (T = 1 plain; with MTP the bonus followed by S drafts). Decode rows take their tokens and
-positions from per-slot device state, so the scheduler never sends them (docs/design.md, "Overlap").
+positions from per-slot device state, so the scheduler never sends them (docs/design.md §4).
 """
 
 from __future__ import annotations

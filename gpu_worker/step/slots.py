@@ -1,4 +1,4 @@
-"""Per-slot device state (docs/design.md, "State"), relayed between steps by slot id, never by batch row.
+"""Per-slot device state (docs/design.md §3), relayed between steps by slot id, never by batch row.
 
 Row 0 of every table is the padding row. For a slot holding a request:
 

@@ -20,7 +20,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 # RoPE position of EVERY draft step, as an offset from committed_len (= the bonus token's index).
 # "bonus_index" (offset 0) is HF transformers' SinglePositionMultiTokenCandidateGenerator
-# convention and what our engine serves (DESIGN §5); "last_committed" (offset -1) is sglang's.
+# convention and what our engine serves (docs/design.md §5); "last_committed" (offset -1) is sglang's.
 DRAFT_POSITION = "bonus_index"
 POSITION_OFFSETS = {"bonus_index": 0, "last_committed": -1}
 

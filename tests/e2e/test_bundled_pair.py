@@ -1,5 +1,5 @@
 """The bundled tiny-shakespeare pair: served by `tandem serve` with no model flags (MTP on),
-lossless against MTP off and HF transformers, with acceptance >= 2.5 at S = 3 on held-out
+lossless against MTP off (the target served by a Hub id from an offline cache) and HF transformers, with acceptance >= 2.5 at S = 3 on held-out
 prompts, read from the server's own /server_info and /metrics. (A test of the fixed artifact.)"""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 from openai import OpenAI
 
 from tests.helpers.checkpoints import hf_greedy
+from tests.helpers.hub_cache import add_to_cache
 from tests.helpers.server import ROOT, Server
 
 PAIR = os.path.join(ROOT, "models", "tiny-shakespeare")
@@ -23,14 +24,14 @@ def _prompts(n: int) -> list[str]:
     return lines[:: max(1, len(lines) // n)][:n]
 
 
-def _complete(srv, prompts, n_tokens=48):
+def _complete(srv, prompts, n_tokens=48, model="tiny-shakespeare"):
     client = OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
-    return [client.completions.create(model="tiny-shakespeare", prompt=p, max_tokens=n_tokens, temperature=0)
+    return [client.completions.create(model=model, prompt=p, max_tokens=n_tokens, temperature=0)
             for p in prompts]
 
 
 @pytest.fixture(scope="module")
-def outputs():
+def outputs(tmp_path_factory):
     prompts = _prompts(8)
     # As `tandem serve` runs by default: MTP on (S = 3), decode steps compiled (the first run on a
     # machine builds them: minutes on two cores, hence the timeout).
@@ -39,9 +40,15 @@ def outputs():
         info = httpx.get(srv.url + "/server_info").json()
         metrics = httpx.get(srv.url + "/metrics").text
         assert "compiled CPU steps off" not in srv.output()
-    with Server(os.path.join(PAIR, "target"), "--served-model-name", "tiny-shakespeare", compiled=True,
+    # The target alone, named by a Hub id served from a pre-populated cache with no network
+    # (`tandem serve ORG/NAME` as a vLLM user types it).
+    hf_home = str(tmp_path_factory.mktemp("hf_home"))
+    add_to_cache(hf_home, "tandem-test/tiny-shakespeare", os.path.join(PAIR, "target"))
+    with Server(None, "tandem-test/tiny-shakespeare", env={"HF_HOME": hf_home, "HF_HUB_OFFLINE": "1"}, compiled=True,
                 timeout=900) as srv:
-        plain = _complete(srv, prompts)
+        served = [m.id for m in OpenAI(base_url=srv.base_url, api_key="none").models.list().data]
+        assert served == ["tandem-test/tiny-shakespeare"]
+        plain = _complete(srv, prompts, model=served[0])
         assert "compiled CPU steps off" not in srv.output()
     return prompts, mtp, plain, info, metrics
 

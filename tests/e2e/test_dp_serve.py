@@ -9,7 +9,7 @@ import time
 import httpx
 from openai import OpenAI
 
-from tests.helpers.server import Server
+from tests.helpers.server import Server, free_port
 
 
 def _children(pid: int) -> list[tuple[int, list[str]]]:
@@ -41,8 +41,9 @@ def _wait(cond, timeout: float, what: str) -> None:
 
 
 def test_dp_size_two_engines_behind_one_router(ckpts):
-    srv = Server(ckpts["llama"], "--dp-size", "2", "--router-health-check-interval-secs", "0.3",
-                 "--router-health-failure-threshold", "1", "--log-level", "info")
+    base = free_port()  # engines on base, base + 1
+    srv = Server(ckpts["llama"], "--dp-size", "2", "--dp-base-port", str(base), "--router-health-check-interval-secs",
+                 "0.3", "--router-health-failure-threshold", "1", "--log-level", "info")
     try:
         workers = lambda: httpx.get(srv.url + "/workers", timeout=5).json()["workers"]  # noqa: E731
         # serve is up once one engine is; the other may still be loading its model
@@ -52,7 +53,17 @@ def test_dp_size_two_engines_behind_one_router(ckpts):
         # then fails the start-up (the whole service stops), so the kill below waits for it.
         _wait(lambda: "ready: 2 engines behind the router" in _read(srv.log_path), 60, "the dp parent ready")
         urls = [w["url"] for w in workers()]
-        assert all(u.startswith("http://127.0.0.1:") for u in urls) and srv.url not in urls
+        assert urls == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+        assert all(w["last_error"] is None for w in workers())  # no stale start-up error beside healthy
+        # One scrape target: the router's /metrics carries each engine's series, labelled.
+        text = httpx.get(srv.url + "/metrics", timeout=5).text
+        for port in (base, base + 1):
+            assert f'engine="127.0.0.1:{port}"' in text and "tandem_router_requests_total" in text
+        assert text.count("# TYPE tandem:num_requests_running gauge") == 1
+        # Each child's log lines carry its tag; the supervisor holds no torch.
+        log = _read(srv.log_path)
+        assert "[engine 0] " in log and "[engine 1] " in log and "[router] " in log
+        assert "libtorch" not in _read(f"/proc/{srv.proc.pid}/maps")
         via = OpenAI(base_url=srv.base_url, api_key="x")
         model = via.models.list().data[0].id
         direct = OpenAI(base_url=urls[1] + "/v1", api_key="x")

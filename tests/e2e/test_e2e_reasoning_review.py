@@ -123,7 +123,8 @@ def test_all_reasoning_answer_back_as_history(client):
 
 
 def test_max_model_len_human_readable(ckpts):
-    s = Server(None, ckpts["qwen3"], "--max-model-len=1k", "--reasoning-parser", "deepseek-r1", "--enforce-eager")
+    s = Server(None, ckpts["qwen3"], "--max-model-len=1k", "--allow-long-context-length", "--reasoning-parser", "deepseek-r1",
+               "--enforce-eager")
     try:
         assert httpx.get(s.base_url + "/models", timeout=30).json()["data"][0]["max_model_len"] == 1000
     finally:

@@ -15,7 +15,7 @@ import time
 from openai import AsyncOpenAI, OpenAI
 from tokenizers import Tokenizer
 
-from tests.e2e.ops_util import engine_children
+from benchmarks.stream_ends import engine_children
 from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.server import ROOT, Server
 

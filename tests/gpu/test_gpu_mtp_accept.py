@@ -1,14 +1,7 @@
 """Frozen-KV MTP on CUDA with most drafts accepted: an oracle draft (tests/helpers/oracle_draft.py)
 proposes the reference's own continuation, so verify positions 1..S decide tokens. The random
 assistant of test_gpu_parity.py almost never has a draft accepted, which leaves those positions
-unchecked there.
-
-Why this file (2026-12-05, H100): test_gpu_grammar.py's MTP case gave a token the reference
-ranks second by 0.15 logits (not a near-tie), deterministically and with CUDA_LAUNCH_BLOCKING=1;
-its plain case and the same test on the CPU (Triton's interpreter, emulated graphs) pass. These
-cases take the grammar away and switch the GPU-only parts one at a time (``SETUPS``: decode
-graphs, piecewise prefill graphs, captured once or again after the draft swap), one row or many.
-What they found is below ``SETUPS``: not MTP, a test step that freed a tensor graphs held."""
+unchecked there. The GPU-only parts are switched one at a time (``SETUPS``), one row or many."""
 
 from __future__ import annotations
 
@@ -32,15 +25,9 @@ def pair(tmp_path_factory):
 # How the engine's graphs come to be, the oracle draft swapped in after start-up: "none" (no
 # graphs), "both" (decode then piecewise prefill graphs captured once, after the swap: start-up's
 # order), "recapture" (start-up's graphs, then the swap and the decode graphs captured again:
-# test_gpu_grammar.py's path).
-# "recapture" failed on the H100 (2026-12-05) from the first token: ``BigramDraft(target).cuda()``
-# moves its submodule, the target, to where it already is, and ``Rotary._apply`` replaced its
-# ``inv_freq`` with a new tensor where every other tensor stays put; the piecewise prefill graphs
-# captured before the swap went on reading the freed one. The bisect also ran decode-only and
-# prefill-only graphs, prefill before decode, start-up graphs kept, the random assistant
-# re-captured, the old decode graphs held alive and the prefill graphs re-captured after the swap
-# (BENCHMARKS.md, seventh session); it is kept to these three. Fixed in ``Rotary._apply``
-# (tests/unit/test_rotary_apply.py is the CPU twin).
+# test_gpu_grammar.py's path). "recapture" checks that a ``.cuda()`` of a model already in place
+# (``BigramDraft(target).cuda()`` moves the target it holds) replaces no tensor the graphs
+# captured before it read (``Rotary._apply``; tests/unit/test_rotary_apply.py is the CPU twin).
 SETUPS = ["none", "both", "recapture"]
 
 

@@ -1,7 +1,7 @@
 """After start-up (prefill warm-up + graph capture), serving compiles no Triton variant: short
 prompts alone in their step, mixed steps whose decode rows start at odd offsets, greedy
-selection and the longest-first order all reuse what start-up built. A compile mid-serving cost the first process 0.5 s a variant on the
-H200 (BENCHMARKS.md, start-up transient)."""
+selection and the longest-first order all reuse what start-up built (a compile mid-serving costs
+a step about half a second)."""
 
 from __future__ import annotations
 

@@ -158,3 +158,34 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10.0)
+
+
+FAST = ["--health-check-interval-secs", "0.2", "--load-poll-interval-secs", "0.1", "--retry-initial-backoff-ms", "5",
+        "--health-failure-threshold", "1", "--health-success-threshold", "1"]
+
+
+class Stack:
+    """An in-process router (``Router`` + its app in a thread) in front of ``n`` fake engines."""
+
+    def __init__(self, n: int = 2, *flags: str, names: list[str] | None = None):
+        from router.app import Router, build_app
+        from router.config import parse_router_args
+
+        self.fakes = [FakeEngine((names or ["m"] * n)[i]) for i in range(n)]
+        self.ups = [ServerThread(f.app) for f in self.fakes]
+        self.cfg = parse_router_args(["--worker-urls", *[u.url for u in self.ups], *FAST, *flags])
+        self.router = Router(self.cfg)
+        self.srv = ServerThread(build_app(self.router))
+        self.url = self.srv.url
+
+    def stop(self):
+        self.srv.stop()
+        for u in self.ups:
+            u.stop()
+
+
+def until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)

@@ -11,7 +11,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.transport import ipc_endpoints, make_run_dir
 from tests.unit.fake_engine import FakeEngine
 from tests.unit.front_tok import shared_tokenizer_dir

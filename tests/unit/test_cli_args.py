@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-from proto.args import BUNDLED_MODEL_DIR, REASONING_PARSERS, ArgError, parse_server_args
+from common.args import BUNDLED_MODEL_DIR, ArgError
+from common.parsers import REASONING_PARSERS
+from common.serve_cli import parse_server_args
 from tandem.cli import main as cli_main
 
 TARGET = os.path.join(BUNDLED_MODEL_DIR, "target")
@@ -56,13 +58,6 @@ def test_aliases_change_what_they_should():
     assert not positional.spec_enabled  # an explicit model: no bundled assistant
 
 
-def test_hub_name_is_a_clear_error(capsys):
-    assert cli_main(["serve", "Qwen/Qwen3-0.6B"]) == 2
-    err = capsys.readouterr().err
-    assert err == ("tandem serve: error: --model-path: 'Qwen/Qwen3-0.6B' is not a directory (a local checkpoint; "
-                   "hub names are not downloaded)\n")
-
-
 def test_positional_model_and_a_different_flag_conflict():
     with pytest.raises(ArgError, match="^--model-path: .* differs from the positional MODEL"):
         parse_server_args([TARGET, "--model-path", BUNDLED_MODEL_DIR])
@@ -107,14 +102,14 @@ def test_bad_template_file_is_a_cli_error(tmp_path):
 def test_help_shows_aliases_next_to_the_flag(capsys):
     assert cli_main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
-    for pair in ("--model-path DIR, --model DIR", "--tokenizer-path DIR, --tokenizer DIR",
+    for pair in ("--model-path DIR|HUB_ID, --model DIR|HUB_ID", "--tokenizer-path DIR|HUB_ID, --tokenizer DIR|HUB_ID",
                  "--context-length N, --max-model-len N", "--mem-fraction-static F, --gpu-memory-utilization F",
                  "--tp-size N, --tensor-parallel-size N, --tp N, -tp N", "--max-running-requests N, --max-num-seqs N",
                  "--chunked-prefill-size N, --max-num-batched-tokens N", "--disable-cuda-graph, --enforce-eager",
                  "--random-seed N, --seed N", "--no-enable-prefix-caching", "--enable-prefix-caching",
                  "--chat-template FILE|JINJA", "--trust-request-chat-template", "--reasoning-parser NAME"):
         assert pair in out, pair
-    assert out.startswith("usage: tandem serve [MODEL] [--model-path DIR] [options]\n")
+    assert out.startswith("usage: tandem serve [MODEL] [--model-path DIR|HUB_ID] [options]\n")
     assert max(len(line) for line in out.splitlines()) <= 100
 
 

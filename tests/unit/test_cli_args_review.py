@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from proto.args import ArgError, parse_server_args
+from common.args import ArgError
+from common.serve_cli import parse_server_args
 from tandem.cli import main as cli_main
 
 FORMS = [
@@ -62,8 +63,9 @@ def test_prefix_caching_pair_last_wins():
 @pytest.mark.parametrize("flag,field", [("--max-model-len", "context_length"),
                                         ("--max-num-batched-tokens", "chunked_prefill_size")])
 def test_vllm_human_readable_token_counts(flag, field, value, want):
-    assert getattr(parse_server_args([flag, value]), field) == want
-    assert getattr(parse_server_args([f"{flag}={value}"]), field) == want
+    long = ["--allow-long-context-length"]  # the bundled model's max_position_embeddings is 4096
+    assert getattr(parse_server_args([flag, value, *long]), field) == want
+    assert getattr(parse_server_args([f"{flag}={value}", *long]), field) == want
 
 
 @pytest.mark.parametrize("value", ["abc", "k", "1.5K", "0x10", "1.2.3k"])

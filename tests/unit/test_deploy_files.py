@@ -112,7 +112,7 @@ def test_engines_are_healthchecked_restarted_drained_and_unpublished(profile, gp
 
 def test_every_flag_in_the_compose_commands_parses(gpu, cpu):
     """The real CLI parsers (tandem serve, tandem router) accept every command the stack runs."""
-    from proto.args import build_parser
+    from common.serve_cli import build_parser
     from router.config import build_parser as router_parser
 
     for services in (gpu, cpu):
@@ -128,7 +128,8 @@ def test_every_flag_in_the_compose_commands_parses(gpu, cpu):
 def test_cpu_engine_commands_pass_tandem_serves_validation(cpu):
     """Beyond parsing: the cpu profile's engine command, validated as `tandem serve` does at
     start-up, serves the bundled pair with MTP on the CPU, on the port the healthcheck probes."""
-    from proto.args import BUNDLED_MODEL_DIR, parse_server_args
+    from common.args import BUNDLED_MODEL_DIR
+    from common.serve_cli import parse_server_args
 
     for name in CPU_ENGINES:
         svc = cpu[name]
@@ -242,7 +243,7 @@ def test_build_context_has_the_bundled_pair_and_no_junk():
                     assert os.path.exists(os.path.join(ROOT, src)) and (src == "." or not _ignored(src, pats)), src
     for must in ("models/tiny-shakespeare/target/model.safetensors",
                  "models/tiny-shakespeare/assistant/model.safetensors", "pyproject.toml", "README.md",
-                 "proto/args.py", "router/main.py", "deploy/healthcheck.py"):
+                 "common/args.py", "router/main.py", "deploy/healthcheck.py"):
         assert os.path.exists(os.path.join(ROOT, must)) and not _ignored(must, pats), must
     # deploy/models is .env's default TANDEM_MODELS_DIR: a user's checkpoints (GBs) mounted at run
     # time must not be sent to the build and copied into the image.

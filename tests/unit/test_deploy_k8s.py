@@ -134,7 +134,7 @@ def test_engines_request_a_gpu_probe_health_and_outlast_the_drain():
 
 
 def test_every_flag_parses_with_the_real_cli():
-    from proto.args import build_parser
+    from common.serve_cli import build_parser
     from router.config import build_parser as router_parser
 
     for name, dep in _by_kind("Deployment").items():
@@ -240,7 +240,8 @@ def test_deploy_k8s_is_the_gpu_overlay_and_that_is_the_base():
 
 
 def test_cpu_overlay_serves_the_bundled_pair_without_gpu_or_volume():
-    from proto.args import BUNDLED_MODEL_DIR, parse_server_args
+    from common.args import BUNDLED_MODEL_DIR
+    from common.serve_cli import parse_server_args
 
     docs = _build("overlays/cpu")
     assert "nvidia.com/gpu" not in yaml.safe_dump_all(docs)

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import AbortReq, Shutdown
 from proto.transport import ipc_endpoints, make_run_dir
 from tests.unit.fake_engine import FakeEngine

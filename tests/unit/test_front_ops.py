@@ -8,8 +8,9 @@ import hmac
 import httpx
 import pytest
 
-from proto import auth
-from proto.args import ArgError, ServerArgs, parse_server_args
+from common import auth
+from common.args import ArgError, ServerArgs
+from common.serve_cli import parse_server_args
 from tests.unit.front_harness import MODEL, start_stack
 from tests.unit.test_front_api_validation import assert_error
 
@@ -121,7 +122,7 @@ def test_ops_flags(monkeypatch):
 
 
 def test_overlap_depth_flag():
-    assert parse_server_args([]).step_depth == 3  # the default since 2026-12-05 (BENCHMARKS.md)
+    assert parse_server_args([]).step_depth == 3  # the default (docs/decisions/overlap.md)
     assert parse_server_args(["--overlap-depth", "2"]).step_depth == 2
     assert parse_server_args(["--disable-overlap-schedule"]).step_depth == 1
     assert parse_server_args(["--overlap-depth", "3", "--disable-overlap-schedule"]).step_depth == 1

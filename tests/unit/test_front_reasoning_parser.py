@@ -11,8 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto.args import REASONING_PARSERS
-from tokenizer_proc.reasoning import CLOSE, OPEN, PARSERS, ReasoningParser, split_reasoning, starts_in_reasoning
+from tokenizer_proc.reasoning import CLOSE, OPEN, ReasoningParser, split_reasoning, starts_in_reasoning
 from tokenizer_proc.tool_parsers import accumulate, parse_complete, parser_class
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,10 +50,6 @@ def assert_any_cut(text: str, in_reasoning: bool, three_way: bool = False) -> No
         for o in outs:
             assert not (seen_content and o.reasoning), pieces
             seen_content = seen_content or bool(o.content)
-
-
-def test_registry_matches_the_cli_choices():
-    assert tuple(sorted(PARSERS)) == REASONING_PARSERS
 
 
 @pytest.mark.parametrize("text,in_reasoning,want", [

@@ -68,6 +68,18 @@ SPELLINGS = [
     ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
      GrammarSpec("json", '{"type": "object"}', any_whitespace=False)),
     ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}, GrammarSpec("regex", "a+")),
+    # vLLM merges every field into structured_outputs: its options bind whichever field carries the schema
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}},
+      "structured_outputs": {"disable_any_whitespace": True}}, GrammarSpec("json", SCHEMA_TEXT, any_whitespace=False)),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
+     GrammarSpec("json", '{"type": "object"}', any_whitespace=False)),
+    ({"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": True}},
+     GrammarSpec("json", SCHEMA_TEXT, any_whitespace=False)),
+    ({"json_schema": json.dumps(SCHEMA), "structured_outputs": {"disable_any_whitespace": True}},
+     GrammarSpec("json", SCHEMA_TEXT, any_whitespace=False)),
+    ({"guided_regex": "a+", "structured_outputs": {"disable_any_whitespace": True}}, GrammarSpec("regex", "a+")),
+    ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True, "disable_fallback": True}},
+     GrammarSpec("json", SCHEMA_TEXT)),
     ({"structured_outputs": {"regex": r"\d{3}-[a-z]+"}}, GrammarSpec("regex", r"\d{3}-[a-z]+")),
     ({"structured_outputs": {"choice": ["yes", "no", "東京"]}}, GrammarSpec("choice", '["yes", "no", "東京"]')),
     ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, GrammarSpec("ebnf", 'root ::= "a" | "b"')),
@@ -185,6 +197,9 @@ ERRORS = [
      "Invalid 'response_format': give either 'format' or the older 'structures' and 'triggers', not both."),
     ({"response_format": {"type": "structural_tag", "format": FORMAT, "triggers": ["<f"]}}, "response_format",
      "Invalid 'response_format': give either 'format' or the older 'structures' and 'triggers', not both."),
+    ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": "[ ]?"}}, "structured_outputs.whitespace_pattern",
+     "Invalid 'structured_outputs.whitespace_pattern': not supported by this server's grammar backend (xgrammar); "
+     "use 'disable_any_whitespace' for compact JSON."),
     ({"structured_outputs": {"structural_tag": json.dumps({"triggers": ["<f"]})}}, "structured_outputs.structural_tag.structures",
      "Invalid 'structured_outputs.structural_tag.structures': expected a non-empty array."),
 ]

@@ -52,6 +52,18 @@ def test_required_is_a_grammar_over_every_tool(stack, client, parallel, extra):
                                        "items": {"type": "object", "anyOf": [item(WEATHER), item(TIME)]}})
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_structured_outputs_options_bind_a_forced_call(stack, client, choice):
+    """vLLM merges the tools' schema into ``structured_outputs``: ``disable_any_whitespace``
+    gives the forced call fixed separators too (without it the bundled model ran on in
+    whitespace inside the call's JSON)."""
+    script(stack, ANSWER if choice == "required" else '{"tz": "CET"}')
+    chat(client, tool_choice=choice, extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert stack.fake.of_type(GenerateReq)[-1].params.grammar.any_whitespace is False
+    chat(client, tool_choice=choice)
+    assert stack.fake.of_type(GenerateReq)[-1].params.grammar.any_whitespace is True
+
+
 def test_required_answer_is_tool_calls(stack, client):
     script(stack, ANSWER)
     choice = chat(client, tool_choice="required").choices[0]

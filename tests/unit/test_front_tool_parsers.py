@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto.args import TOOL_CALL_PARSERS
+from common.parsers import TOOL_CALL_PARSERS
 from tests.unit.tool_parser_util import assert_split_invariant, shape, sized, stream, whole
-from tokenizer_proc.tool_parsers import PARSERS, parser_class
+from tokenizer_proc.tool_parsers import parser_class
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2.5e3, true, null]}}'
@@ -22,8 +22,9 @@ def hermes(call: str, sep: str = "\n") -> str:
     return f"<tool_call>{sep}{call}{sep}</tool_call>"
 
 
-def test_registry_matches_the_cli_choices():
-    assert tuple(PARSERS) == TOOL_CALL_PARSERS
+def test_every_registered_name_loads_its_parser():
+    for name in TOOL_CALL_PARSERS:
+        assert parser_class(name).name == name
     assert parser_class("hermes").keeps_special_tokens and not parser_class("llama3_json").keeps_special_tokens
 
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import io
+import subprocess
+import sys
+
 import pytest
 
-from proto.args import ArgError
+from common.args import ArgError
 from router.config import normalize_url, parse_router_args
 from tandem.cli import main
-from tandem.dp import split_dp_args
+from common.serve_cli import parse_server_args
+from tandem.dp import split_router_args
 
 
 def test_router_defaults_follow_sglang():
@@ -58,32 +63,39 @@ def test_cli_errors_are_one_line(capsys):
     assert "--dp-size" in capsys.readouterr().out
 
 
-def test_split_dp_args():
-    dp, engine, router = split_dp_args(["--model-path", "m", "--dp-size", "3", "--router-policy", "round_robin",
+def test_split_router_args():
+    engine, router = split_router_args(["--model-path", "m", "--dp-size", "3", "--router-policy", "round_robin",
                                         "--port", "9000", "--router-disable-retries", "--router-cache-threshold=0.5"])
-    assert dp == 3
-    assert engine == ["--model-path", "m", "--port", "9000"]
+    assert engine == ["--model-path", "m", "--dp-size", "3", "--port", "9000"]
     assert router == ["--policy", "round_robin", "--disable-retries", "--cache-threshold", "0.5"]
-    assert split_dp_args(["--dp-size=1"]) == (None, [], [])
-    assert split_dp_args(["--port", "1"]) == (None, ["--port", "1"], [])
+    assert split_router_args(["--port", "1"]) == (["--port", "1"], [])
+    assert parse_server_args(["--dp-size=3"]).dp_size == parse_server_args(["--data-parallel-size", "3"]).dp_size == 3
     with pytest.raises(ArgError, match="--dp-size"):
-        split_dp_args(["--dp-size", "x"])
+        parse_server_args(["--dp-size", "x"])
 
 
-def test_dp_engine_commands(monkeypatch, tmp_path):
-    from proto.args import parse_server_args
+def _last(cmd: list[str], flag: str) -> str:
+    """The value after the last use of ``flag`` (argparse: the last one wins)."""
+    return cmd[len(cmd) - cmd[::-1].index(flag)]
+
+
+def test_dp_engines_listen_on_predictable_ports(monkeypatch, tmp_path):
+    """Engine i on --dp-base-port + i (default --port + 1), its own seed, a share of the cores."""
     from tandem.dp import DataParallel, _gpu_ids
 
-    argv = ["--run-dir", str(tmp_path), "--port", "9000", "--seed", "7"]
-    dp = DataParallel(2, parse_server_args(argv), argv, [])
+    argv = ["--run-dir", str(tmp_path), "--port", "9000", "--seed", "7", "--dp-size", "2"]
+    dp = DataParallel(parse_server_args(argv), argv, [])
     monkeypatch.setattr("os.cpu_count", lambda: 9)
-    cmd = dp._engine_cmd(1, 4321, cpu=True)
+    cmd = dp._engine_cmd(1, cpu=True)
     assert cmd[cmd.index("serve") + 1:cmd.index("serve") + 1 + len(argv)] == argv
-    last = lambda flag: cmd[len(cmd) - cmd[::-1].index(flag)]  # noqa: E731 - the value after its last use
-    assert (last("--port"), last("--host"), last("--num-threads")) == ("4321", "127.0.0.1", "4")
+    last = lambda flag: _last(cmd, flag)  # noqa: E731
+    assert (last("--port"), last("--host"), last("--num-threads"), last("--dp-size")) == ("9002", "127.0.0.1", "4", "1")
     assert last("--run-dir") == str(tmp_path / "dp1") and "--device" not in cmd
-    assert parse_server_args(cmd[cmd.index("serve") + 1:]).random_seed == 8  # engine i: seed + i
-    gpu = dp._engine_cmd(0, 1, cpu=False)
+    engine = parse_server_args(cmd[cmd.index("serve") + 1:])
+    assert engine.random_seed == 8 and engine.dp_size == 1 and engine.port == 9002  # engine i: seed + i
+    based = DataParallel(parse_server_args([*argv, "--dp-base-port", "7100"]), argv, [])
+    assert [_last(based._engine_cmd(i, cpu=True), "--port") for i in (0, 1)] == ["7100", "7101"]
+    gpu = dp._engine_cmd(0, cpu=False)
     assert gpu[gpu.index("--device") + 1] == "cuda" and "--num-threads" not in gpu
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
     assert _gpu_ids(2) == ["3", "5"]
@@ -108,20 +120,39 @@ def test_router_api_key_flags(monkeypatch):
 def test_dp_hands_the_api_key_to_the_router(monkeypatch):
     """--dp-size with --api-key: the router child gets the key (in its environment, not its
     argv) and --metrics-require-key, so it guards its own routes and can talk to the engines."""
-    from proto.args import parse_server_args
     from tandem import dp as dp_mod
 
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)
     started = []
 
     class FakePopen:
-        def __init__(self, cmd, env=None, preexec_fn=None):
+        def __init__(self, cmd, env=None, preexec_fn=None, stdout=None, stderr=None):
             started.append((cmd, env or {}))
+            self.stdout = io.BytesIO()
 
     monkeypatch.setattr(dp_mod.subprocess, "Popen", FakePopen)
-    argv = ["--device", "cpu", "--api-key", "sekrit", "--metrics-require-key"]
-    dp_mod.DataParallel(2, parse_server_args(argv), argv, []).start()
+    argv = ["--device", "cpu", "--api-key", "sekrit", "--metrics-require-key", "--dp-size", "2"]
+    dp_mod.DataParallel(parse_server_args(argv), argv, []).start()
     (router_cmd, router_env), engines = started[-1], started[:-1]
     assert "router" in router_cmd and "--metrics-require-key" in router_cmd and "sekrit" not in router_cmd
     assert router_env["TANDEM_API_KEY"] == "sekrit"
     assert all("--api-key" in cmd for cmd, _ in engines) and len(engines) == 2
+
+
+def test_the_dp_supervisor_imports_no_torch():
+    """`tandem serve --dp-size 2` parses, finds its device and starts its children without
+    importing torch (224 MB for a process that runs no model)."""
+    code = (
+        "import subprocess, sys, io\n"
+        "class P:\n"
+        "    def __init__(self, *a, **k): self.stdout = io.BytesIO()\n"
+        "subprocess.Popen = P\n"
+        "from tandem.cli import main\n"
+        "import tandem.dp as dp\n"
+        "dp.serve_dp = lambda args, e, r: dp.DataParallel(args, e, r).start() or 0\n"
+        "assert main(['serve', '--dp-size', '2', '--log-level', 'warning']) == 0\n"
+        "import tandem.supervisor\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'gpu_worker', 'transformers')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

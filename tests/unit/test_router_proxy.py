@@ -12,42 +12,14 @@ import time
 import httpx
 import pytest
 
-from router.app import Router, build_app
-from router.config import parse_router_args
-from tests.helpers.fake_upstream import FakeEngine, ServerThread
+from tests.helpers.fake_upstream import FakeEngine, ServerThread, Stack, until
 from tests.helpers.server import free_port, post_then_leave
-
-FAST = ["--health-check-interval-secs", "0.2", "--load-poll-interval-secs", "0.1", "--retry-initial-backoff-ms", "5",
-        "--health-failure-threshold", "1", "--health-success-threshold", "1"]
-
-
-class Stack:
-    def __init__(self, n: int = 2, *flags: str, names: list[str] | None = None):
-        self.fakes = [FakeEngine((names or ["m"] * n)[i]) for i in range(n)]
-        self.ups = [ServerThread(f.app) for f in self.fakes]
-        self.cfg = parse_router_args(["--worker-urls", *[u.url for u in self.ups], *FAST, *flags])
-        self.router = Router(self.cfg)
-        self.srv = ServerThread(build_app(self.router))
-        self.url = self.srv.url
-
-    def stop(self):
-        self.srv.stop()
-        for u in self.ups:
-            u.stop()
-
 
 @pytest.fixture
 def stack():
     s = Stack(2)
     yield s
     s.stop()
-
-
-def until(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def sse_payloads(r: httpx.Response) -> list:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from tandem import supervisor
 from tandem.supervisor import Supervisor, restart_backoff
 from tests.unit.front_tok import shared_tokenizer_dir

@@ -10,7 +10,7 @@ import msgspec
 import zmq
 
 from gpu_worker.tp_worker import Follower, Leader
-from proto.args import ServerArgs
+from common.args import ServerArgs
 from proto.messages import Shutdown, StepPlan
 from proto.transport import ipc_endpoints
 

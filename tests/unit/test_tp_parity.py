@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tests.helpers.checkpoints import VOCAB, build_assistant, build_gemma4, build_llama, build_qwen3
-from proto.args import ArgError, parse_server_args
+from common.args import ArgError
+from common.serve_cli import parse_server_args
 from tests.helpers.tp import ENGINE_CASES, LOGIT_CASES, engine_tokens, model_logits, rank_workload, run_ranks
 
 

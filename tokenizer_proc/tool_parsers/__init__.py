@@ -1,11 +1,12 @@
-"""Tool-call parsers by name (``tandem serve --tool-call-parser NAME``).
-
-The names are also listed in ``proto.args.TOOL_CALL_PARSERS``, which the CLI checks without
-importing this process's package; a unit test keeps the two lists equal.
-"""
+"""Tool-call parsers by name (``tandem serve --tool-call-parser NAME``): the registry is
+``common.parsers.TOOL_CALL_PARSERS`` (name -> ``module:Class``), which the CLI checks names
+against without importing this process's package."""
 
 from __future__ import annotations
 
+import importlib
+
+from common.parsers import TOOL_CALL_PARSERS
 from tokenizer_proc.tool_parsers.base import (
     CallDelta,
     ParsedMessage,
@@ -15,16 +16,13 @@ from tokenizer_proc.tool_parsers.base import (
     accumulate,
     parse_complete,
 )
-from tokenizer_proc.tool_parsers.gemma4 import Gemma4Parser
-from tokenizer_proc.tool_parsers.hermes import HermesParser
-from tokenizer_proc.tool_parsers.llama3_json import Llama3JsonParser
-
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, Gemma4Parser)}
 
 
 def parser_class(name: str) -> type[ToolParser]:
-    return PARSERS[name]
+    """The class registered as ``name`` (KeyError for a name that is not registered)."""
+    module, _, cls = TOOL_CALL_PARSERS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["PARSERS", "CallDelta", "ParsedMessage", "ParserOutput", "ToolCall", "ToolParser", "accumulate",
+__all__ = ["CallDelta", "ParsedMessage", "ParserOutput", "ToolCall", "ToolParser", "accumulate",
            "parse_complete", "parser_class"]

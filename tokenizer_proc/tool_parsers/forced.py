@@ -7,7 +7,7 @@ needed:
 - ``NamedCallParser``: the whole answer is the arguments of one call to the named function.
 
 Both are character-level machines like the other parsers (base.py), so a stream folds into the
-non-streaming answer however the text was cut. They are not --tool-call-parser names (PARSERS).
+non-streaming answer however the text was cut. They are not --tool-call-parser names (common.parsers).
 """
 
 from __future__ import annotations
