@@ -64,8 +64,6 @@ class _Size:
     slots: torch.Tensor  # [n]
     tokens: torch.Tensor  # [n, T]
     result: torch.Tensor  # [n, T + 1] int32
-    hidden: torch.Tensor | None = None  # the last target call's outputs
-    logits: torch.Tensor | None = None
 
 
 class CpuDecodeSteps:
@@ -79,7 +77,7 @@ class CpuDecodeSteps:
         self._seq = state.seq_len.numpy()  # the device state itself: the CPU reads it for free
         self._held: dict[int, np.ndarray] = {}
         self._per_size: dict[int, _Size] = {}
-        self._tail_inputs: list[torch.Tensor] = []
+        self._tail_inputs: list[torch.Tensor] = []  # the last step's inputs and (hidden, logits)
 
     @classmethod
     def load(cls, paths: dict[str, str], target, assistant, state, pool, t: int, max_batch: int) -> "CpuDecodeSteps":
@@ -126,13 +124,13 @@ class CpuDecodeSteps:
         if "draft" in self.programs:
             self.programs["draft"](inputs)
         mark()
-        s.hidden, s.logits = self.programs["target"](inputs)
-        self._tail_inputs = inputs
-        return s.tokens, s.hidden, s.logits
+        hidden, logits = self.programs["target"](inputs)
+        self._tail_inputs = [*inputs, hidden, logits]
+        return s.tokens, hidden, logits
 
     def run_tail(self, n: int) -> torch.Tensor:
         """After ``run(n, ...)`` of an all-greedy step: tokens, accept counts and the slot-state
         update -> result [n, T + 1]."""
         s = self._size(n)
-        self.programs["tail"]([*self._tail_inputs, s.hidden, s.logits, s.result])
+        self.programs["tail"]([*self._tail_inputs, s.result])
         return s.result
