@@ -58,15 +58,6 @@ def max_positions(model_dir: str) -> int:
     return int(cfg.get("max_position_embeddings") or 4096)
 
 
-def draft_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The draft model's dtype: the target's, except on the CPU, where a float32 target's draft
-    runs in bfloat16 (as on the GPU). The draft only proposes: the target's verify decides every
-    token, so outputs do not change, only how many drafts it accepts. In bfloat16 its few-row
-    GEMMs read half the bytes and take oneDNN's bf16 kernels (the bundled pair's draft LM head at
-    8 rows, weights from memory: 1375 -> 479 us), and its weights take half the memory."""
-    return torch.bfloat16 if device.type == "cpu" and dtype == torch.float32 else dtype
-
-
 def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     """Load the models, size the pool and build the step runner (no sockets)."""
     settings = DevSettings.from_env()
@@ -81,8 +72,7 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     assistant = None
     if args.spec_enabled:
         try:
-            assistant = load_model(args.speculative_draft_model_path, draft_dtype(dtype, device), device,
-                                   args.load_format, target=target)
+            assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target)
         except ValueError as exc:
             raise ValueError(f"--speculative-draft-model-path: {exc}") from exc
     if device.type == "cpu" and tp_size() == 1:  # before anything binds the weights' storage
@@ -155,10 +145,8 @@ def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: i
     if backend != "torch" or tp_size() > 1:
         log.info("compiled CPU steps off: they need --attention-backend torch at TP=1")
         return None
-    draft = args.speculative_draft_model_path if args.spec_enabled else None
-    dtype = runner.state.hidden.dtype
-    spec = BuildSpec(args.model_path, draft, _dtype_name(dtype), runner.t, args.page_size, args.load_format,
-                     _dtype_name(draft_dtype(dtype, runner.device)))
+    spec = BuildSpec(args.model_path, args.speculative_draft_model_path if args.spec_enabled else None,
+                     str(runner.state.hidden.dtype).removeprefix("torch."), runner.t, args.page_size, args.load_format)
     paths = ensure_built(spec)
     if paths is None:
         return None
@@ -173,10 +161,6 @@ def _return_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _graphs_note(graphs) -> str:

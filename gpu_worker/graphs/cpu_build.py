@@ -51,7 +51,6 @@ class BuildSpec:
     tokens_per_step: int
     page_size: int
     load_format: str = "auto"
-    draft_dtype: str = "float32"
 
     def programs(self) -> tuple[str, ...]:
         return ("draft", "target", "tail") if self.draft_path else ("target", "tail")
@@ -105,7 +104,7 @@ def cache_key(spec: BuildSpec) -> str:
         "format": FORMAT, "torch": torch.__version__, "python": sys.version_info[:2],
         "cpu": torch.backends.cpu.get_cpu_capability(), "sources": _sources_digest(),
         "target": _config_text(spec.model_path), "draft": _config_text(spec.draft_path),
-        "dtype": spec.dtype, "draft_dtype": spec.draft_dtype, "t": spec.tokens_per_step, "page_size": spec.page_size,
+        "dtype": spec.dtype, "t": spec.tokens_per_step, "page_size": spec.page_size,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -175,8 +174,7 @@ def build(spec: BuildSpec, key_dir: str) -> None:
     inductor_config.compile_threads = 1  # no compile worker pool: the machine may have two cores
     cpu, dtype = torch.device("cpu"), getattr(torch, spec.dtype)
     target = load_model(spec.model_path, dtype, cpu, spec.load_format)
-    assistant = (load_model(spec.draft_path, getattr(torch, spec.draft_dtype), cpu, spec.load_format, target=target)
-                 if spec.draft_path else None)
+    assistant = load_model(spec.draft_path, dtype, cpu, spec.load_format, target=target) if spec.draft_path else None
     for model in (target, assistant):  # the worker's weight layout: a program assumes its constants' strides
         if model is not None:
             column_major_projections(model)

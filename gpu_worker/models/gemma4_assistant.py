@@ -161,7 +161,7 @@ class Gemma4AssistantForCausalLM(CausalLM):
              hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pre-projected input [R, 2 Ht] -> (post-norm draft hidden [R, Ha], next_hidden [R, Ht]
         or None without ``hidden``)."""
-        h = self.model.run(self.pre_projection(x.to(self.pre_projection.weight.dtype)), None, fb, backend)
+        h = self.model.run(self.pre_projection(x), None, fb, backend)
         return h, self.post_projection(h) if hidden else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
