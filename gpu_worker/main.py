@@ -75,15 +75,15 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
             assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target)
         except ValueError as exc:
             raise ValueError(f"--speculative-draft-model-path: {exc}") from exc
-    if device.type == "cpu" and tp_size() == 1:  # before anything binds the weights' storage
-        for model in (target, assistant):
-            if model is not None:
-                column_major_projections(model)
     t = args.tokens_per_step
     cap = plan_capacity(args, target, device, dtype, t, max_positions(args.model_path))
     pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
     state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
     name = resolve_backend(args.attention_backend, device.type)
+    if device.type == "cpu" and name == "torch" and tp_size() == 1:  # torch's ops on the CPU (no kernels):
+        for model in (target, assistant):  # before anything binds the weights' storage
+            if model is not None:
+                column_major_projections(model)
     backend = create_backend(name, pool=pool, page_table=state.page_table)
     # An EOS id outside the vocabulary (a broken config) could never be sampled; dropping it
     # keeps the min_tokens mask from indexing out of range.

@@ -14,6 +14,8 @@ shape and code version and is cached. Later starts only load the packages (milli
   Weights are not in it: packages bind the models' tensors at load.
 - Concurrent starts (data-parallel engines, parallel tests) take a file lock per key: one
   builds, the others wait and load. Packages are renamed into place when complete.
+- A build that raises (a model the programs cannot trace) records why in the key's directory;
+  later starts of that key run eagerly at once, with the reason in their warning.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger("tandem.worker")
 FORMAT = 1  # bump when the programs' input layout changes
+FAILED = "failed"  # in a key's directory: why its build raised
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpu_worker/
 # What a traced program runs: the models and their layers, the kernels' torch paths, the
 # decode body and its CPU attention (paths under gpu_worker/).
@@ -128,6 +131,8 @@ def ensure_built(spec: BuildSpec) -> dict[str, str] | None:
     paths = {name: os.path.join(key_dir, f"{name}.pt2") for name in spec.programs()}
     if all(os.path.exists(p) for p in paths.values()):
         return paths
+    if _failed(key_dir):
+        return None
     try:
         os.makedirs(key_dir, exist_ok=True)
         lock = open(os.path.join(key_dir, "lock"), "w")
@@ -137,12 +142,26 @@ def ensure_built(spec: BuildSpec) -> dict[str, str] | None:
         return None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building this key: wait for it
-        if not all(os.path.exists(p) for p in paths.values()):
+        if not all(os.path.exists(p) for p in paths.values()) and not _failed(key_dir):
             _run_build(spec, key_dir)
     if not all(os.path.exists(p) for p in paths.values()):
-        log.warning("compiled CPU steps off: the build failed (its log is above); decode steps run eagerly")
+        if not _failed(key_dir):
+            log.warning("compiled CPU steps off: the build did not finish (its log is above); decode steps run eagerly")
         return None
     return paths
+
+
+def _failed(key_dir: str) -> bool:
+    """Whether a build of this key raised (a model the programs cannot trace, say): that is
+    deterministic for the key, so later starts skip it, with the recorded reason."""
+    path = os.path.join(key_dir, FAILED)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        reason = f.read().strip()
+    log.warning("compiled CPU steps off: their build failed: %s (remove %s to retry); decode steps run eagerly",
+                reason, path)
+    return True
 
 
 def _run_build(spec: BuildSpec, key_dir: str) -> None:
@@ -207,7 +226,18 @@ def _die_with_parent() -> None:
             pass
 
 
+def build_or_record(spec: BuildSpec, key_dir: str) -> None:
+    """``build``; one that raises records why (``FAILED``) and exits 1."""
+    try:
+        build(spec, key_dir)
+    except Exception as exc:  # noqa: BLE001 - recorded, and reported by the worker in one line
+        log.exception("CPU decode steps: build failed")
+        with open(os.path.join(key_dir, FAILED), "w") as f:
+            f.write(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])
+        raise SystemExit(1) from None
+
+
 if __name__ == "__main__":
     _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    build(BuildSpec(**json.loads(sys.argv[1])), sys.argv[2])
+    build_or_record(BuildSpec(**json.loads(sys.argv[1])), sys.argv[2])

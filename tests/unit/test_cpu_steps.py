@@ -53,3 +53,21 @@ def test_tail_and_eager_selection_share_one_state(engine, ckpts, monkeypatch):
     assert False in later and later[-1] is True
     for rid, p, n in (("g0", PROMPTS[0], 20), ("g1", PROMPTS[1], 20), ("lp", PROMPTS[2], 3)):
         assert engine.tokens[rid] == hf_greedy(ckpts["gemma4"], p, n, ignore_eos=True), rid
+
+
+def test_a_failed_build_is_recorded_and_skipped(ckpts, tmp_path, monkeypatch, caplog):
+    """A build that raises writes its reason into the key's directory: the next start runs eagerly
+    at once, with the reason in one warning line (no second attempt)."""
+    from gpu_worker.graphs import cpu_build
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    spec = cpu_build.BuildSpec(ckpts["gemma4"], None, "float32", 1, 4)
+    key_dir = tmp_path / "tandem-cpu-steps" / cpu_build.cache_key(spec)
+    monkeypatch.setattr(cpu_build, "build", lambda spec, key_dir: (_ for _ in ()).throw(NotImplementedError("softcap")))
+    key_dir.mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        cpu_build.build_or_record(spec, str(key_dir))
+    assert (key_dir / cpu_build.FAILED).read_text() == "NotImplementedError: softcap"
+    monkeypatch.setattr(cpu_build, "_run_build", lambda *a: pytest.fail("built again"))
+    assert cpu_build.ensure_built(spec) is None
+    assert "their build failed: NotImplementedError: softcap" in caplog.text
