@@ -16,7 +16,8 @@
 #   scale    every dummy shape (SCALE_MODELS) at 1, 64 and 256 requests, no speed flags
 #   profile  a torch.profiler trace of one 8B decode step and its per-layer kernel table
 #   moe      mixture-of-experts shapes (benchmarks/moe_suite.sh)
-#   fp8      FP8 weights and KV cache beside bf16 (benchmarks/fp8_suite.sh)
+#   fp8      FP8 weights and KV cache beside bf16 (benchmarks/fp8_suite.sh; FP8_STAGES picks its
+#            stages: tests kernels engines, all by default; fp8_summary.txt)
 # BASE=DIR (benchmarks/lab/ab_base.sh REV DIR): every engine run runs twice, DIR's engine first
 # (name_base.json), then this checkout's: a code A/B on the same card in the same call.
 set -uo pipefail
@@ -115,4 +116,5 @@ if [ -d .fi-cache/.cache ]; then
    tar czf "$FINAL/fi-cache/rest.tgz" --exclude='*/cached_ops/*' .cache)
 fi
 python3 benchmarks/gpu_report.py "$OUT" $DM
+[ -e "$OUT/fp8_summary.txt" ] && cp "$OUT/fp8_summary.txt" "$FINAL/"
 cp "$OUT/summary.txt" "$FINAL/"; tar czf "$FINAL/results.tgz" -C "$OUT" .

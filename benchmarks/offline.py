@@ -14,6 +14,8 @@ does not know are ``tandem serve``'s (the engine arguments).
 LO HI`` draw each request's lengths uniformly (nano-vllm's recipe: 256 requests, both in
 [100, 1024]). Per workload it reports tok/s, step timing, and the device's busy and idle time
 between steps (``gpu_idle_frac``: idle / (busy + idle)) from the worker's CUDA events.
+``--prefill-prompts N --prefill-len L`` adds a prefill-bound workload last (N prompts of L
+tokens, one output token each: ``prefill.input_tok_s``); ``kv_pool_tokens`` is the KV pool's size.
 """
 
 from __future__ import annotations
@@ -159,15 +161,27 @@ def main() -> None:
     ap.add_argument("--hf-output-len", type=int, default=0, help="HF: new tokens per prompt (default: as the engine)")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--prompts-file", default=None, help="text prompts, one per line (cycled); default random ids")
+    ap.add_argument("--prefill-prompts", type=int, default=0, help="a last, prefill-bound workload of N prompts")
+    ap.add_argument("--prefill-len", type=int, default=2048, help="its prompt length (one output token each)")
     bench, server_argv = ap.parse_known_args()
     args, llm = start_engine(server_argv)
     counts = [int(x) for x in str(bench.num_prompts).split(",")]
     workloads = [make_workload(bench, args, n, i) for i, n in enumerate(counts)]
+    if bench.prefill_prompts:
+        rng = np.random.default_rng(bench.seed + len(counts))
+        workloads.append(([rng.integers(3, _vocab(args.model_path), bench.prefill_len)
+                           for _ in range(bench.prefill_prompts)], [1] * bench.prefill_prompts))
     with llm:
         runs = run_engine(llm, workloads, bench.temperature, bench.repeat, bench.warmup_rounds,
                           vary_rounds=bench.prompts_file is None)
+        stats = llm.engine_stats()
     results = {"workload": vars(bench), "engine": runs[0],
+               "kv_pool_tokens": stats.kv_pages_total * args.page_size if stats is not None else None,
                "workloads": [{"num_prompts": n, **r} for n, r in zip(counts, runs)]}
+    if bench.prefill_prompts:
+        wall = runs[-1]["wall_s"]
+        results["prefill"] = {"num_prompts": bench.prefill_prompts, "input_len": bench.prefill_len, "wall_s": wall,
+                              "input_tok_s": bench.prefill_prompts * bench.prefill_len / wall}
     if bench.hf:
         prompts = workloads[0][0][: bench.hf_num_prompts or None]
         if bench.input_len_range:  # HF batches equal lengths: use the mean length for all

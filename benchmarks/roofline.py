@@ -7,6 +7,10 @@
     step floor    = (weights read + KV read) / copy bandwidth  (HBM, measured in the same run)
 
 ``all_weight_bytes`` (every parameter) is the looser figure the issue's 266 tok/s quotes.
+Mixture-of-experts models (``moe_shapes``, ``moe_step_bytes``) count, of their experts, only
+the union a step selected (measured on the device: ``benchmarks/moe_bench.py``).
+With ``quantization="fp8"`` the projections count one byte an element plus their scales (the
+engine's online FP8 layout), and ``kv_dtype_bytes=1`` counts an FP8 KV cache.
 """
 
 from __future__ import annotations
@@ -22,22 +26,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu_worker.models import model_class  # noqa: E402
 from gpu_worker.models.config import architecture_of, load_config, parse_config  # noqa: E402
+from gpu_worker.quant import prepare_quant, resolve_format  # noqa: E402
 
 
-def model_shapes(model_dir: str, dtype_bytes: int = 2) -> dict:
+def model_shapes(model_dir: str, dtype_bytes: int = 2, quantization: str | None = None,
+                 kv_dtype_bytes: int | None = None) -> dict:
     cfg = load_config(model_dir)
     spec = parse_config(cfg)
     with torch.device("meta"):
         model = model_class(architecture_of(cfg))(spec)
+    if quantization is not None:  # the engine's FP8 projections, on the meta model
+        prepare_quant(model, resolve_format(cfg, quantization), set())
+    nbytes = sum(p.numel() * (1 if p.dtype == torch.float8_e4m3fn else dtype_bytes) for p in model.parameters())
+    nbytes += sum(4 * b.numel() for n, b in model.named_buffers() if n.endswith("weight_scale"))  # float32
     total = sum(p.numel() for p in model.parameters())
     embed = model.model.embed_tokens.weight.numel()
-    read = total - (embed if not model.tie_word_embeddings else 0)
+    read = nbytes - (embed * dtype_bytes if not model.tie_word_embeddings else 0)
+    kvb = kv_dtype_bytes or dtype_bytes
     layers = []  # (kv bytes per token, window or None) per physical KV layer
     for i, shape in enumerate(model.kv_shapes):
         window = _window_of(spec, model, i)
-        layers.append((shape.num_kv_heads * (shape.head_dim + shape.v_dim) * dtype_bytes, window))
-    return {"params": total, "all_weight_bytes": total * dtype_bytes, "weight_bytes_read": read * dtype_bytes,
-            "kv_layers": layers}
+        layers.append((shape.num_kv_heads * (shape.head_dim + shape.v_dim) * kvb, window))
+    return {"params": total, "all_weight_bytes": nbytes, "weight_bytes_read": read, "kv_layers": layers}
 
 
 def _window_of(spec, model, pool_layer: int):
@@ -77,6 +87,34 @@ def decode_phase_ceiling_tok_s(shapes: dict, w: dict, bandwidth: float, rows: in
     ctx = w["decode_ctx_tokens_per_step"]
     kv = sum(bpt * (min(ctx, win * rows) if win else ctx) for bpt, win in shapes["kv_layers"])
     return w["decode_tokens_per_step"] * bandwidth / (shapes["weight_bytes_read"] + kv)
+
+
+def moe_shapes(model_dir: str, dtype_bytes: int = 2) -> dict:
+    """``model_shapes`` split for a mixture-of-experts model: ``fixed_bytes`` is what every decode
+    step reads whatever it routes (attention, dense MLPs, routers, norms, the LM head; an untied
+    input table not), ``expert_bytes`` one expert's weights in each MoE layer (gate, up, down),
+    in layer order. A step then reads ``fixed_bytes + sum(union_l * expert_bytes[l])``, union_l
+    the experts its tokens selected in layer l."""
+    from gpu_worker.models.moe import Experts
+
+    shapes = model_shapes(model_dir, dtype_bytes)
+    cfg = load_config(model_dir)
+    with torch.device("meta"):
+        model = model_class(architecture_of(cfg))(parse_config(cfg))
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    per = [(m.gate_up_proj[0].numel() + m.down_proj[0].numel()) * dtype_bytes for m in experts]
+    total = sum(p * m.num_experts for p, m in zip(per, experts))
+    return {**shapes, "fixed_bytes": shapes["weight_bytes_read"] - total, "expert_bytes": per,
+            "num_experts": experts[0].num_experts if experts else 0}
+
+
+def moe_step_bytes(shapes: dict, unions: list[float], ctx_tokens: float, rows: int) -> dict:
+    """The bytes one decode step must read: fixed weights, the union of selected experts per MoE
+    layer (``unions``, measured), the KV of ``rows`` rows with ``ctx_tokens`` keys in all (a
+    sliding layer at most its window a row)."""
+    kv = sum(bpt * (min(ctx_tokens, win * rows) if win else ctx_tokens) for bpt, win in shapes["kv_layers"])
+    experts = sum(u * b for u, b in zip(unions, shapes["expert_bytes"]))
+    return {"fixed": shapes["fixed_bytes"], "experts": experts, "kv": kv, "total": shapes["fixed_bytes"] + experts + kv}
 
 
 if __name__ == "__main__":

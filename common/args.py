@@ -28,6 +28,9 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 # vLLM's and SGLang's --dtype also take these torch short names
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# gpu_worker/quant's methods (a unit test keeps them equal; common/ imports no process package)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # vLLM's names; fp8 is an alias of fp8_e4m3
 MODEL, SERVER, ENGINE, PARALLEL, SPEC, OPS, CHAT = (
     "model", "server", "engine", "parallelism", "speculative decoding", "operations",
     "chat: templates, tool calls, reasoning")
@@ -35,6 +38,10 @@ MODEL, SERVER, ENGINE, PARALLEL, SPEC, OPS, CHAT = (
 
 def _dtype(value: str) -> str:
     return DTYPE_ALIASES.get(value, value)
+
+
+def _kv_cache_dtype(value: str) -> str:
+    return "fp8_e4m3" if value == "fp8" else value
 
 
 def _reasoning_name(value: str) -> str:
@@ -59,6 +66,13 @@ class ServerArgs:
                      "auto: bfloat16 on CUDA, float32 on the CPU")
     load_format: str = opt("auto", "--load-format", group=MODEL, choices=("auto", "dummy"), metavar="FORMAT",
                            help="dummy: random weights of the checkpoint's shapes (config.json only)")
+    quantization: str | None = opt(
+        None, "--quantization", "-q", group=MODEL, choices=QUANTIZATION_METHODS, metavar="METHOD",
+        default_text="the checkpoint's quantization_config",
+        help="fp8: FP8 weights; an unquantized checkpoint (the draft model too) is quantized at load, one scale "
+        "per output channel, activations quantized dynamically. compressed-tensors: the checkpoint's own. "
+        "Checkpoints: 'fp8' (128x128 blocks or per tensor) and 'compressed-tensors' float8; any other "
+        "quantization_config is refused at start")
     served_model_name: str | None = opt(None, "--served-model-name", group=MODEL, metavar="NAME", nargs="+",
                                         default_text="the model path or Hub id",
                                         help="the model name(s) requests may use; responses and metrics carry "
@@ -100,6 +114,10 @@ class ServerArgs:
         help="share of the GPU's total memory for weights + KV cache + activations (vLLM's default is 0.9). "
         "Unlike vLLM, memory other processes hold on the GPU counts against it, and activations are a "
         "fixed reserve, not profiled")
+    kv_cache_dtype: str = opt("auto", "--kv-cache-dtype", group=ENGINE, parse=_kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                              metavar="DTYPE",
+                              help="auto: the model dtype; fp8_e4m3 (or fp8): float8 e4m3, twice the tokens in the "
+                              "same memory, scaled by the checkpoint's per-layer k / v scales, else 1.0")
     attention_backend: str = opt("auto", "--attention-backend", group=ENGINE, choices=ATTENTION_BACKENDS,
                                  metavar="NAME",
                                  help="auto: triton (else flashinfer) on CUDA, torch on the CPU")

@@ -26,7 +26,7 @@ from gpu_worker.graphs.cpu_build import BuildSpec, ensure_built
 from gpu_worker.graphs.cpu_steps import CpuDecodeSteps
 from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
-from gpu_worker.kv_pool import KVPool
+from gpu_worker.kv_pool import KVPool, kv_dtype
 from gpu_worker.models.cpu_layout import column_major_projections
 from gpu_worker.models.eos import read_eos_token_ids
 from gpu_worker.models.loader import load_model
@@ -68,16 +68,19 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
         torch.cuda.set_device(device)
     dtype = resolve_dtype(args, device)
     torch.manual_seed(args.random_seed)
-    target = load_model(args.model_path, dtype, device, args.load_format)
+    target = load_model(args.model_path, dtype, device, args.load_format, quantization=args.quantization)
     assistant = None
     if args.spec_enabled:
         try:
-            assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target)
+            assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target,
+                                   quantization=args.quantization)
         except ValueError as exc:
             raise ValueError(f"--speculative-draft-model-path: {exc}") from exc
     t = args.tokens_per_step
-    cap = plan_capacity(args, target, device, dtype, t, max_positions(args.model_path))
-    pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, dtype, device)
+    kv = kv_dtype(args.kv_cache_dtype, dtype)
+    cap = plan_capacity(args, target, device, kv, t, max_positions(args.model_path))
+    pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, kv, device, scales=target.kv_scales)
+    _log_kv(pool, target)
     state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
     name = resolve_backend(args.attention_backend, device.type)
     if device.type == "cpu" and name == "torch" and tp_size() == 1:  # torch's ops on the CPU (no kernels):
@@ -110,9 +113,24 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
         tokens_per_step=t,
         speculative_num_steps=t - 1 if args.spec_enabled else 0,
         eos_token_ids=eos,
-        kv_bytes_per_token=KVPool.bytes_per_token(target.kv_shapes, dtype),
+        kv_bytes_per_token=KVPool.bytes_per_token(target.kv_shapes, kv),
+        kv_cache_dtype=str(kv).removeprefix("torch."),
+        quantization=target.quant_format.describe() if target.quant_format is not None else "",
     )
     return runner, ready
+
+
+def _log_kv(pool: KVPool, target) -> None:
+    """One start-up line: the KV cache's dtype, size in tokens and, for FP8, where its scales came from."""
+    tokens = (pool.num_pages - 1) * pool.page_size
+    if not pool.fp8:
+        log.info("KV cache: %s, %d tokens", str(pool.dtype).removeprefix("torch."), tokens)
+        return
+    have = sorted(i for i in target.kv_scales if i < len(pool.shapes))
+    source = (f"k/v scales from the checkpoint for {len(have)} of {len(pool.shapes)} layers"
+              + ("" if len(have) == len(pool.shapes) else ", 1.0 for the rest")) if have else \
+        "k/v scales 1.0 (the checkpoint has none)"
+    log.info("KV cache: fp8_e4m3, %d tokens (twice what the model dtype would hold); %s", tokens, source)
 
 
 def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: torch.device, max_slots: int,
@@ -142,8 +160,8 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
 def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: int) -> CpuDecodeSteps | None:
     """The compiled CPU decode steps, built on the first start for this model shape and code
     (``graphs/cpu_build.py``), or None: eager steps (another backend, TP, no compiler)."""
-    if backend != "torch" or tp_size() > 1:
-        log.info("compiled CPU steps off: they need --attention-backend torch at TP=1")
+    if backend != "torch" or tp_size() > 1 or runner.backend.pool.fp8:
+        log.info("compiled CPU steps off: they need --attention-backend torch, TP=1 and --kv-cache-dtype auto")
         return None
     spec = BuildSpec(args.model_path, args.speculative_draft_model_path if args.spec_enabled else None,
                      str(runner.state.hidden.dtype).removeprefix("torch."), runner.t, args.page_size, args.load_format)

@@ -24,6 +24,7 @@ from gpu_worker.parallel.state import agree_min, tp_size
 
 log = logging.getLogger("tandem.worker")
 
+PROMPT_LOGPROB_ROWS = 1024  # step/prompt_logprobs.py: logits rows materialised at once
 CPU_RAM_SHARE = 0.2
 # Two cores run a decode step's rows one after another: past about eight rows a step's time grows
 # with them, so more running requests add latency rather than throughput.
@@ -42,14 +43,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _budget_tokens(args, device: torch.device, bpt: int, want: int, vocab: int) -> int:
+def _budget_tokens(args, device: torch.device, bpt: int, want: int, vocab: int, t: int) -> int:
     """KV tokens for the pool; ``want``: one request's worst case (a full context + slack)."""
     if args.max_total_tokens:
         return args.max_total_tokens
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        chunk = args.chunked_prefill_size or 8192
-        reserve = (1 << 30) + chunk * vocab * 4 * 3  # activations + fp32 logits copies
+        # Activations, and the logits of the rows a step samples (every decode row's T tokens plus
+        # a sampled prefill row each, or a block of prompt-logprob rows) in the model dtype and
+        # three float32 copies (softcap / processors, softmax, sampling): only those rows reach
+        # the LM head, never a whole prefill chunk.
+        rows = max(PROMPT_LOGPROB_ROWS, (args.max_running_requests or 256) * (t + 1))
+        reserve = (1 << 30) + rows * vocab * (2 + 4 * 3)
         budget = total * args.mem_fraction_static - (total - free) - reserve
         return max(int(budget // bpt), 0)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
@@ -61,7 +66,7 @@ def plan_capacity(args, target, device: torch.device, dtype, t: int, model_max_p
     max_context = args.context_length or model_max_pos
     bpt = KVPool.bytes_per_token(target.kv_shapes, dtype)
     slack = 2 * t + ps  # the in-flight worst case on top of a full context
-    tokens = agree_min(_budget_tokens(args, device, bpt, max_context + slack, target.vocab_size))
+    tokens = agree_min(_budget_tokens(args, device, bpt, max_context + slack, target.vocab_size, t))
     num_pages = tokens // ps + 1
     if (num_pages - 1) * ps < max_context + slack:
         capped = (num_pages - 1) * ps - slack

@@ -203,6 +203,8 @@ class EngineInfo(msgspec.Struct, tag="engine_info", frozen=True):
     architecture: str
     speculative_num_steps: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    kv_cache_dtype: str = ""  # the KV pool's storage dtype ("float8_e4m3fn" with --kv-cache-dtype fp8_e4m3)
+    quantization: str = ""  # the target's weight format in words ("" unquantized)
 
 
 class EngineDead(msgspec.Struct, tag="engine_dead", frozen=True):
@@ -276,6 +278,8 @@ class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
     speculative_num_steps: int = 0
     eos_token_ids: tuple[int, ...] = ()
     kv_bytes_per_token: int = 0
+    kv_cache_dtype: str = ""
+    quantization: str = ""
 
 
 class PromptLogprobRows(msgspec.Struct, frozen=True, array_like=True):

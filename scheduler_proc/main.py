@@ -75,6 +75,8 @@ class SchedulerLoop:
                 architecture=ready.architecture,
                 speculative_num_steps=ready.speculative_num_steps,
                 eos_token_ids=ready.eos_token_ids,
+                kv_cache_dtype=ready.kv_cache_dtype,
+                quantization=ready.quantization,
             )
         )
         log.info("scheduler ready: %d pages x %d tokens, %d slots", ready.num_pages, ready.page_size,

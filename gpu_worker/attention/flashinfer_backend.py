@@ -11,7 +11,9 @@ a row shorter than planned underflows a split's length (``decode.cuh``). So each
 - MTP verify rows and the draft's Q-only reads -> triton: under overlap their lengths depend on
   the previous step's accept counts, which reach the host a step later;
 - layers FlashInfer has no kernel for (head dim not 64 / 128 / 256, K and V dims differing:
-  Gemma 4's 512-dim global layers) -> triton, per layer.
+  Gemma 4's 512-dim global layers) -> triton, per layer;
+- with an FP8 KV cache, extend rows -> triton (decode rows stay on FlashInfer, which reads e4m3
+  with the pool's k / v scales).
 Start-up logs which of these apply.
 
 Rows use the triton backend's grouping (``decode_start``): extend rows first, then a tail of
@@ -56,6 +58,7 @@ class Kind:
     softcap: float  # 0: none
     scale: float
     dtype: torch.dtype
+    kv_dtype: torch.dtype
 
     @property
     def tensor_cores(self) -> bool:
@@ -204,6 +207,8 @@ class FlashInferBackend(AttentionBackend):
             n = sum(not _fi_shape(s) for s in pool.shapes)
             log.info("flashinfer: %d of %d KV layers (head dims %s) run on triton: FlashInfer has no kernel "
                      "for them", n, len(pool.shapes), other)
+        if pool.fp8:
+            log.info("flashinfer: with the FP8 KV cache, prefill and extend rows run on triton")
 
     @property
     def decode_q_lens(self) -> frozenset:
@@ -230,7 +235,7 @@ class FlashInferBackend(AttentionBackend):
     def plan(self, p: _Planned, mode: str, kind: Kind, g: HostGroup, indices: torch.Tensor) -> None:
         ps = self.pool.page_size
         common = dict(window_left=kind.window_left, logits_soft_cap=kind.softcap or None, sm_scale=kind.scale,
-                      q_data_type=kind.dtype, kv_data_type=kind.dtype)
+                      q_data_type=kind.dtype, kv_data_type=kind.kv_dtype)
         kv_indptr, last = torch.from_numpy(g.kv_indptr), torch.from_numpy(g.last_page_len)
         if mode == "prefill":
             p.plan(torch.from_numpy(g.qo_indptr), kv_indptr, indices, last, kind.q_heads, kind.kv_heads,
@@ -310,7 +315,7 @@ class FlashInferBackend(AttentionBackend):
             ok = _fi_shape(s) and q.dtype in FI_DTYPES and q.shape[1] % s.num_kv_heads == 0
             win = layer.sliding_window - 1 if layer.sliding_window else -1
             self._kinds[key] = Kind(q.shape[1], s.num_kv_heads, s.head_dim, win, float(layer.logit_softcap or 0.0),
-                                    float(layer.scaling), q.dtype) if ok else None
+                                    float(layer.scaling), q.dtype, self.pool.dtype) if ok else None
         return self._kinds[key]
 
     def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -326,7 +331,7 @@ class FlashInferBackend(AttentionBackend):
         tm, ps = meta.triton, self.pool.page_size
         paged = (kc.view(-1, ps, kc.shape[1], kc.shape[2]), vc.view(-1, ps, vc.shape[1], vc.shape[2]))
         if tm.extend is not None:
-            if kind is not None and meta.ext is not None:
+            if kind is not None and meta.ext is not None and not self.pool.fp8:
                 g = meta.ext.host
                 meta.ext.wrapper(self, kind).run(q[g.tok0:g.tok1].contiguous(), paged, out=out[g.tok0:g.tok1])
             else:
@@ -334,7 +339,9 @@ class FlashInferBackend(AttentionBackend):
         if tm.decode is not None:
             if kind is not None and meta.dec is not None:
                 t0 = tm.decode.tok0
-                meta.dec.wrapper(self, kind).run(q[t0:].contiguous(), paged, out=out[t0:])
+                scales = dict(k_scale=self.pool.k_scale[layer.kv_layer],
+                              v_scale=self.pool.v_scale[layer.kv_layer]) if self.pool.fp8 else {}
+                meta.dec.wrapper(self, kind).run(q[t0:].contiguous(), paged, out=out[t0:], **scales)
             else:
                 self.triton.run_decode(layer, q, tm.decode, out)
         return out

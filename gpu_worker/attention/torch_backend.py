@@ -78,21 +78,21 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: AttnLayer, q, k, v, fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         if layer.logit_softcap is not None:
             raise NotImplementedError("attention logit softcap is not supported by the torch backend")
-        kc, vc = self.pool.k[layer.kv_layer], self.pool.v[layer.kv_layer]
+        dv = self.pool.v[layer.kv_layer].shape[-1]
         if k is not None:
             self.pool.write(layer.kv_layer, fb.out_loc, k, v)
         meta: TorchMeta = fb.attn
         if out is None:
-            out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
+            out = q.new_empty(q.shape[0], q.shape[1], dv)
         q_ext = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
         for g in meta.groups:
             qp = q_ext[g.gather].transpose(1, 2)  # [B, H, Q, D]
-            kp = kc[g.kv_loc].transpose(1, 2).to(q.dtype)  # [B, Hkv, K, D]
-            vp = vc[g.kv_loc].transpose(1, 2).to(q.dtype)
+            kp, vp = self.pool.read(layer.kv_layer, g.kv_loc, q.dtype)  # [B, K, Hkv, D]
+            kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)
             mask = g.masks[layer.sliding_window or 0]
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=mask, scale=layer.scaling, enable_gqa=kp.shape[1] != qp.shape[1]
             )
-            o = o.transpose(1, 2).reshape(-1, q.shape[1], vc.shape[-1])
+            o = o.transpose(1, 2).reshape(-1, q.shape[1], dv)
             out.index_copy_(0, g.tok, o[g.sel])
         return out

@@ -149,8 +149,9 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     def _common(self, layer: AttnLayer) -> dict:
-        return dict(page_size=self.pool.page_size, scale=layer.scaling, window=layer.sliding_window,
-                    softcap=layer.logit_softcap)
+        pool = self.pool
+        return dict(page_size=pool.page_size, scale=layer.scaling, window=layer.sliding_window,
+                    softcap=layer.logit_softcap, kv_scales=(pool.k_scale[layer.kv_layer], pool.v_scale[layer.kv_layer]))
 
     def run_extend(self, layer: AttnLayer, q, e: ExtendPart, out) -> None:
         """Tokens [0, e.tok_end) of q into the same rows of out (KV already written)."""

@@ -81,8 +81,8 @@ class CpuDecodeAttention:
         loc, ok = self._read(meta, layer.sliding_window or 0)
         # Keys are the left operand: gathered as contiguous [D] rows, the layout a GEMM takes as
         # is (as the right operand the compiler laid them out transposed: a scalar gather each).
-        keys = kc[loc].to(q.dtype).transpose(1, 2)  # [B, Hkv, K', D]
-        vals = vc[loc].to(q.dtype).transpose(1, 2)  # [B, Hkv, K', Dv]
+        keys, vals = self.pool.read(layer.kv_layer, loc, q.dtype)
+        keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [B, Hkv, K', D], [B, Hkv, K', Dv]
         qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
         scores = (keys @ qg.transpose(-1, -2)).transpose(-1, -2).float() * layer.scaling  # [B, Hkv, G*t, K']
         mask = ok[:, None, None].expand(b, 1, g, t, ok.shape[-1]).reshape(b, 1, g * t, ok.shape[-1])

@@ -50,13 +50,14 @@ if triton is not None:
         return page * PAGE + n % PAGE
 
     @triton.jit
-    def _kv_tile(k_ptr, v_ptr, loc, mask, kvh, skn, skh, svn, svh, d, dm, dv, dvm):
+    def _kv_tile(k_ptr, v_ptr, loc, mask, kvh, skn, skh, svn, svh, d, dm, dv, dvm, DT: tl.constexpr):
         """K [BLOCK_N, BLOCK_D] and V [BLOCK_N, BLOCK_DV] of one KV head at ``loc`` (zeros where
-        ``mask`` is off)."""
+        ``mask`` is off), in the query's dtype ``DT``: an FP8 pool's e4m3 values are exact there
+        (their scales are applied by the caller: k's in the softmax scale, v's to the output)."""
         k = tl.load(k_ptr + loc[:, None] * skn + kvh * skh + d[None, :], mask=mask[:, None] & dm[None, :], other=0.0)
         v = tl.load(v_ptr + loc[:, None] * svn + kvh * svh + dv[None, :], mask=mask[:, None] & dvm[None, :],
                     other=0.0)
-        return k, v
+        return k.to(DT), v.to(DT)
 
     @triton.jit
     def _attend(q, k, v, n, nm, qpos, m_i, l_i, acc, scale, softcap, window, USE_WINDOW: tl.constexpr,
@@ -91,7 +92,7 @@ if triton is not None:
     @triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "slot_ptr", "kvlen_ptr", "qpos_ptr"])
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, order_ptr, tk_ptr,
-        sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
+        sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window, v_scale,
         T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
@@ -132,7 +133,8 @@ if triton is not None:
             n0 = s_lo + tl.arange(0, BLOCK_N)
             nm0 = n0 < s_hi
             loc0 = _locations(pt_ptr, slot, spt, n0, nm0, PAGE)
-            k0, v0 = _kv_tile(k_ptr, v_ptr, loc0, nm0 & (n0 < fresh_from), kvh, skn, skh, svn, svh, d, dm, dv, dvm)
+            k0, v0 = _kv_tile(k_ptr, v_ptr, loc0, nm0 & (n0 < fresh_from), kvh, skn, skh, svn, svh, d, dm, dv, dvm,
+                              q_ptr.dtype.element_ty)
         gdc_enter(PDL)
         q = tl.load(q_ptr + tok[:, None] * sqt + qh[:, None] * sqh + d[None, :],
                     mask=mvalid[:, None] & dm[None, :], other=0.0)
@@ -143,7 +145,8 @@ if triton is not None:
         if PDL == 2:
             if s_lo < s_hi:
                 fresh = nm0 & (n0 >= fresh_from)
-                k1, v1 = _kv_tile(k_ptr, v_ptr, loc0, fresh, kvh, skn, skh, svn, svh, d, dm, dv, dvm)
+                k1, v1 = _kv_tile(k_ptr, v_ptr, loc0, fresh, kvh, skn, skh, svn, svh, d, dm, dv, dvm,
+                                  q_ptr.dtype.element_ty)
                 k0 = tl.where(fresh[:, None], k1, k0)
                 v0 = tl.where(fresh[:, None], v1, v0)
                 m_i, l_i, acc = _attend(q, k0, v0, n0, nm0, qpos, m_i, l_i, acc, scale, softcap, window,
@@ -153,11 +156,11 @@ if triton is not None:
             n = start + tl.arange(0, BLOCK_N)
             nm = n < s_hi
             loc = _locations(pt_ptr, slot, spt, n, nm, PAGE)
-            k, v = _kv_tile(k_ptr, v_ptr, loc, nm, kvh, skn, skh, svn, svh, d, dm, dv, dvm)
+            k, v = _kv_tile(k_ptr, v_ptr, loc, nm, kvh, skn, skh, svn, svh, d, dm, dv, dvm, q_ptr.dtype.element_ty)
             m_i, l_i, acc = _attend(q, k, v, n, nm, qpos, m_i, l_i, acc, scale, softcap, window,
                                     USE_WINDOW, USE_SOFTCAP, IEEE)
         has = l_i > 0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        out = acc / tl.where(has, l_i, 1.0)[:, None] * v_scale  # v_scale: 1.0 but for an FP8 pool
         if SPLITS == 1:
             tl.store(o_ptr + tok[:, None] * sot + qh[:, None] * soh + dv[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=mvalid[:, None] & dvm[None, :])
@@ -230,8 +233,9 @@ def decode_blocks(d: int, dv: int) -> tuple[int, int, int]:
 def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: int, page_size: int,
                  scale: float, window: int | None = None, softcap: float | None = None, num_splits: int = 1,
                  out: torch.Tensor | None = None, tune: dict | None = None,
-                 order: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B*t, Hq, D] (row b owns tokens b*t..b*t+t-1) -> out [B*t, Hq, Dv].
+                 order: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """q [B*t, Hq, D] (row b owns tokens b*t..b*t+t-1) -> out [B*t, Hq, Dv]. An FP8 cache is read
+    with its (k scale, v scale) ``kv_scales`` (``kv_pool.py``).
 
     ``slots`` [B], ``kv_lens`` [B] and ``q_pos`` [B*t] are device tensors; nothing here reads
     them on the host, so the call is CUDA-graph safe for a fixed B, t and ``num_splits``.
@@ -264,8 +268,8 @@ def paged_decode(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, *, t: i
         q, k_cache, v_cache, out, part, lse, page_table, slots, kv_lens, q_pos,
         order if order is not None else page_table, tk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
-        T=t, G=g, HKV=hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
+        out.stride(0), out.stride(1), page_table.stride(0), scale * kv_scales[0], softcap or 0.0, window or 0,
+        kv_scales[1], T=t, G=g, HKV=hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=bdv,
         BLOCK_M=max(16, next_pow2(t * g)), BLOCK_N=block_n, SPLITS=splits, USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32 or interpreting(), PDL=on,
         ORDERED=order is not None, FUSED_MERGE=fused,

@@ -30,7 +30,7 @@ if triton is not None:
                                                 "blen_ptr"])
     def _extend_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, slot_ptr, kvlen_ptr, qpos_ptr, brow_ptr, bstart_ptr, blen_ptr,
-        sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window,
+        sqt, sqh, skn, skh, svn, svh, sot, soh, spt, scale, softcap, window, v_scale,
         G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
         USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
@@ -67,7 +67,7 @@ if triton is not None:
             page = tl.load(pt_ptr + slot * spt + n // PAGE, mask=nm, other=0).to(tl.int64)
             loc = page * PAGE + n % PAGE
             k = tl.load(k_ptr + loc[:, None] * skn + kvh * skh + d[None, :], mask=nm[:, None] & dm[None, :],
-                        other=0.0)
+                        other=0.0).to(q.dtype)  # an FP8 pool's values are exact in q's dtype
             if IEEE:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -85,13 +85,13 @@ if triton is not None:
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + loc[:, None] * svn + kvh * svh + dv[None, :], mask=nm[:, None] & dvm[None, :],
-                        other=0.0)
+                        other=0.0).to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # v_scale: 1.0 but for an FP8 pool
         tl.store(o_ptr + tok[:, None] * sot + qh * soh + dv[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=mvalid[:, None] & dvm[None, :])
 
@@ -125,9 +125,10 @@ def extend_blocks(q_lens: np.ndarray, block_m: int) -> np.ndarray:
 
 def paged_extend(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, blocks, *, block_m: int,
                  page_size: int, scale: float, window: int | None = None, softcap: float | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, Dv]. ``blocks`` [3, NB] on the device (``extend_blocks`` with the
-    same ``block_m``), ``slots``/``kv_lens`` per row, ``q_pos`` per token."""
+    same ``block_m``), ``slots``/``kv_lens`` per row, ``q_pos`` per token; an FP8 cache is read
+    with its (k scale, v scale) ``kv_scales`` (``kv_pool.py``)."""
     n, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[-1]
     if out is None:
@@ -139,8 +140,8 @@ def paged_extend(q, k_cache, v_cache, page_table, slots, kv_lens, q_pos, blocks,
     _extend_kernel[(nb, hq)](
         q, k_cache, v_cache, out, page_table, slots, kv_lens, q_pos, blocks[0], blocks[1], blocks[2],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), page_table.stride(0), scale, softcap or 0.0, window or 0,
-        G=hq // hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), BLOCK_M=block_m,
+        out.stride(0), out.stride(1), page_table.stride(0), scale * kv_scales[0], softcap or 0.0, window or 0,
+        kv_scales[1], G=hq // hkv, PAGE=page_size, D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), BLOCK_M=block_m,
         BLOCK_N=bn, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
         IEEE=q.dtype == torch.float32 or interpreting(), num_warps=warps, num_stages=2,
     )

@@ -13,7 +13,9 @@ the rotate-half pairs it owns and can finish them in registers:
 Same sums as the plain GEMV with ``block_n = 2 * PAIRS`` (same K tiles, same reduction), rounded
 to the model dtype, then ``rope.py``'s roundings (cos / sin from float32, each product and the
 sum rounded, as HF): bitwise the unfused pair. Only where that pair would run: one row, no
-qkv bias, no per-head q/k norm, one K split (the dispatch is ``applies``).
+qkv bias, no per-head q/k norm, one K split (the dispatch is ``applies``). An FP8 qkv weight
+takes the FP8 GEMV's arithmetic (``gemv_kernels.py``'s ``WS`` / ``A8``, 128-column K tiles):
+bitwise its FMA GEMV + ``rope_store`` pair.
 """
 
 from __future__ import annotations
@@ -22,33 +24,42 @@ import torch
 
 from gpu_worker.kernels import PDL_ON, pdl
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
+from gpu_worker.kernels import use_triton
+from gpu_worker.kernels import fp8_linear as F8
+from gpu_worker.kernels.fp8_round import BLOCK, FP8
 from gpu_worker.kernels.gemv import CONFIG, SKINNY_MAX_K, launch_config, launch_tiles, prefetch_cols, short_k_splits, skinny
 
 try:
     import triton
     import triton.language as tl
 
-    from gpu_worker.kernels.rope import _rnd, _rotate
+    from gpu_worker.kernels.gemv_kernels import _dot_row, _row_scale, _w_tile
+    from gpu_worker.kernels.rope import _rnd, _rotate, kv_value
 except ImportError:
     triton = None
 
 
 def applies(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
-    """Whether the one-row qkv GEMV (FMA kernel, one K split) would run for ``x`` through ``w``,
-    and ``head_dim`` splits into whole program tiles."""
+    """Whether the one-row qkv GEMV (FMA kernel, one K split; for FP8 weights the FP8 one) would
+    run for ``x`` through ``w``, and ``head_dim`` splits into whole program tiles."""
     pairs = CONFIG["block_n"] // 2
-    return (x.dim() == 2 and x.shape[0] == 1 and skinny(x, w) and w.shape[1] <= SKINNY_MAX_K
-            and short_k_splits(launch_tiles(w.shape[0], CONFIG), w.shape[1], CONFIG["block_k"], x.device) == 1
-            and launch_config(1, w) is CONFIG and head_dim % 2 == 0
-            and (head_dim // 2) % pairs == 0)
+    if not (x.dim() == 2 and x.shape[0] == 1 and w.shape[1] <= SKINNY_MAX_K and head_dim % 2 == 0
+            and (head_dim // 2) % pairs == 0):
+        return False
+    if w.dtype == FP8:
+        return (use_triton(x) and x.stride(1) == 1 and w.is_contiguous() and F8.gemv_config(1, w) is F8.FMA_CONFIG
+                and F8.gemv_splits(w, F8.FMA_CONFIG, x.device) == 1)
+    return (skinny(x, w) and launch_config(1, w) is CONFIG
+            and short_k_splits(launch_tiles(w.shape[0], CONFIG), w.shape[1], CONFIG["block_k"], x.device) == 1)
 
 
 if triton is not None:
 
     @triton.jit
-    def _qkv_rope_kernel(x_ptr, w_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, loc_ptr, inv_ptr, K, swn, skn, skh, svn,
-                         svh, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAIRS: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+    def _qkv_rope_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, loc_ptr, inv_ptr, K, swn, ss,
+                         skn, skh, svn, svh, k_inv, v_inv, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                         PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+                         WS: tl.constexpr, A8: tl.constexpr, SN: tl.constexpr):
         HALF: tl.constexpr = D // 2
         PER_HEAD: tl.constexpr = HALF // PAIRS  # programs per head
         pid = tl.program_id(0)
@@ -65,35 +76,41 @@ if triton is not None:
         loc = tl.load(loc_ptr)
         k0 = tl.arange(0, BLOCK_K)
         acc = tl.zeros([2 * PAIRS], tl.float32)
+        srow = (rows // SN) * ss  # FP8: the rows' scale rows
         for start in range(0, K, BLOCK_K):
             k = start + k0
             km = k < K
-            w = tl.load(w_rows + k[None, :], mask=km[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :], axis=1)
+            w = _w_tile(w_rows, k, km[None, :], s_ptr, srow, start // BLOCK_K, WS)
+            acc += _dot_row(w, x_ptr, k, km, xs_ptr, A8)
+        acc = _row_scale(acc, s_ptr, srow, WS)
         DT = qo_ptr.dtype.element_ty
         x1, x2 = tl.split(tl.permute(tl.reshape(_rnd(acc, DT), [2, PAIRS]), [1, 0]))
         if head < HQ + HKV:
             o1, o2 = _rotate(x1, x2, _rnd(tl.cos(f), DT), _rnd(tl.sin(f), DT), DT)
             if head < HQ:
-                dst = qo_ptr + head * D + j
-                tl.store(dst, o1.to(DT))
-                tl.store(dst + HALF, o2.to(DT))
-            else:
-                dst = kc_ptr + loc * skn + (head - HQ) * skh + j
-                tl.store(dst, o1.to(kc_ptr.dtype.element_ty))
-                tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty))
+                qdst = qo_ptr + head * D + j
+                tl.store(qdst, o1.to(DT))
+                tl.store(qdst + HALF, o2.to(DT))
+            else:  # the pool's dtype may differ from q's (FP8 KV): a pointer of its own
+                kdst = kc_ptr + loc * skn + (head - HQ) * skh + j
+                tl.store(kdst, kv_value(o1, k_inv, kc_ptr))
+                tl.store(kdst + HALF, kv_value(o2, k_inv, kc_ptr))
         else:
-            dst = vc_ptr + loc * svn + (head - HQ - HKV) * svh + j
-            tl.store(dst, x1.to(vc_ptr.dtype.element_ty))
-            tl.store(dst + HALF, x2.to(vc_ptr.dtype.element_ty))
+            vdst = vc_ptr + loc * svn + (head - HQ - HKV) * svh + j
+            tl.store(vdst, kv_value(x1, v_inv, vc_ptr))
+            tl.store(vdst + HALF, kv_value(x2, v_inv, vc_ptr))
 
 
 def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                    out_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, head_dim: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                   num_kv_heads: int, head_dim: int, q_out: torch.Tensor | None = None,
+                   store_scales: tuple[float, float] = (1.0, 1.0), scale: torch.Tensor | None = None,
+                   scale_rows: int = 1, a8: int = 0, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] through the merged qkv weight w [(Hq + 2 Hkv) D, K] -> rotated q [1, Hq, D]
     (into ``q_out`` when given); the rotated k and the v of the row go to the caches
-    ([slots, Hkv, D], unit last stride) at ``out_loc[0]``. Callers check ``applies`` first."""
+    ([slots, Hkv, D], unit last stride) at ``out_loc[0]`` (an FP8 cache: times ``store_scales``,
+    as ``rope.rope_store``). An FP8 ``w`` comes with ``scale`` / ``scale_rows`` / ``a8`` /
+    ``input_scale`` as ``gemv.gemv`` takes them. Callers check ``applies`` first."""
     assert w.shape[0] == (num_heads + 2 * num_kv_heads) * head_dim and x.shape[0] == 1, (x.shape, w.shape)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and v_cache.shape[-1] == head_dim
     if q_out is None:
@@ -102,12 +119,14 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, in
     pairs = CONFIG["block_n"] // 2
     on = pdl(x)
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // pairs),)
+    s = scale if scale is not None else q_out  # stand-ins: never read by a bf16 launch
+    fp8 = dict(WS=0 if scale is None else (1 if scale.shape[1] == 1 else 2), A8=a8, SN=scale_rows)
     _qkv_rope_kernel[grid](
-        x, w, q_out, k_cache, v_cache, positions, out_loc, inv_freq, x.shape[1], w.stride(0),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAIRS=pairs, BLOCK_K=CONFIG["block_k"], PDL=on,
-        PREFETCH_K=prefetch_cols(w.shape[0], 1, x.shape[1]) if on == PDL_ON else 0,
-        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
-        launch_pdl=on == PDL_ON,
+        x, w, s, input_scale if input_scale is not None else s, q_out, k_cache, v_cache, positions, out_loc,
+        inv_freq, x.shape[1], w.stride(0), scale.stride(0) if scale is not None else 0,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *store_scales,
+        HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAIRS=pairs, BLOCK_K=BLOCK if scale is not None else CONFIG["block_k"],
+        PDL=on, PREFETCH_K=prefetch_cols(w.shape[0], 1, x.shape[1], elt=w.element_size()) if on == PDL_ON else 0,
+        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"], launch_pdl=on == PDL_ON, **fp8,
     )
     return q_out

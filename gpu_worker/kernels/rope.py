@@ -23,6 +23,8 @@ try:
     import triton.language as tl
     from triton.language.extra.cuda import libdevice
 
+    from gpu_worker.kernels.fp8_round import to_e4m3  # a Triton function: defined where Triton is
+
     # Compiled code multiplies through ``mul.rn`` (below); the interpreter's numpy never fuses.
     _EXACT_MUL = tl.constexpr(not interpreting())
 except ImportError:
@@ -64,9 +66,19 @@ if triton is not None:
         return o1, o2
 
     @triton.jit
+    def kv_value(x, inv, cache_ptr):
+        """What the pool stores for float32 ``x`` (already rounded to the model dtype): the value
+        in the pool's dtype, or for an FP8 pool ``clamp(x * inv)`` rounded to e4m3
+        (``kv_pool.py``'s convention)."""
+        KT: tl.constexpr = cache_ptr.dtype.element_ty
+        if KT == tl.float8e4nv:
+            return to_e4m3(x * inv)
+        return x.to(KT)
+
+    @triton.jit
     def _rope_store_kernel(
         q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, loc_ptr, inv_ptr, qw_ptr, kw_ptr,
-        sqt, sqh, skt, skh, svt, svh, sot, soh, skn, skch, svn, svch, eps,
+        sqt, sqh, skt, skh, svt, svh, sot, soh, skn, skch, svn, svch, eps, k_inv, v_inv,
         HQ: tl.constexpr, HKV: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, NORM: tl.constexpr, V_NORM: tl.constexpr,
         PDL: tl.constexpr,
@@ -108,16 +120,15 @@ if triton is not None:
                 x1, x2 = _head_norm(x1, x2, kw_ptr, half, hm, HALF, eps, NORM, DT)
             o1, o2 = _rotate(x1, x2, c, s, DT)
             kdst = kc_ptr + loc * skn + kh[:, None] * skch + half[None, :]
-            KT = kc_ptr.dtype.element_ty
-            tl.store(kdst, o1.to(KT), mask=m)
-            tl.store(kdst + HALF, o2.to(KT), mask=m)
+            tl.store(kdst, kv_value(o1, k_inv, kc_ptr), mask=m)
+            tl.store(kdst + HALF, kv_value(o2, k_inv, kc_ptr), mask=m)
             dv = tl.arange(0, BLOCK_DV)
             vm = km[:, None] & (dv < DV)[None, :]
             v = tl.load(v_ptr + t * svt + kh[:, None] * svh + dv[None, :], mask=vm, other=0.0).to(tl.float32)
             if V_NORM:
                 inv_v = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(v * v, axis=1) / DV + eps))[:, None]
                 v = _rnd(v * inv_v, DT)
-            tl.store(vc_ptr + loc * svn + kh[:, None] * svch + dv[None, :], v.to(vc_ptr.dtype.element_ty), mask=vm)
+            tl.store(vc_ptr + loc * svn + kh[:, None] * svch + dv[None, :], kv_value(v, v_inv, vc_ptr), mask=vm)
 
 
 def heads_per_program(tokens: int, heads: int) -> int:
@@ -131,11 +142,13 @@ def heads_per_program(tokens: int, heads: int) -> int:
 
 def rope_store(q, k, v, positions, inv_freq, out_loc, k_cache, v_cache, *, norm: int = NORM_NONE,
                q_weight=None, k_weight=None, v_norm: bool = False, eps: float = 1e-6,
-               heads_per_prog: int | None = None, q_out: torch.Tensor | None = None) -> torch.Tensor:
+               heads_per_prog: int | None = None, q_out: torch.Tensor | None = None,
+               store_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """q [T, Hq, D] -> rotated (normed) q, contiguous (into ``q_out`` when given: a static buffer
     of the piecewise prefill graphs). With ``out_loc``, also writes the rotated (normed) k and
     the (normed) v of every token into the caches; ``k``/``v`` may be strided views (columns of
-    a merged qkv output) and may alias each other (Gemma 4's k_eq_v)."""
+    a merged qkv output) and may alias each other (Gemma 4's k_eq_v). An FP8 cache stores k and
+    v times ``store_scales`` (``KVPool.store_scales``)."""
     t, hq, d = q.shape
     if q_out is None:
         q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -158,7 +171,7 @@ def rope_store(q, k, v, positions, inv_freq, out_loc, k_cache, v_cache, *, norm:
         v.stride(0) if store else 0, v.stride(1) if store else 0,
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0) if store else 0, k_cache.stride(1) if store else 0,
-        v_cache.stride(0) if store else 0, v_cache.stride(1) if store else 0, eps,
+        v_cache.stride(0) if store else 0, v_cache.stride(1) if store else 0, eps, *store_scales,
         HQ=hq, HKV=hkv, HB=hb, HALF=d // 2, DV=dv, BLOCK_H=next_pow2(d // 2), BLOCK_DV=next_pow2(dv),
         NORM=norm, V_NORM=v_norm, PDL=on, num_warps=(1 if d <= 256 else 2) * (1 if hb == 1 else 4),
         launch_pdl=on == PDL_ON,

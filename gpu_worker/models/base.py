@@ -53,17 +53,19 @@ class CausalLM(nn.Module):
         return {}
 
     def init_dummy_(self, seed: int = 0) -> None:
-        """Random weights of the right shapes for --load-format dummy: small normal matrices,
-        unit norms and scalars, zero biases, so logits stay finite. Generated on the weights'
-        own device (fast for large models on GPU)."""
+        """Random weights of the right shapes for --load-format dummy: small normal matrices
+        (expert stacks too, so a MoE router spreads tokens over the experts), unit norms, scalars
+        and scales, zero biases, so logits stay finite. Generated on the weights' own device
+        (fast for large models on GPU). FP8 projections are left to the loader
+        (``QuantLoad.init_dummy``: random weights, quantized)."""
         gens: dict[torch.device, torch.Generator] = {}
         for name, p in list(self.named_parameters()) + list(self.named_buffers()):
-            if not p.is_floating_point() or name.endswith("inv_freq"):
+            if not p.is_floating_point() or name.endswith("inv_freq") or p.dtype == torch.float8_e4m3fn:
                 continue
             if p.ndim >= 2:
                 gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
                 p.data.normal_(0.0, 0.02, generator=gen)
-            elif "norm" in name or name.endswith("layer_scalar"):
+            elif "norm" in name or name.endswith(("layer_scalar", "scale")):  # MoE router scales too
                 p.data.fill_(1.0)
             else:
                 p.data.zero_()

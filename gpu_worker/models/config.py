@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gpu_worker.models.moe_config import MoESpec, parse_moe, qwen3_moe_layers
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
@@ -40,7 +42,7 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """Attention geometry of one decoder layer."""
+    """Attention geometry of one decoder layer (and its MoE block, if it has one)."""
 
     layer_type: str  # FULL or SLIDING
     head_dim: int
@@ -52,6 +54,8 @@ class LayerSpec:
     # (the assistant reads the target's, mapped when it is bound to the target).
     kv_source: int | None = None
     k_eq_v: bool = False  # Gemma 4 attention_k_eq_v on this layer: no v_proj, value = k_proj output
+    # Qwen3-MoE: replaces the dense MLP; Gemma 4 (enable_moe_block): runs beside it.
+    moe: MoESpec | None = None
 
     @property
     def owns_kv(self) -> bool:
@@ -60,7 +64,8 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class LlamaSpec:
-    """Llama 2/3, Mistral, Qwen2, Qwen3: one pre-norm decoder, differences are flags."""
+    """Llama 2/3, Mistral, Qwen2, Qwen3 (dense and MoE): one pre-norm decoder, differences are
+    flags (Qwen3-MoE: the MoE layers' ``LayerSpec.moe``)."""
 
     architecture: str
     vocab_size: int
@@ -164,6 +169,9 @@ def _llama_layer_types(cfg: dict, arch: str, n: int) -> tuple[list[str], int | N
             SLIDING if window is not None and i >= _get(cfg, "max_window_layers", 28) else FULL for i in range(n)
         ]
         return [t if window is not None else FULL for t in types], window
+    if arch == "Qwen3MoeForCausalLM":  # HF: one window on every layer, only with use_sliding_window
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        return [SLIDING if window is not None else FULL] * n, window
     if arch == "MistralForCausalLM":
         window = cfg.get("sliding_window")  # HF Mistral: one window on every layer when set
         return [SLIDING if window is not None else FULL] * n, window
@@ -178,9 +186,10 @@ def parse_llama(cfg: dict, arch: str) -> LlamaSpec:
     kv_heads = _get(cfg, "num_key_value_heads", heads)
     rope = parse_rope(cfg.get("rope_parameters") or cfg.get("rope_scaling"), cfg)
     types, window = _llama_layer_types(cfg, arch, n)
+    moe = qwen3_moe_layers(cfg, n) if arch == "Qwen3MoeForCausalLM" else [None] * n
     layers = tuple(
-        LayerSpec(t, head_dim, kv_heads, window if t == SLIDING else None, rope, cfg["intermediate_size"])
-        for t in types
+        LayerSpec(t, head_dim, kv_heads, window if t == SLIDING else None, rope, cfg["intermediate_size"], moe=m)
+        for t, m in zip(types, moe)
     )
     qwen2 = arch == "Qwen2ForCausalLM"
     attention_bias = bool(cfg.get("attention_bias", False))
@@ -194,7 +203,7 @@ def parse_llama(cfg: dict, arch: str) -> LlamaSpec:
         qkv_bias=True if qwen2 else attention_bias,  # HF Qwen2: q/k/v always biased, o_proj never
         o_bias=False if qwen2 else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         layers=layers,
     )
@@ -252,8 +261,6 @@ def _kv_sources(types: list[str], num_shared: int) -> list[int | None]:
 
 
 def parse_gemma4(cfg: dict, arch: str, all_shared: bool = False) -> Gemma4Spec:
-    if cfg.get("enable_moe_block"):
-        raise ValueError("Gemma 4 with enable_moe_block=True (MoE) is not supported")
     if cfg.get("use_bidirectional_attention") == "all":
         raise ValueError("Gemma 4 with use_bidirectional_attention='all' is not supported (causal LM only)")
     hidden = cfg["hidden_size"]
@@ -271,6 +278,10 @@ def parse_gemma4(cfg: dict, arch: str, all_shared: bool = False) -> Gemma4Spec:
     # The assistant's layers read the target's KV: mark them shared with an out-of-model source (-1).
     sources = [-1] * len(types) if all_shared else _kv_sources(types, num_shared)
     double_wide = bool(cfg.get("use_double_wide_mlp", False))
+    # HF Gemma 4: with enable_moe_block every layer has the MoE block beside its dense MLP.
+    moe = parse_moe(cfg, "top_k_experts", "gemma4", True) if cfg.get("enable_moe_block") else None
+    if moe is not None and all_shared:
+        raise ValueError("Gemma 4 assistant: text_config.enable_moe_block is not supported")
     layers = []
     for i, t in enumerate(types):
         o = overrides.get(i, {})
@@ -286,6 +297,7 @@ def parse_gemma4(cfg: dict, arch: str, all_shared: bool = False) -> Gemma4Spec:
                 intermediate_size=o.get("intermediate_size", inter) * (2 if double_wide and shared else 1),
                 kv_source=sources[i],
                 k_eq_v=k_eq_v and t == FULL,
+                moe=moe,
             )
         )
     ple = int(_get(cfg, "hidden_size_per_layer_input", 256))  # HF default: PLE on
@@ -340,6 +352,7 @@ _PARSERS = {
     "MistralForCausalLM": parse_llama,
     "Qwen2ForCausalLM": parse_llama,
     "Qwen3ForCausalLM": parse_llama,
+    "Qwen3MoeForCausalLM": parse_llama,
     "Gemma4ForCausalLM": parse_gemma4,
     "Gemma4ForConditionalGeneration": parse_gemma4_multimodal,
     "Gemma4AssistantForCausalLM": parse_gemma4_assistant,

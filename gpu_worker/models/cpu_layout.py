@@ -16,16 +16,20 @@ import torch
 from torch import nn
 
 
+_DENSE = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _column_major(p: torch.Tensor) -> None:
-    if p.dim() == 2 and p.stride() != (1, p.shape[0]):
+    if p.dim() == 2 and p.dtype in _DENSE and p.stride() != (1, p.shape[0]):
         p.data = p.data.t().contiguous().t()
 
 
 def column_major_projections(model: nn.Module) -> None:
-    """Every ``nn.Linear`` weight of ``model`` and its LM head's weight, column-major (in place)."""
+    """Every dense ``nn.Linear`` weight of ``model`` (an FP8 projection keeps its own layout) and
+    its LM head's weight, column-major (in place)."""
     with torch.no_grad():
         for mod in model.modules():
-            if isinstance(mod, nn.Linear):
+            if isinstance(mod, nn.Linear) and getattr(mod, "quant", None) is None:
                 _column_major(mod.weight)
         head = getattr(model, "lm_head_weight", None)
         if head is not None:

@@ -9,7 +9,9 @@ What sets it apart from Llama, each mirrored from HF:
   by sqrt(hidden) rounded to the weight dtype, final logit softcapping, tied lm_head;
 - KV sharing: the last ``num_kv_shared_layers`` layers read the KV of the last earlier
   non-shared layer of their type and own no pool tensor;
-- Per-Layer Embeddings (PLE) when ``hidden_size_per_layer_input`` > 0.
+- Per-Layer Embeddings (PLE) when ``hidden_size_per_layer_input`` > 0;
+- ``enable_moe_block`` (26B-A4B): a MoE block beside each layer's dense MLP, routed on the
+  residual stream before the MLP, with its own norms (``Gemma4DecoderLayer._moe``).
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.kernels import use_triton
 from gpu_worker.kernels.embed import embed_cat, embed_scaled
+from gpu_worker.kernels.moe_norm import gemma_moe_combine, gemma_moe_inputs, gemma_moe_tail
 from gpu_worker.kernels.softcap import softcap_float
 from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4Spec, LayerSpec
 from gpu_worker.models.layers import GatedMLP, GemmaRMSNorm, Rotary, gated, rope_attention
+from gpu_worker.models.moe import Experts, Gemma4Router
 from gpu_worker.parallel import factory, shard
 from gpu_worker.parallel.state import tp_size
 
@@ -87,6 +92,14 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.register_buffer("layer_scalar", torch.ones(1))  # persistent: stored in checkpoints
+        self.eps = eps
+        self.moe = layer.moe is not None
+        if self.moe:  # HF's names: router, experts and three norms of their own on the layer
+            self.router = Gemma4Router(h, layer.moe, eps)
+            self.experts = Experts(h, layer.moe, spec.hidden_act)
+            self.post_feedforward_layernorm_1 = GemmaRMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
+            self.pre_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
         self.ple_dim = spec.hidden_size_per_layer_input
         self.act_name = spec.hidden_act
         if self.ple_dim:
@@ -104,11 +117,48 @@ class Gemma4DecoderLayer(nn.Module):
         h = self.self_attn(h, rotary, fb, backend)
         h, x = self.post_attention_layernorm.norm_add(h, x, next_norm=self.pre_feedforward_layernorm)
         h = self.mlp(h)
+        if self.moe:
+            ended = None if self.ple_dim else self._moe_to_layer_end(h, x, next_norm)
+            if ended is not None:
+                return ended, x
+            h = self._moe(h, x)
         if not self.ple_dim:
             return self.post_feedforward_layernorm.norm_add(h, x, next_norm=next_norm, scale=self.layer_scalar)
         _, x = self.post_feedforward_layernorm.norm_add(h, x)
         h = self.per_layer_projection(gated(self.act_name, self.per_layer_input_gate(x), per_layer_input))
         return self.post_per_layer_input_norm.norm_add(h, x, next_norm=next_norm, scale=self.layer_scalar)
+
+    def _moe(self, dense: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """HF: ``post_feedforward_layernorm_1(dense) + post_feedforward_layernorm_2(experts(
+        pre_feedforward_layernorm_2(x)))``, the experts routed on x, the residual stream the MLP's
+        input was normed from. On the kernel path the router's and the experts' inputs come from
+        one kernel, and the two norms and their sum from another."""
+        if use_triton(x):
+            r, e = self._moe_router_and_experts_inputs(x)
+            m = self.experts(e, *self.router.route(r))
+            return gemma_moe_combine(dense, m, self.post_feedforward_layernorm_1.weight,
+                                     self.post_feedforward_layernorm_2.weight, self.eps)
+        m = self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
+        return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(m)
+
+
+    def _moe_router_and_experts_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gemma_moe_inputs(x, self.router.scale, self.pre_feedforward_layernorm_2.weight, self.eps,
+                                self.router.root)
+
+    def _moe_to_layer_end(self, dense: torch.Tensor, x: torch.Tensor, next_norm: GemmaRMSNorm) -> torch.Tensor | None:
+        """The MoE block and the layer's end (``post_feedforward_layernorm``'s residual add, the
+        layer scalar, ``next_norm``) with the experts' slot sum in one kernel (``gemma_moe_tail``);
+        None where the experts give no per-slot outputs (torch path, TP > 1): the caller runs
+        ``_moe`` and the usual end. Updates x in place; returns ``next_norm(x)``."""
+        if not self.experts.gives_slots(x):
+            return None
+        r, e = self._moe_router_and_experts_inputs(x)
+        ids, weights = self.router.route(r)
+        slots = self.experts.slots(e, ids, weights)
+        return gemma_moe_tail(dense, slots, x, self.post_feedforward_layernorm_1.weight,
+                              self.post_feedforward_layernorm_2.weight, self.post_feedforward_layernorm.weight,
+                              next_norm.weight, self.layer_scalar, self.eps, ids.shape[1])
 
 
 class Gemma4Backbone(nn.Module):

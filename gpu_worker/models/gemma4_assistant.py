@@ -20,8 +20,8 @@ from gpu_worker.kernels.argmax import argmax_last
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import Gemma4AssistantSpec
 from gpu_worker.models.gemma4 import Gemma4Backbone
-from gpu_worker.models.layers import Linear
 from gpu_worker.parallel import factory, shard
+from gpu_worker.parallel.linear import Linear
 from gpu_worker.parallel.layers import vocab_rows_logits
 from gpu_worker.parallel.state import tp_size
 

@@ -16,10 +16,12 @@ from torch import nn
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
 from gpu_worker.kernels import qkv_rope, use_triton
 from gpu_worker.kernels.activation import gated_act
-from gpu_worker.kernels.gemv import gated_linear, linear
+from gpu_worker.kernels.gemv import gated_linear
 from gpu_worker.kernels.norm import MODE_ADD_NORM, MODE_NORM, MODE_NORM_ADD, launch_norm
 from gpu_worker.kernels.rope import NORM_GEMMA, NORM_LLAMA, NORM_NONE, rope_store
 from gpu_worker.models.config import RopeSpec
+from gpu_worker.parallel import factory, shard
+from gpu_worker.parallel.linear import MergedLinear
 
 
 def activation(name: str):
@@ -175,36 +177,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --------------------------------------------------------------------------- MLP / attention
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose few-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
-    """Several projections of one input as one weight [sum(parts), in]: one GEMM instead of many
-    (q/k/v, gate/up). ``parts`` maps each checkpoint projection name to its output width, in
-    order; the loader copies each checkpoint tensor into its rows."""
-
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        self.parts = dict(parts)
-
-    def shard(self, part: str) -> tuple[int, int]:
-        """(row offset, rows) of ``part`` in the merged weight."""
-        offset = 0
-        for name, rows in self.parts.items():
-            if name == part:
-                return offset, rows
-            offset += rows
-        raise KeyError(part)
-
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The merged output as one column view per part (no copy)."""
-        return torch.split(y, list(self.parts.values()), dim=-1)
-
-
 def gated(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """act(gate) * up, rounded like HF; one kernel on the device path."""
     if use_triton(gate):
@@ -217,8 +189,6 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
-        from gpu_worker.parallel import factory, shard  # here: parallel.layers subclasses MergedLinear
-
         # TP: gate/up split by columns, down by rows (one all-reduce); TP=1: the plain modules.
         self.gate_up_proj = factory.merged(hidden, factory.gate_up_parts(intermediate), bias=bias)
         self.down_proj = factory.row(shard.even(intermediate, "intermediate_size"), hidden, bias=bias)
@@ -228,8 +198,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One decode row at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py). Under
         # TP the column-parallel subclass may lay its shard out differently: the general path.
-        if type(self.gate_up_proj) is MergedLinear and self.gate_up_proj.bias is None:
-            h = gated_linear(x, self.gate_up_proj.weight, self.act_name)
+        proj = self.gate_up_proj
+        if type(proj) is MergedLinear and proj.bias is None:
+            h = (proj.quant.gated(proj, x, self.act_name) if proj.quant is not None
+                 else gated_linear(x, proj.weight, self.act_name))
             if h is not None:
                 return self.down_proj(h)
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -279,6 +251,7 @@ def rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBatch, 
             k_weight=getattr(k_norm, "weight", None), v_norm=v_norm is not None,
             eps=q_norm.eps if q_norm is not None else 1e-6,
             q_out=None if fb.scratch is None else fb.scratch.view("q", *q.shape),
+            store_scales=pool.store_scales(layer.kv_layer),
         )
         return paged_attention(backend, layer, q, None, None, fb)
     key = id(rotary)
@@ -304,10 +277,12 @@ def qkv_rope_attention(backend, layer: AttnLayer, rotary: Rotary, fb: ForwardBat
             and qkv_rope.applies(x, qkv_proj.weight, head_dim)):  # applies: one row on the kernel path
         return None
     pool = backend.pool
+    fp8 = qkv_proj.quant.kernel_args(qkv_proj) if qkv_proj.quant is not None else {}
     q = qkv_rope.qkv_rope_store(
         x, qkv_proj.weight, fb.positions, rotary.inv_freq, fb.out_loc, pool.k[layer.kv_layer],
         pool.v[layer.kv_layer], num_heads, num_kv_heads, head_dim,
         q_out=None if fb.scratch is None else fb.scratch.view("q", 1, num_heads, head_dim),
+        store_scales=pool.store_scales(layer.kv_layer), **fp8,
     )
     return paged_attention(backend, layer, q, None, None, fb)
 

@@ -1,8 +1,10 @@
-"""Llama 2/3, Mistral, Qwen2 and Qwen3: one pre-norm decoder, parameterised by ``LlamaSpec``.
+"""Llama 2/3, Mistral, Qwen2, Qwen3 and Qwen3-MoE: one pre-norm decoder, parameterised by
+``LlamaSpec``.
 
 Differences between the families are flags on the spec: q/k/v(/o) biases (Qwen2, Llama with
 attention_bias), per-head q/k RMSNorm before RoPE (Qwen3), sliding windows (Mistral, Qwen with
-use_sliding_window), llama3 RoPE scaling, tied embeddings.
+use_sliding_window), llama3 RoPE scaling, tied embeddings, and a sparse MoE block in place of
+the MLP on the layers whose ``LayerSpec.moe`` is set (Qwen3-MoE, ``models/moe.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ from gpu_worker.kv_pool import KVLayerShape
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import LayerSpec, LlamaSpec
 from gpu_worker.models.layers import GatedMLP, RMSNorm, Rotary, qkv_rope_attention, rope_attention
+from gpu_worker.kernels.moe_norm import moe_sum_add_norm
+from gpu_worker.models.moe import Slots, SparseMoE
 from gpu_worker.parallel import factory, shard
+
+
+def add_norm(norm: RMSNorm, h: torch.Tensor | Slots, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h + residual), h + residual), ``residual`` updated in place on the kernel path; a MoE
+    layer's unsummed ``Slots`` are summed in the same kernel."""
+    if isinstance(h, Slots):
+        return moe_sum_add_norm(h.rows, residual, norm.weight, norm.eps, h.top_k), residual
+    return norm.add_forward(h, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -55,18 +67,22 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, layer: LayerSpec, attn: AttnLayer):
         super().__init__()
         self.self_attn = LlamaAttention(spec, layer, attn)
-        self.mlp = GatedMLP(spec.hidden_size, layer.intermediate_size, spec.hidden_act, bias=spec.mlp_bias)
+        if layer.moe is not None:
+            self.mlp = SparseMoE(spec.hidden_size, layer.moe, spec.hidden_act)
+        else:
+            self.mlp = GatedMLP(spec.hidden_size, layer.intermediate_size, spec.hidden_act, bias=spec.mlp_bias)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, fb: ForwardBatch,
                 backend) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer output, residual stream). The residual add is deferred into the next norm
-        (``add_forward``): HF's ``residual + h`` then norm, in one kernel."""
+        (``add_norm``): HF's ``residual + h`` then norm, in one kernel (a MoE layer's output may
+        be its unsummed ``Slots``)."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
+            h, residual = add_norm(self.input_layernorm, h, residual)
         h = self.self_attn(h, rotary, fb, backend)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
@@ -112,7 +128,7 @@ class LlamaForCausalLM(CausalLM):
         h, residual = self.embed(fb.input_ids), None
         for layer in self.model.layers:
             h, residual = layer(h, residual, self.model.rotary, fb, backend)
-        return self.model.norm.add_forward(h, residual)[0]
+        return add_norm(self.model.norm, h, residual)[0]
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -3,7 +3,12 @@
 The module tree mirrors HF's names, so a checkpoint key ``model.layers.3.mlp.up_proj.weight`` is
 our parameter of the same name. The model is built on the meta device (no allocation, no
 random init), materialised empty on ``device`` in ``dtype``, then each tensor is read from the
-safetensors files in its checkpoint dtype and cast into place.
+safetensors files in its checkpoint dtype and cast into place. Two mappings are not one to one:
+a merged projection takes each of its parts' tensors into its rows (``merged_targets``), and a
+MoE layer's ``Experts`` takes either its fused 3-D tensors or every expert's own
+``experts.N.{gate,up,down}_proj.weight`` (``_ExpertKeys``). FP8 projections (a quantized
+checkpoint, or ``--quantization fp8``) are made so on the meta model, before allocation, and
+load their tensors through ``gpu_worker.quant`` (``QuantLoad``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from torch.overrides import TorchFunctionMode
 
 from gpu_worker.models import DRAFT_ARCHITECTURES, model_class
 from gpu_worker.models.config import architecture_of, load_config, parse_config
-from gpu_worker.models.layers import MergedLinear
+from gpu_worker.models.moe import EXPERT_PROJS, Experts
+from gpu_worker.parallel.linear import MergedLinear
+from gpu_worker.quant import QuantLoad, fp8_weight_names, prepare_quant, resolve_format
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +54,19 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _materialize(cls, spec, dtype: torch.dtype, device: torch.device | str):
+def _materialize(cls, spec, dtype: torch.dtype, device: torch.device | str, quantize) -> tuple[object, QuantLoad]:
     if torch.device(device).type == "cpu":  # in place, initialisers skipped: no meta-device kernels run
         with torch.device("cpu"), _SkipInit():
-            return cls(spec).to(dtype)
+            model = cls(spec).to(dtype)
+            return model, quantize(model)
     with torch.device("meta"):
         model = cls(spec)
-    # Cast on meta (free), then allocate once on the device: no float32 copy of a bf16 model.
+    # Cast on meta (free), quantize the FP8 projections, then allocate once on the device: no
+    # float32 copy of a bf16 model, no bf16 copy of an FP8 one.
     model.to(dtype)
+    quant = quantize(model)
     model.to_empty(device=device)
-    return model
+    return model, quant
 
 
 def merged_targets(model) -> dict[str, tuple[str, int, int]]:
@@ -69,6 +79,41 @@ def merged_targets(model) -> dict[str, tuple[str, int, int]]:
             for part in mod.parts:
                 out[f"{parent}.{part}"] = (path, *mod.shard(part))
     return out
+
+
+class _ExpertKeys:
+    """Per-expert checkpoint keys of the model's ``Experts`` modules: where each one goes, and
+    which of them arrived, so a fused parameter counts as loaded once every expert's part of it
+    did (``experts.gate_up_proj`` needs each expert's gate and up, ``down_proj`` each down)."""
+
+    def __init__(self, model):
+        self.modules = {path: m for path, m in model.named_modules() if isinstance(m, Experts)}
+        self.seen: dict[str, set[tuple[int, str]]] = {}
+
+    def destination(self, name: str) -> tuple[str, torch.Tensor, str, str] | None:
+        """(name, the expert's slice of the fused parameter, module path, projection)."""
+        parts = name.rsplit(".", 3)
+        if len(parts) != 4 or parts[0] not in self.modules or parts[3] != "weight" or parts[2] not in EXPERT_PROJS:
+            return None
+        mod, index = self.modules[parts[0]], parts[1]
+        if not index.isdigit() or int(index) >= mod.num_experts:
+            return None
+        return name, mod.expert_view(int(index), parts[2]), parts[0], parts[2]
+
+    def note(self, module_path: str, name: str) -> None:
+        index, proj = name[len(module_path) + 1 :].split(".")[:2]
+        self.seen.setdefault(module_path, set()).add((int(index), proj))
+
+    def complete(self) -> set[str]:
+        """The fused parameter names every expert's parts have filled."""
+        done = set()
+        for path, got in self.seen.items():
+            e = self.modules[path].num_experts
+            if all((i, p) in got for i in range(e) for p in ("gate_proj", "up_proj")):
+                done.add(f"{path}.gate_up_proj")
+            if all((i, "down_proj") in got for i in range(e)):
+                done.add(f"{path}.down_proj")
+        return done
 
 
 def _destination(targets: dict, merged: dict, name: str) -> tuple[str, torch.Tensor, str, str | None] | None:
@@ -96,33 +141,41 @@ def _rank_shard(model, module_path: str, leaf: str, part: str | None, src: torch
     return src if cut is None else cut(leaf, src, part)
 
 
-def load_weights(model, model_dir: Path) -> None:
+def load_weights(model, model_dir: Path, quant: QuantLoad) -> None:
     """Copy every checkpoint tensor into the matching parameter/buffer (or the rows of a merged
-    projection that stand for it); fail on missing ones."""
+    projection that stand for it); fail on missing ones. ``quant`` takes the FP8 projections'
+    tensors first."""
     targets = model.state_dict(keep_vars=True)  # params + persistent buffers, by HF name
     merged = merged_targets(model)
-    expected = _expected_names(targets, merged)
+    experts = _ExpertKeys(model)
+    expected = [n for n in _expected_names(targets, merged) if not quant.owns(n)]
     seen: set[str] = set()
     unexpected: list[str] = []
+
+    def put(name: str, tensor: torch.Tensor, key: str | None = None) -> None:
+        found = _destination(targets, merged, name) or experts.destination(name)
+        if found is None:
+            if not model.ignored_checkpoint_key(name):
+                unexpected.append(key or name)
+            return
+        name, dst, module_path, part = found
+        src = _rank_shard(model, module_path, name.rpartition(".")[2], part, tensor)
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src.to(dtype=dst.dtype) if dst.is_floating_point() else src)
+        seen.add(name)
+        if module_path in experts.modules and part is not None:
+            experts.note(module_path, name)
+
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
                 name = model.checkpoint_key(key)
-                if name is None:
-                    continue
-                found = _destination(targets, merged, name)
-                if found is None:
-                    if not model.ignored_checkpoint_key(name):
-                        unexpected.append(key)
-                    continue
-                name, dst, module_path, part = found
-                src = _rank_shard(model, module_path, name.rpartition(".")[2], part, f.get_tensor(key))
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-                with torch.no_grad():
-                    dst.copy_(src.to(dtype=dst.dtype) if dst.is_floating_point() else src)
-                seen.add(name)
-    missing = [n for n in expected if n not in seen]
+                if name is not None and not quant.take(name, lambda: f.get_tensor(key), put):
+                    put(name, f.get_tensor(key), key)
+    seen |= experts.complete()
+    missing = [n for n in expected if n not in seen] + quant.finish()
     optional = model.optional_weights()
     for name in [n for n in missing if n in optional]:
         log.warning("%s not in checkpoint; using %s", name, optional[name])
@@ -153,27 +206,36 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     target=None,
+    quantization: str | None = None,
 ):
     """Load a target model, or a draft (``Gemma4AssistantForCausalLM``) bound to ``target``.
 
     ``load_format="dummy"`` gives random weights of the checkpoint's shapes (config.json only).
+    ``quantization`` is ``--quantization`` (None: as the checkpoint says). The model's
+    ``kv_scales`` holds the checkpoint's per-layer k / v scales (pool layer -> (k, v)), if any.
     """
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     arch = architecture_of(cfg)
     spec = parse_config(cfg)  # first: its errors name unsupported variants precisely
+    fmt = resolve_format(cfg, quantization)
     cls = model_class(arch)
     if arch in DRAFT_ARCHITECTURES and target is None:
         raise ValueError(f"{arch} is a draft model: pass the loaded target as target=")
-    model = _materialize(cls, spec, dtype, device)
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
+    files = checkpoint_files(model_dir) if load_format == "auto" else []
+    model, quant = _materialize(cls, spec, dtype, device,
+                                lambda m: prepare_quant(m, fmt, fp8_weight_names(m, files)))
     if arch in DRAFT_ARCHITECTURES:
         model.bind(target)  # before the weights: a pair that does not fit says why, not a shape
     if load_format == "dummy":
         model.init_dummy_()
-    elif load_format == "auto":
-        load_weights(model, model_dir)
+        quant.init_dummy()
     else:
-        raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
+        load_weights(model, model_dir, quant)
+    model.kv_scales = quant.kv_scales()
+    model.quant_format = fmt
     model.eval()
     model.requires_grad_(False)
     return model

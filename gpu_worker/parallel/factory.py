@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.models.layers import Linear, MergedLinear
+from gpu_worker.parallel.linear import Linear, MergedLinear
 from gpu_worker.parallel import layers as P
 from gpu_worker.parallel import shard
 from gpu_worker.parallel.state import tp_size

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.kernels.gemv import linear
-from gpu_worker.models.layers import Linear, MergedLinear
+from gpu_worker.parallel.linear import Linear, MergedLinear
 from gpu_worker.parallel.comm import all_gather_last, all_reduce
 from gpu_worker.parallel.shard import Rows
 from gpu_worker.parallel.state import tp_size
@@ -60,12 +60,15 @@ class MergedColumnParallelLinear(MergedLinear):
 
 
 class RowParallelLinear(nn.Linear):
+    quantizable = True  # an FP8 projection holds ``quant`` (gpu_worker.quant), as ``Linear``
+    quant = None
+
     def __init__(self, cols: Rows, out_features: int, bias: bool = False):
         super().__init__(cols.size, out_features, bias=bias)
         self.cols = cols
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+        y = all_reduce(self.quant.apply(self, x) if self.quant is not None else linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def checkpoint_shard(self, leaf: str, src: torch.Tensor, part: str | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from gpu_worker.step.sampling import token_logprobs
 from proto.messages import Logprobs, PromptLogprobRows
 
-BLOCK_ROWS = 1024  # prompt positions whose logits are materialised at once
+BLOCK_ROWS = 1024  # prompt positions whose logits are materialised at once (sizing.py reserves for them)
 
 
 def prompt_logprob_rows(target, rows, state, hidden: torch.Tensor) -> list[PromptLogprobRows]:

@@ -82,6 +82,90 @@ def build_qwen3(out_dir: str, seed: int = 0) -> str:
     return _save(Qwen3ForCausalLM(cfg).eval(), out_dir)
 
 
+def build_qwen3_moe(out_dir: str, seed: int = 0, **kw) -> str:
+    """A tiny Qwen3-MoE: 8 experts, top-2, renormalised; layer 1 dense (``mlp_only_layers``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    args = _common(head_dim=16, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    args.update(kw)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**args)).eval()
+    _scale_up_gemma(model)  # HF's 0.02 init leaves the router's probabilities nearly flat
+    return _save(model, out_dir)
+
+
+MOE_GEMMA = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
+
+
+def build_gemma4_moe(out_dir: str, seed: int = 0, **kw) -> str:
+    """A tiny Gemma 4 with a MoE block in every layer (8 experts, top-2), sliding and full
+    layers; router scales away from 1 so they count."""
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(gemma4_config(**{**MOE_GEMMA, **kw})).eval()
+    _scale_up_gemma(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("router.scale", "router.per_expert_scale")):
+                p.uniform_(0.5, 1.5)
+    return _save(model, out_dir)
+
+
+def rewrite_experts(model_dir: str, layout: str, shards: int = 1) -> str:
+    """Rewrite a saved checkpoint's experts in ``layout`` (``fused``: ``experts.gate_up_proj``
+    [E, 2I, H] and ``experts.down_proj`` [E, H, I]; ``per_expert``: ``experts.N.gate_proj.weight``
+    ...) and split it into ``shards`` safetensors files with an index, as real checkpoints are."""
+    import glob
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        tensors.update(load_file(f))
+        os.remove(f)
+    if os.path.exists(os.path.join(model_dir, "model.safetensors.index.json")):
+        os.remove(os.path.join(model_dir, "model.safetensors.index.json"))
+    per = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    out: dict[str, torch.Tensor] = {}
+    grouped: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for k, v in tensors.items():
+        m = per.match(k)
+        if m:
+            grouped.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = v
+        elif k.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            grouped.setdefault(k.rsplit(".", 1)[0], {})[(-1, k.rsplit(".", 1)[1])] = v
+        else:
+            out[k] = v
+    for prefix, parts in grouped.items():
+        if (-1, "gate_up_proj") in parts:  # fused in the file
+            gate_up, down = parts[(-1, "gate_up_proj")], parts[(-1, "down_proj")]
+        else:
+            n = 1 + max(i for i, _ in parts)
+            gate_up = torch.stack([torch.cat([parts[(i, "gate_proj")], parts[(i, "up_proj")]]) for i in range(n)])
+            down = torch.stack([parts[(i, "down_proj")] for i in range(n)])
+        if layout == "fused":
+            out[f"{prefix}.gate_up_proj"], out[f"{prefix}.down_proj"] = gate_up.contiguous(), down.contiguous()
+        else:
+            inter = gate_up.shape[1] // 2
+            for i in range(gate_up.shape[0]):
+                out[f"{prefix}.{i}.gate_proj.weight"] = gate_up[i, :inter].contiguous()
+                out[f"{prefix}.{i}.up_proj.weight"] = gate_up[i, inter:].contiguous()
+                out[f"{prefix}.{i}.down_proj.weight"] = down[i].contiguous()
+    names = sorted(out)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: out[k] for k in names[s::shards]}
+        save_file(part, os.path.join(model_dir, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(model_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return model_dir
+
+
 def gemma4_config(**kw):
     from transformers import Gemma4TextConfig
 

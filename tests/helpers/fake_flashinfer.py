@@ -32,7 +32,7 @@ class _Paged:
         return host_or_dev.clone()
 
     def _plan(self, qo_indptr, indptr, indices, last, q_heads, kv_heads, head_dim, page_size, causal,
-              window_left, logits_soft_cap, sm_scale, q_data_type):
+              window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type=None):
         for t in (qo_indptr, indptr, last):
             assert t.device.type == "cpu" and t.dtype == torch.int32, "plan() reads these on the host"
         assert indices.dtype == torch.int32 and q_heads % kv_heads == 0 and len(indptr) == len(last) + 1
@@ -47,11 +47,15 @@ class _Paged:
         self.softcap = logits_soft_cap or 0.0
         self.scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dtype = q_data_type
+        self.kv_dtype = kv_data_type or q_data_type
 
-    def run(self, q, paged_kv_cache, *args, out=None, **kwargs):
+    def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, **kwargs):
+        """``k_scale`` / ``v_scale``: an FP8 cache's scales (the real kernels fold k's into the
+        softmax scale and v's into the output: the same as reading dequantized values)."""
         k_cache, v_cache = paged_kv_cache
         q_heads, kv_heads, head_dim, ps = self.shape
         assert q.dtype == self.dtype and q.shape[1:] == (q_heads, head_dim) and k_cache.shape[1:] == (ps, kv_heads, head_dim)
+        assert k_cache.dtype == self.kv_dtype, f"planned for {self.kv_dtype} KV, ran on {k_cache.dtype}"
         qo = self.qo_indptr.tolist()
         assert qo[-1] == q.shape[0]
         indptr, last = self.indptr.tolist(), self.last.tolist()
@@ -63,6 +67,7 @@ class _Paged:
             pages = self.indices[indptr[b]: indptr[b + 1]].long()
             k = k_cache[pages].reshape(-1, kv_heads, head_dim)[:kv_len].float().repeat_interleave(group, 1)
             v = v_cache[pages].reshape(-1, kv_heads, v_cache.shape[-1])[:kv_len].float().repeat_interleave(group, 1)
+            k, v = k * (k_scale or 1.0), v * (v_scale or 1.0)
             qb = q[qo[b]: qo[b + 1]].float()
             s = torch.einsum("qhd,khd->hqk", qb, k) * self.scale
             if self.softcap:
@@ -95,7 +100,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
              **kwargs):
         self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                   num_kv_heads, head_dim_qk, page_size, causal, window_left, logits_soft_cap, sm_scale, q_data_type)
+                   num_kv_heads, head_dim_qk, page_size, causal, window_left, logits_soft_cap, sm_scale, q_data_type,
+                   kv_data_type)
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Paged):
@@ -112,7 +118,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
              kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, **kwargs):
         qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
         self._plan(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, False,
-                   window_left, logits_soft_cap, sm_scale, q_data_type)
+                   window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type)
 
 
 def module() -> types.ModuleType:

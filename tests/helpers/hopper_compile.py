@@ -159,10 +159,10 @@ class _Sm90Driver:
 
 def _variants(kwargs: dict, first_dtype: str | None) -> list[dict]:
     """The launch as the GPU would make it: the constexprs the host sets by device at their CUDA
-    values (gemv.py ``F32``: the interpreter's exact-fp32 dot; softcap.py ``LIBDEVICE``: tanh;
-    attention ``IEEE``: exact dots for fp32 queries only); a kernel with a ``PDL`` constexpr also
+    values (the GEMVs' and the FP8 GEMM's ``F32`` and attention's ``IEEE``: exact dots for float32
+    operands only, always under the interpreter; softcap.py ``LIBDEVICE``: tanh); a kernel with a ``PDL`` constexpr also
     at the level its recorded one is not (every kernel runs both off and on, by token count)."""
-    cuda = {"F32": False, "LIBDEVICE": True, "IEEE": first_dtype == "float32"}
+    cuda = {"F32": first_dtype == "float32", "LIBDEVICE": True, "IEEE": first_dtype == "float32"}
     kw = {**kwargs, **{k: v for k, v in cuda.items() if k in kwargs}}
     if "PDL" not in kw:
         return [kw]
@@ -238,18 +238,28 @@ def launchable_kernels() -> set[str]:
             for name in re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\n\s*def (\w+_kernel)\b", path.read_text())}
 
 
-# (model, draft, dtype, CUDA-graph emulation, SMs, merge kernel): the engine paths whose
-# kernels the GPU runs -- fp32 and bf16 (the GEMV and the fused QKV+RoPE take only half dtypes),
-# eager and graph decode, chunked prefill, Gemma 4's windows and softcaps, frozen-KV MTP with
-# sampling and penalties; split-KV decode with its merge fused and separate (no tickets left: the
-# merge kernel) (132 SMs: the tiny models' few rows x heads split 16 ways) and unsplit, longest
-# row first (2 SMs: what a Hopper card launches for large batches).
+# (model, draft, dtype, CUDA-graph emulation, SMs, merge kernel, engine flags): the engine paths
+# whose kernels the GPU runs -- fp32 and bf16 (the GEMV and the fused QKV+RoPE take only half
+# dtypes), eager and graph decode, chunked prefill, Gemma 4's windows and softcaps, frozen-KV MTP
+# with sampling and penalties; split-KV decode with its merge fused and separate (no tickets left:
+# the merge kernel) (132 SMs: the tiny models' few rows x heads split 16 ways) and unsplit,
+# longest row first (2 SMs: what a Hopper card launches for large batches); MoE targets (routing,
+# the experts' decode and grouped paths, the Gemma 4 MoE norms), with frozen-KV MTP on Gemma 4's;
+# FP8 weights and the FP8 KV cache (the fused QKV+RoPE storing e4m3 on bf16 weights; the FP8
+# GEMV, GEMM and activation quantization online, MTP's draft reading FP8 KV).
+# ``record_fp8_kernels`` adds every FP8 weight layout and activation scheme the engine runs do
+# not reach; ``record_moe_configs`` every MoE launch shape in moe_configs.json.
+FP8 = {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
 ENGINE_RUNS = (
-    ("llama", None, "float32", False, 2, False),
-    ("llama", None, "bfloat16", True, H200_SMS, True),
-    ("qwen3", None, "bfloat16", True, 2, False),
-    ("gemma4", "assistant", "bfloat16", True, H200_SMS, False),
-    ("gemma4", "assistant", "float32", False, 2, False),
+    ("llama", None, "float32", False, 2, False, {}),
+    ("llama", None, "bfloat16", True, H200_SMS, True, {}),
+    ("qwen3", None, "bfloat16", True, 2, False, {}),
+    ("gemma4", "assistant", "bfloat16", True, H200_SMS, False, {}),
+    ("gemma4", "assistant", "float32", False, 2, False, {}),
+    ("qwen3_moe", None, "bfloat16", True, H200_SMS, False, {}),
+    ("gemma4_moe", "assistant_moe", "bfloat16", True, H200_SMS, False, {}),
+    ("llama", None, "bfloat16", True, H200_SMS, False, {"kv_cache_dtype": "fp8_e4m3"}),
+    ("gemma4", "assistant", "bfloat16", True, H200_SMS, False, FP8),
 )
 # Prompts longer than the Gemma 4 test window (8) and the page, of unequal lengths (3 rows take
 # bucket 4, with a padding row); a lone request first, so the one-row kernels run too.
@@ -275,17 +285,52 @@ def record_engine(root) -> set[str]:
 
     from gpu_worker.kernels import attention_decode
     from tests.helpers.checkpoints import build_engine_set
+    from tests.helpers.hopper_moe import build_moe_set, record_moe_configs
     from tests.helpers.inproc import InProcEngine
 
     ck = build_engine_set(pathlib.Path(root))
+    ck.update(build_moe_set(pathlib.Path(root)))
     with recording() as seen:
-        for model, draft, dtype, graphs, sms, merge_kernel in ENGINE_RUNS:
+        for model, draft, dtype, graphs, sms, merge_kernel, flags in ENGINE_RUNS:
             tickets = 0 if merge_kernel else attention_decode.TICKETS
             with mock.patch.dict(os.environ, TANDEM_EMULATE_CUDA_GRAPHS="1" if graphs else "0"), \
                     mock.patch.object(attention_decode, "TICKETS", tickets), cuda_launch_choices(sms):
                 _run_engine(InProcEngine(ck[model], draft=ck[draft] if draft else None, attention_backend="triton",
-                                         dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4)))
+                                         dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4),
+                                         **flags))
+        with cuda_launch_choices(H200_SMS):
+            record_fp8_kernels()
+            record_moe_configs()
     return seen
+
+
+def record_fp8_kernels() -> None:
+    """Launch the FP8 GEMV (FMA, tensor-core, gated, split-K), GEMM, activation quantization and
+    one-row qkv + RoPE in every weight layout (row scales; 128-column blocks, per row and per
+    128-row group) and activation scheme (weight-only, dynamic, static), at one and several rows:
+    the variants checkpoints in the other formats compile."""
+    from gpu_worker.kernels import enable_cpu_kernels
+    from gpu_worker.kernels.fp8_linear import A8, fp8_gated_linear, fp8_linear
+    from gpu_worker.kernels.qkv_rope import qkv_rope_store
+    from gpu_worker.quant.fp8_math import FP8
+
+    # 512 columns: K split in two at one row; float32 rows: a float32 model (the GPU tests), exact dots
+    xs = [torch.randn(m, 512).to(torch.bfloat16) for m in (1, 3, 20)] + [torch.randn(m, 512) for m in (1, 3, 20)]
+    inp = torch.tensor([0.05])
+    for rows, kb in ((1, 1), (1, 4), (128, 4)):
+        w = torch.randn(256, 512).to(FP8)
+        s = torch.rand(-(-256 // rows), kb) + 0.5
+        for acts in ("none", "dynamic", "static"):
+            for x in xs:
+                fp8_linear(x, w, s, rows, acts, inp)
+                fp8_gated_linear(x, w, s, rows, acts, inp, "silu")
+            kv = torch.zeros(4, 2, 32, dtype=FP8)  # 4 query + 2 x 2 KV heads of 32 = the weight's 256 rows
+            enable_cpu_kernels(True)
+            try:
+                qkv_rope_store(xs[0], w, torch.tensor([3]), torch.ones(16), torch.tensor([1]), kv, kv.clone(), 4, 2, 32,
+                               scale=s, scale_rows=rows, a8=A8[acts], input_scale=inp)
+            finally:
+                enable_cpu_kernels(False)
 
 
 def record_shapes(root) -> set[str]:
@@ -312,9 +357,11 @@ def record_shapes(root) -> set[str]:
         json.dump(cfg, open(path, "w"))
     os.environ["TANDEM_EMULATE_CUDA_GRAPHS"] = "1"
     with cuda_launch_choices(H200_SMS), recording() as seen:
-        for model, draft in (("llama-3.1-8b", None), ("gemma4-dense-9b", "gemma4-dense-9b-assistant")):
+        for model, draft, flags in (("llama-3.1-8b", None, {}), ("gemma4-dense-9b", "gemma4-dense-9b-assistant", {}),
+                                    ("llama-3.1-8b", None, FP8)):
             eng = InProcEngine(dirs[model], draft=dirs[draft] if draft else None, attention_backend="triton",
-                               dtype="bfloat16", load_format="dummy", max_total_tokens=4096, cuda_graph_bs=(1, 2))
+                               dtype="bfloat16", load_format="dummy", max_total_tokens=4096, cuda_graph_bs=(1, 2),
+                               **flags)
             eng.submit("a", list(range(5, 305)), max_new_tokens=3, ignore_eos=True)
             eng.run()
     return seen

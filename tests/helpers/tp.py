@@ -100,10 +100,12 @@ def rank_tokens(rank: int, ckpts: dict, device: str) -> dict:
 
 
 ENGINE_CASES = {"llama": ("llama", None), "qwen3": ("qwen3", None), "gemma4": ("gemma4", None),
-                "gemma4-mtp": ("gemma4", "assistant"), "gemma4-mtp-ordered": ("gemma4", "assistant_ordered")}
+                "gemma4-mtp": ("gemma4", "assistant"), "gemma4-mtp-ordered": ("gemma4", "assistant_ordered"),
+                "qwen3-moe": ("qwen3_moe", None), "gemma4-moe-mtp": ("gemma4_moe", "assistant_moe")}
 
 
-LOGIT_CASES = ("llama", "qwen3", "gemma4", "llama_bias_tied", "gemma4_ple_shared")
+LOGIT_CASES = ("llama", "qwen3", "gemma4", "llama_bias_tied", "gemma4_ple_shared", "qwen3_moe", "gemma4_moe",
+               "llama_fp8_block", "llama_fp8_tensor")
 
 
 def rank_workload(rank: int, ckpts: dict) -> dict:

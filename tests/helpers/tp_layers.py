@@ -26,6 +26,30 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
+def _check_experts(rnd, g) -> float:
+    """MoE experts split on the intermediate dimension (each rank every expert's slice, loaded
+    from the fused and from the per-expert layout), outputs all-reduced, vs the whole experts."""
+    from gpu_worker.models.moe_config import MoESpec
+    from gpu_worker.models.moe import Experts
+
+    spec = MoESpec(num_experts=4, top_k=2, intermediate_size=6, router="softmax", renormalize=True)
+    gate_up, down, x = rnd(4, 12, 8), rnd(4, 8, 6), rnd(5, 8)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)]).int()
+    w = torch.rand(5, 2, generator=g)
+    whole = torch.zeros(5, 8)
+    for t in range(5):
+        for k in range(2):
+            gate, up = F.linear(x[t], gate_up[ids[t, k]]).chunk(2)
+            whole[t] += w[t, k] * F.linear(F.silu(gate) * up, down[ids[t, k]])
+    fused = Experts(8, spec, "silu")
+    _load(fused, {"gate_up_proj": gate_up, "down_proj": down})
+    per_expert = Experts(8, spec, "silu")
+    for e in range(4):
+        for proj, src in (("gate_proj", gate_up[e, :6]), ("up_proj", gate_up[e, 6:]), ("down_proj", down[e])):
+            per_expert.expert_view(e, proj).copy_(per_expert.checkpoint_shard("weight", src, proj))
+    return max(_err(fused(x, ids, w), whole), _err(per_expert(x, ids, w), whole))
+
+
 def check_layers() -> dict[str, float]:
     assert tp_size() > 1
     g = torch.Generator().manual_seed(0)
@@ -70,6 +94,7 @@ def check_layers() -> dict[str, float]:
         sel = torch.randint(0, 11, (4, 6), generator=g)
         full_pick = (h.unsqueeze(-2) @ emb_w[sel].transpose(-1, -2)).squeeze(-2)
         out["vocab_rows"] = _err(vocab_rows_logits(h, emb.weight, shard.vocab(11), sel), full_pick)
+        out["experts"] = _check_experts(rnd, g)
     # start-up agreement: every rank sizes its pool to the smallest budget
     out["agree_min"] = float(agree_min(1000 + 7 * tp_rank()) != 1000)
     return out

@@ -45,3 +45,35 @@ def ref_rope(x, pos, inv_freq):
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def ref_route(logits, top_k, renormalize, expert_scale=None, round_to=None):
+    """MoE routing as HF's routers: float32 softmax, top-k, [renormalise], [round], [* scale]."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    if round_to is not None:
+        w = w.to(round_to).float()
+    if expert_scale is not None:
+        w = w * expert_scale.float()[ids]
+    return ids.int(), w
+
+
+def ref_experts(x, gate_up, down, ids, weights, act):
+    """sum_k w_k * down_e(act(gate_e x) * up_e x) per token, rounding to x's dtype where HF does
+    (gate_up, act, product, down, weighted), the slots summed in float64."""
+    import torch.nn.functional as F
+
+    acts = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda v: F.gelu(v, approximate="tanh")}
+    dt = x.dtype
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gu = (gate_up[e].double() @ x[t].double()).to(dt)
+            g, u = gu.chunk(2)
+            h = (acts[act](g.float()).to(dt).float() * u.float()).to(dt)
+            y = (down[e].double() @ h.double()).to(dt)
+            out[t] += (y.float() * float(weights[t, k])).to(dt).double()
+    return out

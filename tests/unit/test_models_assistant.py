@@ -207,10 +207,10 @@ def test_bind_rejects_mismatched_pair(tmp_path):
 
 def test_draft_projections_go_through_the_gemv_dispatch(tmp_path):
     """Every projection of the draft's forward (its layers and the pre / post projections) is
-    ``layers.Linear``, whose one-row GEMMs may take the GEMV (kernels/gemv.py ``linear``): inside
+    ``parallel.linear.Linear``, whose one-row GEMMs may take the GEMV (kernels/gemv.py ``linear``): inside
     the draft graph a cuBLAS kernel would break the PDL chain. The LM head (cuBLAS or the
     centroid head) and the centroid scorer are the exceptions."""
-    from gpu_worker.models.layers import Linear
+    from gpu_worker.parallel.linear import Linear
 
     _, _, _, draft = _build_pair(tmp_path, ordered=True)
     plain = [name for name, m in draft.named_modules() if type(m) is torch.nn.Linear]

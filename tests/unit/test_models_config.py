@@ -11,6 +11,7 @@ from gpu_worker.models.config import (
     SLIDING,
     Gemma4Spec,
     LlamaSpec,
+    MoESpec,
     parse_config,
 )
 from gpu_worker.models.eos import read_eos_token_ids
@@ -109,12 +110,41 @@ def test_gemma4_kv_sharing_sources():
 
 def test_gemma4_unsupported_variants():
     base = _hf_dict(transformers.Gemma4TextConfig(**_GEMMA))
-    with pytest.raises(ValueError, match="enable_moe_block"):
-        parse_config({**base, "enable_moe_block": True})
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         parse_config({**base, "use_bidirectional_attention": "all"})
     with pytest.raises(ValueError, match="LlamaForCausalLM"):  # lists what is supported
         parse_config({**base, "architectures": ["GPT2LMHeadModel"]})
+
+
+_MOE = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32}
+
+
+def test_gemma4_moe_block_on_every_layer():
+    base = _hf_dict(transformers.Gemma4TextConfig(**_GEMMA))
+    spec = parse_config({**base, **_MOE})
+    assert {l.moe for l in spec.layers} == {MoESpec(8, 2, 32, "gemma4", True)}
+    assert all(l.moe is None for l in parse_config(base).layers)
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"num_experts": None}, "num_experts"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+    ({"top_k_experts": 9}, "top_k_experts"),
+    ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ({"n_shared_experts": 1}, "n_shared_experts"),
+])
+def test_unsupported_moe_variants_name_the_field(change, field):
+    base = _hf_dict(transformers.Gemma4TextConfig(**_GEMMA))
+    with pytest.raises(ValueError, match=field) as err:
+        parse_config({**base, **_MOE, **change})
+    assert "\n" not in str(err.value)
+    qwen = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 5,
+            "moe_intermediate_size": 16}
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        parse_config(qwen)
+    with pytest.raises(ValueError, match="decoder_sparse_step"):
+        parse_config({**qwen, "num_experts_per_tok": 2, "decoder_sparse_step": 0})
 
 
 def test_gemma4_multimodal_wrapper_parses_its_text_config():

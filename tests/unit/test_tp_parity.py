@@ -2,7 +2,9 @@
 
 One spawn of two ranks runs everything (start-up dominates): parallel layers vs unsharded,
 full-model logits vs TP=1 within float32 tolerance (the all-reduce sums in another order,
-so bits may differ), and greedy tokens through the scheduler + runner (overlap depth 2,
+so bits may differ; MoE targets too, their experts split on the intermediate dimension; FP8
+checkpoints too: weights and their scales cut per rank), and greedy tokens through the scheduler
++ runner (overlap depth 2,
 chunked prefill, frozen-KV MTP with both assistant heads) equal to TP=1's. Both ranks must
 produce the same tokens, including for a seeded sampled request.
 """
@@ -14,7 +16,16 @@ import os
 import numpy as np
 import pytest
 
-from tests.helpers.checkpoints import VOCAB, build_assistant, build_gemma4, build_llama, build_qwen3
+from tests.helpers.checkpoints import (
+    VOCAB,
+    build_assistant,
+    build_gemma4,
+    build_gemma4_moe,
+    build_llama,
+    build_qwen3,
+    build_qwen3_moe,
+)
+from tests.helpers.fp8_checkpoints import quantize_checkpoint
 from common.args import ArgError
 from common.serve_cli import parse_server_args
 from tests.helpers.tp import ENGINE_CASES, LOGIT_CASES, engine_tokens, model_logits, rank_workload, run_ranks
@@ -22,7 +33,16 @@ from tests.helpers.tp import ENGINE_CASES, LOGIT_CASES, engine_tokens, model_log
 
 def tp_checkpoints(root) -> dict:
     g = build_gemma4(os.path.join(root, "gemma4"))
+    g_moe = build_gemma4_moe(os.path.join(root, "gemma4_moe"))
+    # FP8 checkpoints wide enough that each rank's input features are whole 128-column groups
+    wide = build_llama(os.path.join(root, "llama_wide"), hidden_size=256, intermediate_size=512)
     return {
+        # MoE: experts split on their intermediate dimension (24 -> 12 a rank)
+        "gemma4_moe": g_moe,
+        "assistant_moe": build_assistant(os.path.join(root, "assistant_moe"), g_moe),
+        "qwen3_moe": build_qwen3_moe(os.path.join(root, "qwen3_moe")),
+        "llama_fp8_block": quantize_checkpoint(wide, os.path.join(root, "llama_fp8_block"), "ct-block", "none"),
+        "llama_fp8_tensor": quantize_checkpoint(wide, os.path.join(root, "llama_fp8_tensor"), "ct-tensor", "none"),
         "llama": build_llama(os.path.join(root, "llama")),
         "qwen3": build_qwen3(os.path.join(root, "qwen3")),
         "gemma4": g,
@@ -55,7 +75,7 @@ def test_parallel_layers_match_unsharded(ranks):
         assert layers["embedding_exact"] == 0.0, rank  # one non-zero term per id: exact
         assert layers["kv1_replicated"] == 0.0, rank
         assert layers["agree_min"] == 0.0, rank  # ranks agree on the smallest KV budget
-        for name in ("column", "row", "merged_kv2", "merged_kv1", "lm_logits", "vocab_rows"):
+        for name in ("column", "row", "merged_kv2", "merged_kv1", "lm_logits", "vocab_rows", "experts"):
             assert layers[name] < 1e-5, (rank, name, layers[name])
 
 

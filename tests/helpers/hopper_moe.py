@@ -1,0 +1,59 @@
+"""The MoE part of the sm_90 compile check (``hopper_compile.record_engine`` calls it): tiny MoE
+checkpoints for its engine runs, and launches of the MoE kernels at every launch shape
+``gpu_worker/kernels/moe_configs.json`` holds."""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_moe_set(root) -> dict[str, str]:
+    from tests.helpers.checkpoints import build_assistant, build_gemma4_moe, build_qwen3_moe
+
+    g = build_gemma4_moe(str(root / "g_moe"))
+    return {"gemma4_moe": g, "qwen3_moe": build_qwen3_moe(str(root / "q_moe")),
+            "assistant_moe": build_assistant(str(root / "a_moe"), g)}
+
+
+def record_moe_configs() -> None:
+    """Launch the MoE expert kernels with every launch shape ``moe_configs.json`` holds (each
+    model shape's decode passes at 1-4 tokens, every grouped bucket, the alignment's one- and
+    two-launch forms) on tiny operands, with each model shape's own K in bf16 and the default
+    also in fp32: a variant's build depends on its block sizes, K and dtypes, not on the widths,
+    so the engine runs above need not reach every bucket for all of them to be compiled."""
+    import json
+
+    from gpu_worker.kernels import moe_configs
+    from gpu_worker.kernels.moe import fused_experts
+    from gpu_worker.kernels.moe_align import PLACE_IN_COUNT, align_block
+    from gpu_worker.kernels.moe_decode import DECODE_MAX_TOKENS, expert_gemv
+    from gpu_worker.kernels.moe_gemm import grouped_gemm
+
+    entries = json.load(open(moe_configs.PATH))["shapes"]
+    e, h, i = 8, 32, 16
+    for key, entry in entries.items():
+        # a model shape's own K, in bf16; the default also in fp32 (the exact-dot variants)
+        k = int(key.rsplit("K=", 1)[1]) if "K=" in key else 2
+        for dtype in (torch.bfloat16,) if "K=" in key else (torch.bfloat16, torch.float32):
+            gate_up, down = torch.randn(e, 2 * i, h).to(dtype), torch.randn(e, h, i).to(dtype)
+            for t in range(1, DECODE_MAX_TOKENS + 1):
+                ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int()
+                inter = torch.empty(t * k, i, dtype=dtype)
+                expert_gemv(torch.randn(t, h).to(dtype), gate_up, inter, ids, entry["decode"]["gate_up"], act=0)
+                expert_gemv(inter, down, torch.empty(t * k, h, dtype=dtype), ids, entry["decode"]["down"],
+                            topk_weights=torch.rand(t * k))
+            ids = torch.stack([torch.randperm(e)[:k] for _ in range(5)]).int()
+            for bucket in entry["gemm"]:
+                align = align_block(ids, e, bucket["block_m"])
+                inter = torch.empty(5 * k, i, dtype=dtype)
+                grouped_gemm(torch.randn(5, h).to(dtype), gate_up, inter, align, 5 * k, k, bucket["gate_up"], act=0)
+                grouped_gemm(inter, down, torch.empty(5 * k, h, dtype=dtype), align, 5 * k, k, bucket["down"],
+                             topk_weights=torch.rand(5 * k))
+    from gpu_worker.kernels.moe_norm import gemma_moe_combine, moe_sum
+
+    rows = torch.randn(3, h).bfloat16()  # at 3 tokens (PDL on): the separate sum and Gemma 4's combine
+    gemma_moe_combine(rows, rows, torch.ones(h).bfloat16(), torch.ones(h).bfloat16(), 1e-6)  # (PLE, TP > 1)
+    moe_sum(torch.randn(3 * 2, h).bfloat16(), 2)
+    many = PLACE_IN_COUNT // 2 + 1  # tokens of two slots past one program's placing
+    fused_experts(torch.randn(many, h).bfloat16(), torch.randn(e, 2 * i, h).bfloat16(), torch.randn(e, h, i).bfloat16(),
+                  torch.randint(0, e, (many, 2)).int(), torch.rand(many, 2), "gelu_pytorch_tanh")
