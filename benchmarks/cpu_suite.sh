@@ -4,6 +4,10 @@
 #   issue 4: plain vs frozen-KV MTP (S=3) x overlap on/off, concurrency 1 and 16
 #   issue 5: plain vs MTP at concurrency 1 and 8
 #   issue 2: HF transformers generate on the same target and prompts (concurrency 1)
+#   issue 42: the same with decode steps eager (--disable-cuda-graph: the path before the
+#     compiled CPU steps), and `tandem serve` as a user starts it: time to ready, first-token
+#     latency, each process's RSS / PSS idle and under 8 streams (serve_footprint.py)
+# Decode steps run compiled (the default); a machine's first run builds them before its rounds.
 # Usage: bash benchmarks/cpu_suite.sh [OUT_DIR]
 set -uo pipefail
 OUT=${1:-/tmp/tandem-cpu-bench}; mkdir -p "$OUT"
@@ -26,4 +30,11 @@ for c in 1 16; do
 done
 run c8_plain --num-prompts 16 --max-running-requests 8
 run c8_mtp --num-prompts 16 --max-running-requests 8 "${MTP[@]}"
+run c1_plain_eager --num-prompts 4 --max-running-requests 1 --disable-cuda-graph
+run c1_mtp_eager --num-prompts 4 --max-running-requests 1 "${MTP[@]}" --disable-cuda-graph
+run c8_mtp_eager --num-prompts 16 --max-running-requests 8 "${MTP[@]}" --disable-cuda-graph
+$PY benchmarks/serve_footprint.py --json "$OUT/serve.json" > "$OUT/serve.log" 2>&1 || echo "serve failed"
+$PY benchmarks/serve_footprint.py --json "$OUT/serve_eager.json" -- --disable-cuda-graph > "$OUT/serve_eager.log" 2>&1 \
+  || echo "serve_eager failed"
 $PY benchmarks/summarize.py "$OUT"
+$PY benchmarks/cpu_goals.py "$OUT"

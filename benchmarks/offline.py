@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.procfs import engine_cpu_seconds  # noqa: E402
 from common.args import ServerArgs  # noqa: E402
 from common.serve_cli import parse_server_args  # noqa: E402
 from tandem import LLM, SamplingParams  # noqa: E402
@@ -50,10 +51,10 @@ def run_engine(llm: LLM, workloads: list[tuple[list[np.ndarray], list[int]]], te
     stats = llm.engine_stats()
     results = []
     for prompts, out_lens in workloads:
-        walls, before = [], stats
+        walls, before, cpu0 = [], stats, engine_cpu_seconds(os.getpid())
         for k in range(-warmup, repeat):  # rounds of the same workload; the median round is reported
             if k == 0:  # warm-up rounds (k < 0) are not counted
-                walls, before = [], stats
+                walls, before, cpu0 = [], stats, engine_cpu_seconds(os.getpid())
             batch = []
             for p in prompts:
                 # Random-id prompts differ between rounds in their first tokens, so that no round
@@ -70,6 +71,11 @@ def run_engine(llm: LLM, workloads: list[tuple[list[np.ndarray], list[int]]], te
             n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             stats = llm.engine_stats()
         results.append(_summary(walls, n_tokens, before, stats, repeat))
+        # CPU seconds of each engine process over the timed rounds, per step: on a machine other
+        # work shares, steadier than wall time (which also counts waiting for a core).
+        steps = max(stats.steps - (before.steps if before is not None else 0), 1) if stats is not None else 1
+        results[-1]["cpu_ms_per_step"] = {role: round(1e3 * (cpu - cpu0.get(role, 0.0)) / steps, 3)
+                                          for role, cpu in engine_cpu_seconds(os.getpid()).items()}
     return results
 
 
@@ -118,11 +124,11 @@ def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: s
     gen = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
     if len({len(p) for p in prompts}) > 1:
         batch = 1  # no padding games: unequal prompts run one at a time
-    walls = []
+    walls, cpus = [], []
     with torch.no_grad():
         model.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=2)  # warm-up
         for _ in range(repeat):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             n = 0
             for i in range(0, len(prompts), batch):
                 chunk = torch.tensor(np.stack(prompts[i : i + batch]), device=device)
@@ -131,9 +137,11 @@ def run_hf(model_dir: str, prompts: list[np.ndarray], output_len: int, device: s
             if device != "cpu":
                 torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
     wall = float(np.median(walls))
     return {"wall_s": wall, "output_tokens": n, "output_tok_s": n / wall,
-            "round_tok_s": [round(n / w, 1) for w in walls]}
+            "round_tok_s": [round(n / w, 1) for w in walls], "threads": torch.get_num_threads(),
+            "cpu_ms_per_token": round(1e3 * float(np.median(cpus)) / n, 3)}
 
 
 def main() -> None:

@@ -91,7 +91,7 @@ class ServerArgs:
     page_size: int = opt(16, "--page-size", "--block-size", group=ENGINE, metavar="N", positive=True,
                          help="tokens per KV-cache page")
     max_running_requests: int | None = opt(None, "--max-running-requests", "--max-num-seqs", group=ENGINE,
-                                           metavar="N", positive=True, default_text="256 on CUDA, 64 on the CPU",
+                                           metavar="N", positive=True, default_text="256 on CUDA, 8 on the CPU",
                                            help="requests (choices) decoded together at most")
     max_total_tokens: int | None = opt(None, "--max-total-tokens", group=ENGINE, metavar="N", positive=True,
                                        default_text="from memory", help="KV-cache size in tokens")
@@ -122,7 +122,8 @@ class ServerArgs:
                                  metavar="NAME",
                                  help="auto: triton (else flashinfer) on CUDA, torch on the CPU")
     disable_cuda_graph: bool = opt(False, "--disable-cuda-graph", "--enforce-eager", group=ENGINE,
-                                   help="run every step eagerly on CUDA (no graphs at all)")
+                                   help="run every step eagerly: no CUDA graphs on the GPU, no compiled decode "
+                                   "steps on the CPU")
     cuda_graph_max_bs: int | None = opt(None, "--cuda-graph-max-bs", group=ENGINE, metavar="N", positive=True,
                                         default_text="min(256, --max-running-requests)",
                                         help="largest decode batch captured")

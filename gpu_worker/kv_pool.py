@@ -17,6 +17,7 @@ reads and writes the pages named in a slot's page table.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,15 @@ class KVLayerShape:
         return self.v_head_dim or self.head_dim
 
 
+def _zeros(shape: tuple[int, ...], dtype, device) -> torch.Tensor:
+    """Zeros. On the CPU, anonymous memory: the OS's shared zero page until a page is written, so
+    the pool's resident size follows the KV written, not its capacity."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
 class KVPool:
     def __init__(self, shapes: list[KVLayerShape], num_pages: int, page_size: int, dtype, device,
                  scales: dict[int, tuple[float, float]] | None = None):
@@ -56,8 +66,8 @@ class KVPool:
         self.k_scale = [float(scales.get(i, (1.0, 1.0))[0]) if self.fp8 else 1.0 for i in range(len(shapes))]
         self.v_scale = [float(scales.get(i, (1.0, 1.0))[1]) if self.fp8 else 1.0 for i in range(len(shapes))]
         n = num_pages * page_size
-        self.k = [torch.zeros(n, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in shapes]
-        self.v = [torch.zeros(n, s.num_kv_heads, s.v_dim, dtype=dtype, device=device) for s in shapes]
+        self.k = [_zeros((n, s.num_kv_heads, s.head_dim), dtype, device) for s in shapes]
+        self.v = [_zeros((n, s.num_kv_heads, s.v_dim), dtype, device) for s in shapes]
 
     @staticmethod
     def bytes_per_token(shapes: list[KVLayerShape], dtype) -> int:

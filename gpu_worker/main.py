@@ -9,6 +9,7 @@ computes.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import logging
@@ -21,9 +22,12 @@ import torch
 import zmq
 
 from gpu_worker.attention import create_backend, resolve_backend
+from gpu_worker.graphs.cpu_build import BuildSpec, ensure_built
+from gpu_worker.graphs.cpu_steps import CpuDecodeSteps
 from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool, kv_dtype
+from gpu_worker.models.cpu_layout import column_major_projections
 from gpu_worker.models.eos import read_eos_token_ids
 from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
@@ -79,6 +83,10 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     _log_kv(pool, target)
     state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
     name = resolve_backend(args.attention_backend, device.type)
+    if device.type == "cpu" and name == "torch" and tp_size() == 1:  # torch's ops on the CPU (no kernels):
+        for model in (target, assistant):  # before anything binds the weights' storage
+            if model is not None:
+                column_major_projections(model)
     backend = create_backend(name, pool=pool, page_table=state.page_table)
     # An EOS id outside the vocabulary (a broken config) could never be sampled; dropping it
     # keeps the min_tokens mask from indexing out of range.
@@ -129,7 +137,11 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
                   emulate: bool):
     """CUDA graphs for decode steps, then piecewise graphs for prefill steps of up to the step
     budget (at most ``PIECEWISE_MAX_TOKENS``): on by default on CUDA with a graph-capable backend.
-    ``emulate`` (``DevSettings``) runs the same bucket/padding paths eagerly off CUDA (CPU tests)."""
+    ``emulate`` (``DevSettings``) runs the same bucket/padding paths eagerly off CUDA (CPU tests).
+    On the CPU decode steps run compiled programs instead (``graphs/cpu_steps.py``)."""
+    if device.type == "cpu" and not emulate and not args.disable_cuda_graph:
+        runner.graphs = _cpu_steps(args, runner, backend, max_slots)
+        return
     if args.disable_cuda_graph or (device.type != "cuda" and not emulate):
         return
     if not hasattr(runner.backend, "decode_meta"):
@@ -143,6 +155,38 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
         return
     budget = min(args.chunked_prefill_size or 8192, PIECEWISE_MAX_TOKENS)
     runner.enable_prefill_graphs(budget, emulate)
+
+
+def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: int) -> CpuDecodeSteps | None:
+    """The compiled CPU decode steps, built on the first start for this model shape and code
+    (``graphs/cpu_build.py``), or None: eager steps (another backend, TP, no compiler)."""
+    if backend != "torch" or tp_size() > 1 or runner.backend.pool.fp8:
+        log.info("compiled CPU steps off: they need --attention-backend torch, TP=1 and --kv-cache-dtype auto")
+        return None
+    spec = BuildSpec(args.model_path, args.speculative_draft_model_path if args.spec_enabled else None,
+                     str(runner.state.hidden.dtype).removeprefix("torch."), runner.t, args.page_size, args.load_format)
+    paths = ensure_built(spec)
+    if paths is None:
+        return None
+    return CpuDecodeSteps.load(paths, runner.target, runner.assistant, runner.state, runner.backend.pool, runner.t,
+                               min(args.cuda_graph_max_bs or max_slots, max_slots))
+
+
+def _return_free_heap() -> None:
+    """glibc keeps the heap that start-up freed (checkpoint reads, casts, the build's temporaries)
+    mapped; give it back to the OS, so the worker's resident size is what it holds."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _graphs_note(graphs) -> str:
+    if graphs is None:
+        return "off"
+    if isinstance(graphs, CpuDecodeSteps):
+        return f"compiled for the CPU, batch 1-{graphs.max_batch}"
+    return f"CUDA, batch sizes {graphs.sizes}"
 
 
 class HostClock:
@@ -267,11 +311,12 @@ def run(args: ServerArgs, endpoints: Endpoints, status_conn=None, worker: Worker
         # large stalled steps by tens of milliseconds.
         gc.collect()
         gc.freeze()
+        _return_free_heap()
         worker.results.send(ready)
         log.info("worker ready: %s on %s, %d KV pages of %d tokens, %d slots, context %d, attention %s, "
-                 "CUDA graphs %s", ready.architecture, ready.device, ready.num_pages, ready.page_size,
+                 "decode graphs %s", ready.architecture, ready.device, ready.num_pages, ready.page_size,
                  ready.max_slots, ready.max_context, type(worker.runner.backend).__name__,
-                 worker.runner.graphs.sizes if worker.runner.graphs is not None else "off")
+                 _graphs_note(worker.runner.graphs))
         worker.run()
     except ChannelRefused as exc:  # a tcp:// peer with other keys: one line, not a hang or a traceback
         log.error("%s", exc)

@@ -190,8 +190,9 @@ def launch_config(m: int, w: torch.Tensor) -> dict:
 def _operands(x: torch.Tensor, w: torch.Tensor, lo: int, hi: int, min_weight: int) -> bool:
     """x [lo..hi rows, K] in a half dtype with unit column stride, a contiguous w of at least
     ``min_weight`` elements, on the kernel path: what every GEMV launch needs."""
-    return (x.dim() == 2 and lo <= x.shape[0] <= hi and x.dtype in (torch.bfloat16, torch.float16)
-            and w.numel() >= min_weight and x.stride(1) == 1 and w.is_contiguous() and use_triton(x))
+    # The shape test comes last: a traced shape (torch.export on the CPU) is never compared.
+    return (use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
+            and w.numel() >= min_weight and x.stride(1) == 1 and w.is_contiguous() and lo <= x.shape[0] <= hi)
 
 
 def skinny(x: torch.Tensor, w: torch.Tensor) -> bool:

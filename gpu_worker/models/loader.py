@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from gpu_worker.models import DRAFT_ARCHITECTURES, model_class
 from gpu_worker.models.config import architecture_of, load_config, parse_config
@@ -42,7 +43,22 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+class _SkipInit(TorchFunctionMode):
+    """``torch.nn.init`` does nothing: every parameter is read from the checkpoint (or filled by
+    ``init_dummy_``). (On the meta device any op runs torch's Python reference kernels, whose
+    first call imports ``torch._dynamo``: ~75 MB of a CPU worker's memory and a second.)"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else next(iter((kwargs or {}).values()))
+        return func(*args, **(kwargs or {}))
+
+
 def _materialize(cls, spec, dtype: torch.dtype, device: torch.device | str, quantize) -> tuple[object, QuantLoad]:
+    if torch.device(device).type == "cpu":  # in place, initialisers skipped: no meta-device kernels run
+        with torch.device("cpu"), _SkipInit():
+            model = cls(spec).to(dtype)
+            return model, quantize(model)
     with torch.device("meta"):
         model = cls(spec)
     # Cast on meta (free), quantize the FP8 projections, then allocate once on the device: no

@@ -33,18 +33,23 @@ def _complete(srv, prompts, n_tokens=48, model="tiny-shakespeare"):
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
     prompts = _prompts(8)
-    with Server(None) as srv:  # no model flags: the bundled pair, MTP on (S = 3)
+    # As `tandem serve` runs by default: MTP on (S = 3), decode steps compiled (the first run on a
+    # machine builds them: minutes on two cores, hence the timeout).
+    with Server(None, compiled=True, timeout=900) as srv:
         mtp = _complete(srv, prompts)
         info = httpx.get(srv.url + "/server_info").json()
         metrics = httpx.get(srv.url + "/metrics").text
+        assert "compiled CPU steps off" not in srv.output()
     # The target alone, named by a Hub id served from a pre-populated cache with no network
     # (`tandem serve ORG/NAME` as a vLLM user types it).
     hf_home = str(tmp_path_factory.mktemp("hf_home"))
     add_to_cache(hf_home, "tandem-test/tiny-shakespeare", os.path.join(PAIR, "target"))
-    with Server(None, "tandem-test/tiny-shakespeare", env={"HF_HOME": hf_home, "HF_HUB_OFFLINE": "1"}) as srv:
+    with Server(None, "tandem-test/tiny-shakespeare", env={"HF_HOME": hf_home, "HF_HUB_OFFLINE": "1"}, compiled=True,
+                timeout=900) as srv:
         served = [m.id for m in OpenAI(base_url=srv.base_url, api_key="none").models.list().data]
         assert served == ["tandem-test/tiny-shakespeare"]
         plain = _complete(srv, prompts, model=served[0])
+        assert "compiled CPU steps off" not in srv.output()
     return prompts, mtp, plain, info, metrics
 
 

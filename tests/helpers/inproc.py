@@ -5,7 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.inproc import InProcEngine, _dec_plan, _dec_result, _enc  # noqa: F401 - re-exported for tests
+from gpu_worker.settings import DevSettings
+from tandem import inproc
+from tandem.inproc import _dec_plan, _dec_result, _enc  # noqa: F401 - re-exported for tests
+
+
+class InProcEngine(inproc.InProcEngine):
+    """On the CPU a test engine runs decode steps eagerly unless it asks for ``compiled`` ones
+    (``graphs/cpu_steps.py``, as ``tandem serve`` runs by default: the first engine of a model
+    shape builds them, a minute or two) or for the emulated CUDA-graph path."""
+
+    def __init__(self, model_path: str, draft: str | None = None, *args, compiled: bool = False, **kw):
+        if kw.get("device", "cpu") == "cpu" and not compiled and not DevSettings.from_env().emulate_cuda_graphs:
+            kw.setdefault("disable_cuda_graph", True)
+        super().__init__(model_path, draft, *args, **kw)
 
 
 def top_alternatives(eng: InProcEngine, rid: str) -> list[dict[int, float]]:

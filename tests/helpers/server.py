@@ -40,11 +40,17 @@ def post_then_leave(url: str, path: str, body: dict, until, timeout: float = 15.
 
 
 class Server:
+    """``compiled``: on the CPU, decode steps run the compiled programs, as by default (the first
+    server of a model shape builds them: a minute or two more to ready); otherwise the server
+    runs with ``--disable-cuda-graph``."""
+
     def __init__(self, model_path: str | None, *extra: str, timeout: float = 180.0, env: dict | None = None,
-                 device: str = "cpu", port: int | None = None, wait: bool = True):
+                 device: str = "cpu", port: int | None = None, wait: bool = True, compiled: bool = False):
         self.port = port or free_port()
         args = [sys.executable, "-m", "tandem", "serve", "--device", device, "--port", str(self.port),
                 "--num-threads", "1", "--log-level", "warning"]
+        if device == "cpu" and not compiled:
+            args.append("--disable-cuda-graph")
         if model_path:
             args += ["--model-path", model_path]
         args += list(extra)

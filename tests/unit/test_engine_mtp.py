@@ -63,6 +63,23 @@ def test_mtp_lossless(pair, depth, draft):
         assert min(eng.core.counters.per_pos) > 10
 
 
+@pytest.mark.parametrize("draft", ["none", "random"])
+def test_mtp_lossless_with_compiled_cpu_steps(pair, draft):
+    """The same, as `tandem serve` runs on the CPU by default: decode steps through the compiled
+    programs (``graphs/cpu_steps.py``; the first run on a machine builds them)."""
+    g, a, prompts, refs = pair
+    eng = InProcEngine(g, draft=None if draft == "none" else a, steps=3, compiled=True, chunked_prefill_size=24,
+                       page_size=4)
+    assert eng.runner.graphs is not None
+    reqs = _requests(prompts, refs)
+    for i, (p, (kw, _)) in enumerate(zip(prompts, reqs)):
+        eng.submit(f"r{i}", p, **kw)
+    eng.run()
+    for i, (_, expect) in enumerate(reqs):
+        assert eng.tokens[f"r{i}"] == expect, i
+    eng.core.alloc.check_all_free()
+
+
 def test_stress_real_worker_admit_abort_finish(pair):
     """The real worker (MTP, overlap) under churn: requests admitted, aborted and finishing
     nearly every step; afterwards every page and slot is free and outputs stay exact."""
