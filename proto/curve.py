@@ -19,6 +19,7 @@ ipc:// channels inside the 0700 run directory need none of this (the file mode i
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -138,10 +139,15 @@ class _Guard:
         self.users = 0
 
 
+_MONITOR_IDS = itertools.count()
+
+
 def _monitor_pair(sock: zmq.Socket, events: int) -> zmq.Socket:
     """A plain PAIR socket receiving ``sock``'s monitor events (plain even on an asyncio
     context, so it can be polled without an event loop)."""
-    addr = f"inproc://tandem-monitor-{id(sock)}"
+    # A fresh name each time: an id() is reused once its socket is freed, and a monitor endpoint
+    # of a closed socket may still be bound while libzmq tears it down.
+    addr = f"inproc://tandem-monitor-{next(_MONITOR_IDS)}"
     sock.monitor(addr, events)
     pair = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
     pair.connect(addr)
