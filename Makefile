@@ -64,7 +64,7 @@ test-e2e: $(STAMP) tools
 
 # Every kernel variant the engine launches, compiled for the H200 (sm_90) on a machine without a
 # GPU, with this venv's Triton and with the GPU machine's (GPU_TRITON, put under .cache on first
-# use): tests/helpers/hopper_compile.py. CI runs the first half (tests/unit/test_kernels_compile_hopper.py).
+# use): tests/helpers/hopper_compile.py. CI runs the first half (tests/unit/gpu_worker/kernels/test_kernels_compile_hopper.py).
 # SHAPES=1 records at the benchmark models' widths instead of the tiny test models' (~12 min).
 GPU_TRITON ?= 3.6.0
 HOPPER := .cache/hopper

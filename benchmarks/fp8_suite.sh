@@ -23,7 +23,7 @@ flags() {  # config name -> engine flags
 if [[ " $STAGES " == *" tests "* ]]; then
   echo "== FP8 GPU tests"
   timeout ${FP8_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -rf -p no:cacheprovider tests/gpu/test_gpu_fp8.py \
-    tests/unit/test_kernels_fp8.py tests/unit/test_kv_fp8.py > "$OUT/fp8_tests_full.log" 2>&1
+    tests/unit/gpu_worker/kernels/test_kernels_fp8.py tests/unit/gpu_worker/kernels/test_kv_fp8.py > "$OUT/fp8_tests_full.log" 2>&1
   tail -15 "$OUT/fp8_tests_full.log" | tee "$OUT/fp8_tests.log"
 fi
 if [[ " $STAGES " == *" kernels "* ]]; then

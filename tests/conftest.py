@@ -96,7 +96,7 @@ def _fast_nested_jit_calls() -> None:
         return scope
 
     patch_lang._tandem_fast = True
-    patch_lang.skipped = 0  # nested calls that skipped the re-patch (tests/unit/test_interpreter_fast_path.py)
+    patch_lang.skipped = 0  # nested calls that skipped the re-patch (tests/unit/gpu_worker/kernels/test_interpreter_fast_path.py)
     patch_lang.__wrapped__ = original
     interpreter._patch_lang = patch_lang
 

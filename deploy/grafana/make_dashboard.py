@@ -3,7 +3,7 @@
 
 The dashboard is generated so that every panel is one short line here (title, unit, queries)
 and the JSON stays consistent (ids, grid, datasource). Run it after editing; the unit test
-tests/unit/test_deploy_files.py fails when the committed JSON differs from what this writes,
+tests/unit/deploy/test_deploy_files.py fails when the committed JSON differs from what this writes,
 and tests/e2e/test_deploy_stack.py evaluates every query below in a live Prometheus.
 
     python deploy/grafana/make_dashboard.py           # rewrite the JSON

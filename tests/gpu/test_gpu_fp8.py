@@ -3,8 +3,8 @@ inside a CUDA graph; then the engine with CUDA graphs: weight-only FP8 equals HF
 GPU) run on the dequantized checkpoint, token for token; MTP with an FP8 target, an FP8
 assistant and the FP8 KV cache is lossless against the same engine without MTP; in bf16 at 8B
 widths the FP8 engine's graphs decode its eager tokens up to near-ties, and so does the
-flashinfer backend reading the FP8 KV cache. (The CPU twin of each: tests/unit/test_engine_fp8.py;
-tests/unit/test_kernels_fp8.py and test_kv_fp8.py also run here on CUDA.)"""
+flashinfer backend reading the FP8 KV cache. (The CPU twin of each: tests/unit/gpu_worker/test_engine_fp8.py;
+tests/unit/gpu_worker/kernels/test_kernels_fp8.py and test_kv_fp8.py also run here on CUDA.)"""
 
 from __future__ import annotations
 

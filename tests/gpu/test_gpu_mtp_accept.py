@@ -27,7 +27,7 @@ def pair(tmp_path_factory):
 # order), "recapture" (start-up's graphs, then the swap and the decode graphs captured again:
 # test_gpu_grammar.py's path). "recapture" checks that a ``.cuda()`` of a model already in place
 # (``BigramDraft(target).cuda()`` moves the target it holds) replaces no tensor the graphs
-# captured before it read (``Rotary._apply``; tests/unit/test_rotary_apply.py is the CPU twin).
+# captured before it read (``Rotary._apply``; tests/unit/gpu_worker/models/test_rotary_apply.py is the CPU twin).
 SETUPS = ["none", "both", "recapture"]
 
 

@@ -11,6 +11,8 @@ import shutil
 import threading
 from dataclasses import dataclass
 
+import httpx
+
 from common.args import ServerArgs
 from proto.transport import ipc_endpoints, make_run_dir
 from tests.unit.fake_engine import FakeEngine
@@ -114,3 +116,14 @@ def start_stack(wait_ready: bool = True, send_info: bool = True, tok_dir: str | 
 def _stats_caught_up(engine) -> bool:
     s = engine.last_stats
     return s is not None and s.requests_received == engine.sent_generate and s.num_running == 0
+
+
+def assert_error(r: httpx.Response, status: int = 400, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and isinstance(err["message"], str) and err["message"]
+    assert err["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
+    if param is not None:
+        assert err["param"] == param, err
+    return err

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from gpu_worker.quant.fp8_math import BLOCK, FP8_MAX, quantize_rows
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def ref_paged_attention(q, k_cache, v_cache, page_table, tok_slot, tok_kv_len, q_pos, page_size, scale,
@@ -77,3 +82,34 @@ def ref_experts(x, gate_up, down, ids, weights, act):
             y = (down[e].double() @ h.double()).to(dt)
             out[t] += (y.float() * float(weights[t, k])).to(dt).double()
     return out
+
+
+def page_table(n_slots, max_pages, n_pages, seed, device=DEV):
+    """A page table whose slots hold their own shuffled pages (slot 0: the padding row)."""
+    rng = np.random.default_rng(seed)
+    pt = np.zeros((n_slots, max_pages), dtype=np.int32)
+    for s in range(1, n_slots):  # every slot its own shuffled pages; slot 0 = padding row
+        pt[s] = rng.choice(np.arange(1, n_pages), size=max_pages, replace=False)
+    return torch.from_numpy(pt).to(device)
+
+
+def rel_err(out, ref):
+    return ((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+# A static activation scale for the FP8 tests: inputs up to 40 map onto e4m3's range.
+INPUT_SCALE = torch.tensor([40.0 / FP8_MAX])
+
+
+def fp8_weight(n: int, k: int, layout: str, seed: int = 0, rows: int = 1):
+    """(e4m3 [N, K], scales, scale rows) with scales that differ per row (and per block)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * (torch.rand(n, 1, generator=g) + 0.5)
+    if layout == "channel":
+        w8, s = quantize_rows(w)
+        return w8.to(DEV), s.to(DEV), 1
+    nb, kb = -(-n // rows), -(-k // BLOCK)
+    s = (torch.rand(nb, kb, generator=g) + 0.5) / 100
+    full = s.repeat_interleave(rows, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    w8 = (w / full / 10).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return w8.to(DEV), s.to(DEV), rows

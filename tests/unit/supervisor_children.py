@@ -1,4 +1,4 @@
-"""Stand-in children for tests/unit/test_supervisor.py (a light module: spawn imports it).
+"""Stand-in children for tests/unit/tandem/test_supervisor.py (a light module: spawn imports it).
 
 Front: reports ready and idles until SIGTERM (or exits 0 after 0.3 s with
 TANDEM_TEST_FRONT_EXIT0, as a front that drained by itself). Engine roles named in

@@ -1,0 +1,124 @@
+"""FP8 weight kernels against ``quant/fp8_math`` (the torch arithmetic the CPU twin runs):
+the activation quantization bit for bit, the GEMV (FMA and tensor-core, split-K, gated) and the
+GEMM in every weight layout and activation scheme within a rounding of the exact products.
+Under CI they run in Triton's interpreter at small shapes; tests/gpu repeats them at real ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.kernels import tickets_clear
+from gpu_worker.kernels import gemv as G
+from gpu_worker.kernels.fp8_gemm import fp8_gemm
+from gpu_worker.kernels.fp8_linear import DOT_CONFIG, FMA_CONFIG, fp8_gated_linear, fp8_linear
+from gpu_worker.kernels.fp8_quant import quantize_acts
+from gpu_worker.quant.fp8_math import BLOCK, FP8_MAX, dequantize, fp8_linear_ref, quantize_groups, quantize_rows
+from tests.unit.kernel_refs import INPUT_SCALE, fp8_weight
+
+pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ACTS = ["none", "dynamic", "static"]
+
+
+def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * (torch.rand(m, 1, generator=g) * 4 + 0.1)
+    x[:, :7] *= 20  # an outlier group: per-group scales must keep the other groups fine
+    return x.to(torch.bfloat16).to(DEV)
+
+
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within a bf16 rounding of the exact sums (plus float32 reordering)."""
+    ref = ref.float().cpu()
+    y = y.float().cpu()
+    tol = ref.abs() * 2.0**-7 + 1e-3 * ref.abs().max()
+    assert ((y - ref).abs() <= tol).all(), ((y - ref).abs() - tol).max()
+
+
+def _ref(x, w8, s, rows, acts):
+    """The exact products of what the kernels multiply, in float64, rounded once to bf16."""
+    inp = INPUT_SCALE.to(DEV) if acts == "static" else None
+    from gpu_worker.quant.fp8_math import qdq_acts
+
+    xv = qdq_acts(x, acts, inp).double()
+    return (xv @ dequantize(w8, s, rows).double().t()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("m,k", [(1, 300), (3, 256), (17, 384)])
+def test_activation_quantization_is_bitwise_the_reference(m, k):
+    x = _x(m, k)
+    q, s = quantize_acts(x)
+    rq, rs = quantize_groups(x.cpu())
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
+    q, s = quantize_acts(x, INPUT_SCALE.to(DEV))
+    from gpu_worker.quant.fp8_math import quantize_static
+
+    assert torch.equal(q.cpu().view(torch.uint8), quantize_static(x.cpu(), INPUT_SCALE).view(torch.uint8))
+
+
+@pytest.mark.parametrize("acts", ACTS)
+@pytest.mark.parametrize("layout,rows", [("channel", 1), ("block", 1), ("block", BLOCK)])
+@pytest.mark.parametrize("dot", [False, True])
+@pytest.mark.parametrize("m,splits", [(1, 1), (3, 3)])
+def test_fp8_gemv(m, splits, dot, layout, rows, acts):
+    n, k = 160, 320  # a partial last K group, and a partial last 128-row block
+    w8, s, sr = fp8_weight(n, k, layout, seed=m, rows=rows)
+    x = _x(m, k, seed=m + 7)
+    inp = INPUT_SCALE.to(DEV) if acts == "static" else None
+    cfg = dict(DOT_CONFIG if dot else FMA_CONFIG, num_stages=2)
+    y = G.gemv(x, w8, splits=splits, scale=s, scale_rows=sr, a8={"none": 0, "dynamic": 1, "static": 2}[acts],
+               input_scale=inp, **cfg)
+    _close(y, _ref(x, w8, s, sr, acts))
+    assert tickets_clear()
+
+
+@pytest.mark.parametrize("acts", ACTS)
+@pytest.mark.parametrize("m", [1, 4, 12])
+def test_fp8_gated_gemv(m, acts):
+    """[gate; up] with the activation in the epilogue: the unfused pair's value."""
+    n2, k = 192, 256
+    w8, s, sr = fp8_weight(n2, k, "channel", seed=m)
+    x = _x(m, k, seed=m)
+    inp = INPUT_SCALE.to(DEV) if acts == "static" else None
+    kw = dict(scale=s, scale_rows=sr, a8={"none": 0, "dynamic": 1, "static": 2}[acts], input_scale=inp,
+              **dict(DOT_CONFIG, num_stages=2))
+    y = G.gemv(x, w8, act="silu", **kw)
+    gu = G.gemv(x, w8, **kw).float()  # the same sums, unfused
+    _close(gu, _ref(x, w8, s, sr, acts))
+    gate, up = gu[:, : n2 // 2], gu[:, n2 // 2:]
+    ref = (torch.nn.functional.silu(gate).to(torch.bfloat16).float() * up).to(torch.bfloat16)
+    # the pair's roundings (the interpreter truncates to bf16 where compiled code rounds: two ulps)
+    assert ((y.float() - ref.float()).abs() <= ref.float().abs() * 2.0**-6).all()
+
+
+@pytest.mark.parametrize("acts", ACTS)
+@pytest.mark.parametrize("layout,rows", [("channel", 1), ("block", BLOCK)])
+@pytest.mark.parametrize("m", [5, 40])
+def test_fp8_gemm(m, layout, rows, acts):
+    n, k = 96, 384
+    w8, s, sr = fp8_weight(n, k, layout, seed=m, rows=rows)
+    x = _x(m, k, seed=m)
+    inp = INPUT_SCALE.to(DEV) if acts == "static" else None
+    cfg = dict(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    if acts == "none":
+        y = fp8_gemm(x, None, w8, s, sr, x.dtype, cfg=cfg)
+    else:
+        xq, xs = quantize_acts(x, inp)
+        y = fp8_gemm(xq, xs, w8, s, sr, x.dtype, static=acts == "static", cfg=cfg)
+    _close(y, _ref(x, w8, s, sr, acts))
+
+
+@pytest.mark.parametrize("acts", ACTS)
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_dispatch_agrees_with_the_cpu_twin(m, acts):
+    """``fp8_linear`` (whichever kernel the row count takes) and ``fp8_linear_ref`` (the CPU
+    twin's torch path) compute the same products: one bf16 rounding apart."""
+    w8, s, sr = fp8_weight(64, 256, "block", seed=3, rows=1)
+    x = _x(m, 256)
+    inp = INPUT_SCALE.to(DEV) if acts == "static" else None
+    _close(fp8_linear(x, w8, s, sr, acts, inp), fp8_linear_ref(x.float(), w8, s, sr, acts, inp))
+    gated = fp8_gated_linear(x, w8, s, sr, acts, inp, "silu")
+    assert (gated is None) == (m == 1)  # one row through a small weight: the plain GEMV and the act kernel
