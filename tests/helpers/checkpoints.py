@@ -283,3 +283,14 @@ def build_engine_set(root) -> dict[str, str]:
     g = build_gemma4(str(root / "g"))
     return {"llama": build_llama(str(root / "l")), "qwen3": build_qwen3(str(root / "q")), "gemma4": g,
             "assistant": build_assistant(str(root / "a"), g)}
+
+
+def build_kernel_set(root) -> dict[str, str]:
+    """Every architecture the triton backend serves, dense and MoE, each Gemma 4 with an assistant,
+    at two layers (one sliding, one full): the kernel variants of the engine tests' deeper
+    checkpoints in less interpreter time (``hopper_compile.record_engine``)."""
+    two = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
+    g, g_moe = build_gemma4(str(root / "g"), **two), build_gemma4_moe(str(root / "g_moe"), **two)
+    return {"llama": build_llama(str(root / "l"), num_hidden_layers=2), "qwen3": build_qwen3(str(root / "q")),
+            "gemma4": g, "assistant": build_assistant(str(root / "a"), g), "qwen3_moe": build_qwen3_moe(str(root / "q_moe")),
+            "gemma4_moe": g_moe, "assistant_moe": build_assistant(str(root / "a_moe"), g_moe)}

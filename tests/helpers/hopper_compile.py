@@ -267,7 +267,7 @@ PROMPTS = [[(7 * j + 3 * i) % 370 + 6 for j in range(10 + 5 * i)] for i in range
 
 
 def _run_engine(eng) -> None:
-    eng.submit("solo", PROMPTS[0], max_new_tokens=3, ignore_eos=True)
+    eng.submit("solo", PROMPTS[0], max_new_tokens=2, ignore_eos=True)
     eng.run()
     for i, p in enumerate(PROMPTS):
         sampled = {"temperature": 0.8, "seed": 1, "repetition_penalty": 1.1} if i == 1 else {}
@@ -284,12 +284,11 @@ def record_engine(root) -> set[str]:
     from unittest import mock
 
     from gpu_worker.kernels import attention_decode
-    from tests.helpers.checkpoints import build_engine_set
-    from tests.helpers.hopper_moe import build_moe_set, record_moe_configs
+    from tests.helpers.checkpoints import build_kernel_set
+    from tests.helpers.hopper_moe import record_moe_configs
     from tests.helpers.inproc import InProcEngine
 
-    ck = build_engine_set(pathlib.Path(root))
-    ck.update(build_moe_set(pathlib.Path(root)))
+    ck = build_kernel_set(pathlib.Path(root))
     with recording() as seen:
         for model, draft, dtype, graphs, sms, merge_kernel, flags in ENGINE_RUNS:
             tickets = 0 if merge_kernel else attention_decode.TICKETS

@@ -1,18 +1,9 @@
-"""The MoE part of the sm_90 compile check (``hopper_compile.record_engine`` calls it): tiny MoE
-checkpoints for its engine runs, and launches of the MoE kernels at every launch shape
-``gpu_worker/kernels/moe_configs.json`` holds."""
+"""The MoE part of the sm_90 compile check (``hopper_compile.record_engine`` calls it): launches of
+the MoE kernels at every launch shape ``gpu_worker/kernels/moe_configs.json`` holds."""
 
 from __future__ import annotations
 
 import torch
-
-
-def build_moe_set(root) -> dict[str, str]:
-    from tests.helpers.checkpoints import build_assistant, build_gemma4_moe, build_qwen3_moe
-
-    g = build_gemma4_moe(str(root / "g_moe"))
-    return {"gemma4_moe": g, "qwen3_moe": build_qwen3_moe(str(root / "q_moe")),
-            "assistant_moe": build_assistant(str(root / "a_moe"), g)}
 
 
 def record_moe_configs() -> None:
