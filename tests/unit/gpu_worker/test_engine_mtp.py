@@ -43,6 +43,17 @@ def _requests(prompts, refs):
     return out
 
 
+def _check_requests(eng, prompts, refs) -> None:
+    """Submit ``_requests``' mix, run to the end: every request's tokens as expected, every page free."""
+    reqs = _requests(prompts, refs)
+    for i, (p, (kw, _)) in enumerate(zip(prompts, reqs)):
+        eng.submit(f"r{i}", p, **kw)
+    eng.run()
+    for i, (_, expect) in enumerate(reqs):
+        assert eng.tokens[f"r{i}"] == expect, i
+    eng.core.alloc.check_all_free()
+
+
 @pytest.mark.parametrize("depth", [2, 1, 3])  # overlap depth (--overlap-depth; 1 = no overlap)
 @pytest.mark.parametrize("draft", ["none", "random", "oracle"])
 def test_mtp_lossless(pair, depth, draft):
@@ -51,13 +62,7 @@ def test_mtp_lossless(pair, depth, draft):
                        chunked_prefill_size=24, page_size=4)
     if draft == "oracle":
         eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([p + r for p, r in zip(prompts, refs)]))
-    reqs = _requests(prompts, refs)
-    for i, (p, (kw, _)) in enumerate(zip(prompts, reqs)):
-        eng.submit(f"r{i}", p, **kw)
-    eng.run()
-    for i, (_, expect) in enumerate(reqs):
-        assert eng.tokens[f"r{i}"] == expect, i
-    eng.core.alloc.check_all_free()
+    _check_requests(eng, prompts, refs)
     if draft == "oracle":
         # Multi-token steps really happened, full chains included.
         assert min(eng.core.counters.per_pos) > 10
@@ -71,13 +76,7 @@ def test_mtp_lossless_with_compiled_cpu_steps(pair, draft):
     eng = InProcEngine(g, draft=None if draft == "none" else a, steps=3, compiled=True, chunked_prefill_size=24,
                        page_size=4)
     assert eng.runner.graphs is not None
-    reqs = _requests(prompts, refs)
-    for i, (p, (kw, _)) in enumerate(zip(prompts, reqs)):
-        eng.submit(f"r{i}", p, **kw)
-    eng.run()
-    for i, (_, expect) in enumerate(reqs):
-        assert eng.tokens[f"r{i}"] == expect, i
-    eng.core.alloc.check_all_free()
+    _check_requests(eng, prompts, refs)
 
 
 def test_stress_real_worker_admit_abort_finish(pair):
