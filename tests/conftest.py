@@ -8,6 +8,7 @@ before any kernel module is imported: ``triton.jit`` reads it when it decorates.
 import os
 import threading
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -102,3 +103,16 @@ def _fast_nested_jit_calls() -> None:
 
 
 _fast_nested_jit_calls()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels_off_after_each_test():
+    """A runner on the triton backend turns the kernels on for CPU tensors process-wide
+    (``ModelRunner``: set per step) and leaves them on; a later test in the same process would
+    then run its torch paths through the interpreter (40,000-row sampling tests: minutes)."""
+    yield
+    import sys
+
+    kernels = sys.modules.get("gpu_worker.kernels")
+    if kernels is not None:
+        kernels.enable_cpu_kernels(False)
