@@ -6,10 +6,11 @@ an install without Triton. So such a process keeps the package out (``import tri
 ImportError here), which saves the worker about 70 MB and a second of start-up.
 """
 
-import os
 import sys
 
 import torch
 
-if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+from gpu_worker.settings import triton_interpreting
+
+if "triton" not in sys.modules and not triton_interpreting() and not torch.cuda.is_available():
     sys.modules["triton"] = None  # an ImportError for every later ``import triton``

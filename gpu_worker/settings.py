@@ -10,6 +10,10 @@ except Triton's own interpreter switch, which Triton itself reads when a kernel 
 | ``TANDEM_HOST_TIMING=1`` | the worker logs its host milliseconds per step by loop phase, every 200 steps |
 | ``TANDEM_LOG_COMPILES=1`` | once ready, the worker logs every Triton kernel variant compiled (or loaded from Triton's cache) while serving, with its cost |
 | ``TRITON_INTERPRET=1`` | Triton's interpreter: kernels run on CPU tensors (the kernel tests; ``--attention-backend triton`` on the CPU) |
+
+The build of the compiled CPU steps (``graphs/cpu_build.py``) also reads the compiler's own
+variables: ``TORCHINDUCTOR_CACHE_DIR`` (where builds are cached, as for all of Inductor) and
+``CXX`` (the C++ compiler, else ``g++`` / ``clang++`` on ``PATH``).
 """
 
 from __future__ import annotations
