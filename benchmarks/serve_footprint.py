@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.procfs import cmdline, cpu_threads, memory_mb, tree  # noqa: E402
-from tests.helpers.server import free_port  # noqa: E402
+from benchmarks.router import free_port  # noqa: E402
 
 
 def _label(pid: int, root: int, comm: str) -> str:
