@@ -2,10 +2,9 @@
 
 A decode step multiplies 1 to T*B rows by every weight. MKL's kernels for ``x @ W^T`` with ``W``
 stored [out, in] row-major (``F.linear``'s layout) cost almost twice as much at 4 to 8 rows as
-with ``W^T`` stored contiguous: measured on a 2-core Sapphire Rapids VM, one thread, the bundled
-pair's LM head [8192, 256] took 615 -> 366 us at 4 rows, 934 -> 410 us at 8, and its MLP
-[2048, 256] 79 -> 52 us at 4 rows. So on the CPU each projection weight (and a tied embedding
-that serves as the LM head) is stored column-major: the same [out, in] tensor, strides (1, out).
+with ``W^T`` stored contiguous (``docs/decisions/cpu.md``, "Weight layout"). So on the CPU each
+projection weight (and a tied embedding that serves as the LM head) is stored column-major: the
+same [out, in] tensor, strides (1, out).
 Every reader sees the same values; ``F.linear`` then runs the fast layout, eager or compiled.
 Call before anything holds the weights' storage (the compiled steps bind them at load).
 """
