@@ -214,32 +214,6 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, ignore
     return out[0, len(prompt_ids):].tolist()
 
 
-def hf_penalised_greedy(model_dir, prompt, n, rep=1.0, freq=0.0, pres=0.0, min_new=0, stop_ids=(), eos=(EOS, 5), bias=None):
-    """Greedy decoding of HF logits with vLLM's logit bias, penalties and ``min_tokens`` (in
-    vLLM's order), new tokens only: the oracle of the engine's penalty tests."""
-    model = hf_model(model_dir)
-    seq, out = list(prompt), []
-    stops = set(stop_ids) | set(eos)
-    while len(out) < n:
-        with torch.no_grad():
-            logits = model(torch.tensor([seq])).logits[0, -1].float()
-        for tok, b in (bias or {}).items():  # logit_bias first, then penalties (vLLM's order)
-            logits[tok] += b
-        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
-        seen = counts > 0
-        seen[torch.tensor(prompt)] = True
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-        logits = logits - freq * counts - pres * (counts > 0).float()
-        if len(out) < min_new:
-            logits[list(stops)] = float("-inf")
-        tok = int(logits.argmax())
-        out.append(tok)
-        seq.append(tok)
-        if tok in stops and len(out) > min_new:
-            break
-    return out
-
-
 def patch_assistant_kv_sharing() -> None:
     """transformers >= 5.23: Gemma4TextConfig.kv_sharing_modes raises when every layer is
     shared (an assistant); make it report "reuse" for all layers. 5.17 has no such property."""

@@ -1,9 +1,9 @@
-"""HF transformers references for the API end-to-end tests (float32, CPU, one thread).
+"""HF transformers references for the API end-to-end and engine tests (float32, CPU, one thread).
 
 - ``logprob_rows``: log_softmax of the model's logits at every position of a token sequence
   (row i is the distribution of token i+1), the oracle for completion and prompt logprobs.
 - ``greedy``: a plain greedy loop with vLLM's logits processing, the oracle for penalties and
-  ``min_tokens``: repetition penalty over prompt + output tokens (logit > 0 -> logit / p, else
+  ``min_tokens``: logit bias first, then repetition penalty over prompt + output tokens (logit > 0 -> logit / p, else
   logit * p), then frequency (x count among output tokens) and presence (x seen among output
   tokens) penalties, and stop tokens masked to -inf while fewer than ``min_tokens`` tokens exist.
 - ``stop_case``: picks a stop string out of a reference text that straddles token boundaries.
@@ -53,12 +53,16 @@ def logprob_rows(path: str, ids) -> torch.Tensor:
 
 
 def greedy(path: str, prompt: list[int], max_new: int, *, presence: float = 0.0, frequency: float = 0.0,
-           repetition: float = 1.0, min_tokens: int = 0, stop_ids=(), ignore_eos: bool = False) -> list[int]:
-    """Greedy decoding with vLLM's penalty / min_tokens semantics; stops after a stop token."""
+           repetition: float = 1.0, min_tokens: int = 0, stop_ids=(), ignore_eos: bool = False,
+           logit_bias: dict[int, float] | None = None) -> list[int]:
+    """Greedy decoding with vLLM's logit bias / penalty / min_tokens semantics (the bias first,
+    then the penalties, as vLLM orders them); stops after a stop token."""
     stops = set(stop_ids) | (set() if ignore_eos else set(eos_ids(path)))
     out: list[int] = []
     for _ in range(max_new):
         logits = _logits(path, tuple(prompt + out))[-1].clone()
+        for tok, b in (logit_bias or {}).items():
+            logits[tok] += b
         if repetition != 1.0:
             seen = torch.tensor(sorted(set(prompt) | set(out)))
             sel = logits[seen]

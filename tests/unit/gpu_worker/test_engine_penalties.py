@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from tests.helpers.checkpoints import build_assistant, build_gemma4, hf_greedy, hf_penalised_greedy
+from tests.helpers import hf_ref
+from tests.helpers.checkpoints import build_assistant, build_gemma4, hf_greedy
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
 
@@ -37,9 +38,9 @@ def test_penalties_match_reference(pair, mtp):
         for pi, p in enumerate(PROMPTS):
             rid = f"c{ci}p{pi}"
             eng.submit(rid, p, max_new_tokens=20, ignore_eos=True, **case)
-            refs[rid] = hf_penalised_greedy(g, p, 20, rep=case.get("repetition_penalty", 1.0),
-                                  freq=case.get("frequency_penalty", 0.0), pres=case.get("presence_penalty", 0.0),
-                                  eos=())
+            refs[rid] = hf_ref.greedy(g, p, 20, repetition=case.get("repetition_penalty", 1.0),
+                                      frequency=case.get("frequency_penalty", 0.0),
+                                      presence=case.get("presence_penalty", 0.0), ignore_eos=True)
     if mtp:  # an oracle draft built from the penalised references: multi-token steps happen
         eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([p + refs[f"c{ci}p{pi}"]
                                                                             for ci in range(len(CASES))
@@ -63,7 +64,7 @@ def test_min_tokens_masks_stop_tokens(pair):
     eng.submit("n", p, max_new_tokens=30, stop_token_ids=(stop,), ignore_eos=True)
     eng.run()
     assert eng.tokens["n"] == free[: free.index(stop) + 1] and eng.finish["n"] == "stop"
-    ref = hf_penalised_greedy(g, p, 30, min_new=6, stop_ids=(stop,), eos=())
+    ref = hf_ref.greedy(g, p, 30, min_tokens=6, stop_ids=(stop,), ignore_eos=True)
     assert eng.tokens["m"] == ref
     assert stop not in eng.tokens["m"][:6]
 
@@ -87,7 +88,8 @@ def test_logit_bias_matches_reference(pair, mtp):
         ids = tuple(sorted(bias))
         eng.submit(rid, PROMPTS[pi], max_new_tokens=12, ignore_eos=True, logit_bias_ids=ids,
                    logit_bias=tuple(bias[i] for i in ids), **extra)
-        refs[rid] = hf_penalised_greedy(g, PROMPTS[pi], 12, rep=extra.get("repetition_penalty", 1.0), eos=(), bias=bias)
+        refs[rid] = hf_ref.greedy(g, PROMPTS[pi], 12, repetition=extra.get("repetition_penalty", 1.0),
+                                  ignore_eos=True, logit_bias=bias)
     if mtp:
         eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table(
             [PROMPTS[pi] + refs[rid] for rid, (pi, _, _) in cases.items()]))

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from tests.helpers.checkpoints import build_assistant, build_gemma4, hf_greedy, hf_penalised_greedy
+from tests.helpers import hf_ref
+from tests.helpers.checkpoints import build_assistant, build_gemma4, hf_greedy
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
 
@@ -44,7 +45,7 @@ def test_repetition_penalty_sees_prefix_cached_prompt_tokens(pair, mtp):
     eng = InProcEngine(g, draft=a if mtp else None, steps=3, page_size=4)
     eng.submit("warm", REP_PROMPT, max_new_tokens=4, ignore_eos=True)
     eng.run()
-    ref = hf_penalised_greedy(g, REP_PROMPT, 16, rep=1.5, eos=())
+    ref = hf_ref.greedy(g, REP_PROMPT, 16, repetition=1.5, ignore_eos=True)
     if mtp:
         eng.runner.assistant = BigramDraft(eng.runner.target, bigram_table([REP_PROMPT + ref]))
     eng.submit("pen", REP_PROMPT, max_new_tokens=16, ignore_eos=True, repetition_penalty=1.5)
@@ -57,7 +58,7 @@ def test_frequency_penalty_exact_across_preemption(pair):
     output tokens inside the hit were never re-counted, so frequency/presence penalties forgot
     them after a preemption."""
     g, _ = pair
-    ref = hf_penalised_greedy(g, PROMPT, 40, freq=0.8, pres=0.4, eos=())
+    ref = hf_ref.greedy(g, PROMPT, 40, frequency=0.8, presence=0.4, ignore_eos=True)
     eng = InProcEngine(g, page_size=4, max_total_tokens=4 * 40, chunked_prefill_size=64, max_running_requests=4)
     for i in range(4):
         eng.submit(f"f{i}", PROMPT, max_new_tokens=40, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.4)
