@@ -20,6 +20,9 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core; most tests are single-threaded Python (Triton's
 # interpreter, tiny models), so two cores run the suite in about half the time.
 TEST_WORKERS ?= auto
+# A module runs in one process (its module-scoped servers and engines start once), modules in
+# collection order: the heavy ones first (tests/conftest.py), not reordered by test count.
+TEST_DIST ?= --dist loadscope --no-loadscope-reorder
 # pip quiet: progress and "already satisfied" lines off, errors still shown
 PIP_Q  := -q --disable-pip-version-check
 
@@ -53,7 +56,7 @@ serve: $(RUNTIME_STAMP)
 	$(VENV)/bin/tandem serve $(ARGS)
 
 test: $(STAMP) tools
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --junitxml=$(VENV)/junit.xml tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(TEST_DIST) --junitxml=$(VENV)/junit.xml tests $(PYTEST_ARGS)
 	$(PY) tests/check_junit.py $(VENV)/junit.xml
 
 test-unit: $(STAMP) tools

@@ -105,6 +105,13 @@ def _fast_nested_jit_calls() -> None:
 _fast_nested_jit_calls()
 
 
+def pytest_collection_modifyitems(items):
+    """Modules marked ``heavy`` first (each keeps its order): under ``make test`` each process
+    takes one module at a time in this order, so the longest start first and the processes end
+    together instead of one finishing a long module alone."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 @pytest.fixture(autouse=True)
 def _cpu_kernels_off_after_each_test():
     """A runner on the triton backend turns the kernels on for CPU tensors process-wide

@@ -14,6 +14,8 @@ from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.hub_cache import add_to_cache
 from tests.helpers.server import ROOT, Server
 
+pytestmark = pytest.mark.heavy  # minutes of work: started first (tests/conftest.py)
+
 PAIR = os.path.join(ROOT, "models", "tiny-shakespeare")
 PROMPTS_FILE = os.path.join(ROOT, "benchmarks", "prompts_shakespeare_heldout.txt")
 

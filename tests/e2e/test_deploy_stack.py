@@ -32,6 +32,8 @@ from tests.helpers.fake_upstream import FakeEngine, ServerThread
 from tests.helpers.router import until_breaker_opens, worker_state
 from tests.helpers.server import ROOT, free_port
 
+pytestmark = pytest.mark.heavy  # minutes of work: started first (tests/conftest.py)
+
 DASHBOARD = os.path.join(DEPLOY, "grafana", "dashboards", "tandem.json")
 ENGINES = ("engine-0-cpu", "engine-1-cpu")
 RATE_WINDOW = "4s"

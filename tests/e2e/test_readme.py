@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers.server import ROOT, Server
 
+pytestmark = pytest.mark.heavy  # minutes of work: started first (tests/conftest.py)
+
 README = os.path.join(ROOT, "README.md")
 BLOCK = re.compile(r"<!-- readme-test: (\w+) -->\s*\n```(\w+)\n(.*?)\n```", re.S)
 ENV = {**os.environ, "PYTHONPATH": ROOT}

@@ -13,6 +13,8 @@ from gpu_worker.step.runner import ModelRunner
 from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.inproc import InProcEngine
 
+pytestmark = pytest.mark.heavy  # minutes of work: started first (tests/conftest.py)
+
 PROMPTS = [[(7 * j + 3 * i) % 370 + 6 for j in range(5 + 9 * i)] for i in range(6)]
 
 

@@ -15,6 +15,8 @@ from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.inproc import InProcEngine
 
 pytest.importorskip("triton")
+
+pytestmark = pytest.mark.heavy  # minutes of work: started first (tests/conftest.py)
 # Prompts longer than the Gemma 4 test window (8), of unequal lengths, so decode rows of one
 # bucket have different contexts and a bucket has padding rows (3 requests -> bucket 4).
 PROMPTS = [[(7 * j + 3 * i) % 370 + 6 for j in range(10 + 5 * i)] for i in range(3)]

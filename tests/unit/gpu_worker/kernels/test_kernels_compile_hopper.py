@@ -18,6 +18,7 @@ import pytest
 from tests.helpers.hopper_compile import SMEM_LIMIT, launchable_kernels
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.heavy  # minutes of work: started first (tests/conftest.py)
 ROOT = pathlib.Path(__file__).resolve().parents[4]
 
 
