@@ -31,8 +31,12 @@ def env(monkeypatch):
     import gpu_worker.kernels as K
     from gpu_worker.kernels import qkv_rope as QR
     from gpu_worker.models import layers as L
+    from gpu_worker.parallel import layers as PL
+    from gpu_worker.parallel import linear as PLin
 
-    served = K.PDL_MAX_TOKENS, QR.applies, L.gated_linear, L.linear
+    served = K.PDL_MAX_TOKENS, QR.applies, L.gated_linear, G.linear
+    linear_callers = (PL, PLin)  # the modules whose projections call kernels.gemv.linear
+    assert all(m.linear is G.linear for m in linear_callers)
 
     def cublas_long_k(x, w, bias=None):
         return F.linear(x, w, bias) if w.shape[1] > G.SKINNY_MAX_K else served[3](x, w, bias)
@@ -41,7 +45,8 @@ def env(monkeypatch):
         monkeypatch.setattr(K, "PDL_MAX_TOKENS", served[0] if pdl_on else 0)
         monkeypatch.setattr(QR, "applies", served[1] if fused else (lambda *a: False))
         monkeypatch.setattr(L, "gated_linear", served[2] if fused else (lambda *a: None))
-        monkeypatch.setattr(L, "linear", served[3] if fused else cublas_long_k)
+        for m in linear_callers:
+            monkeypatch.setattr(m, "linear", served[3] if fused else cublas_long_k)
     return set_
 
 
