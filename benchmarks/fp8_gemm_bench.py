@@ -169,7 +169,10 @@ def main() -> None:
         out["decision"] = decision(out["gemm"])
     for r in out.get("gemv", []):
         if "us" in r:
-            print(f"gemv {r['shape']:11} m={r['m']} {r['impl']:14} {str(r.get('config', ''))[:60]:60} "
+            cfg = r.get("config", {})
+            tile = (f"{'dot' if cfg.get('dot') else 'fma'} n{cfg['block_n']} k{cfg['block_k']} w{cfg['num_warps']} "
+                    f"s{cfg['num_stages']} splits {r['splits']}") if cfg else ""
+            print(f"gemv {r['shape']:11} m={r['m']} {r['impl']:14} {tile:34} "
                   f"{r['us']:8.1f} us {r['frac_of_copy_bw']:6.1%} of copy bw")
     for r in out.get("gemm", []):
         if "us" in r:
