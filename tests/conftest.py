@@ -108,10 +108,8 @@ _fast_nested_jit_calls()
 def pytest_collection_modifyitems(items):
     """Modules marked ``heavy`` first (each keeps its order): under ``make test`` each process
     takes one module at a time in this order, so the longest start first and the processes end
-    together instead of one finishing a long module alone. Among them the unit modules come
-    first: the e2e ones serve the bundled pair compiled, and would otherwise start together and
-    one wait (a core idle) while the other builds its programs."""
-    items.sort(key=lambda item: (item.get_closest_marker("heavy") is None, item.nodeid.startswith("tests/e2e/")))
+    together instead of one finishing a long module alone."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
 @pytest.fixture(autouse=True)
