@@ -202,10 +202,12 @@ def hf_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-    """HF transformers' greedy continuation (the oracle), new tokens only."""
-    model = hf_model(model_dir)
-    ids = torch.tensor([prompt_ids])
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False,
+              model=None) -> list[int]:
+    """HF transformers' greedy continuation (the oracle), new tokens only; ``model``: the
+    checkpoint already loaded (on its device) instead of a fresh float32 CPU copy."""
+    model = model if model is not None else hf_model(model_dir)
+    ids = torch.tensor([prompt_ids], device=model.device)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD)
     if ignore_eos:
         kw["eos_token_id"] = None

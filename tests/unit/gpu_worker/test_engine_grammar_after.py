@@ -26,10 +26,11 @@ def start_token(free: list[int], at: int) -> int:
 
 def _submit(eng, model_dir, names=("json", "regex", "choice"), n=20, prompts=PROMPTS, model=None):
     """Constrained requests whose start token comes 2-4 tokens into the free answer, plus one
-    whose start token never comes (it must equal HF greedy). ``model``: the reference's HF model."""
+    whose start token never comes (it must equal HF greedy). ``model``: the reference's HF model,
+    which also gives the free answers (on another device its greedy path may differ)."""
     model, compiler, refs, firsts = model or hf_model(model_dir), grammar_compiler(model_dir), {}, {}
     for i, p in enumerate(prompts):
-        free = hf_greedy(model_dir, p, n, ignore_eos=True)
+        free = hf_greedy(model_dir, p, n, ignore_eos=True, model=model)
         for j, name in enumerate(names):
             after = start_token(free, 2 + (i + j) % 3)
             spec = msgspec.structs.replace(SPECS[name], after=after)
@@ -37,7 +38,7 @@ def _submit(eng, model_dir, names=("json", "regex", "choice"), n=20, prompts=PRO
             eng.submit(rid, p, max_new_tokens=n, grammar=spec)
             refs[rid] = reference(model, compiler, spec, p, n)
             firsts[rid] = refs[rid].index(after) + 1
-    free = hf_greedy(model_dir, prompts[0], n)
+    free = hf_greedy(model_dir, prompts[0], n, model=model)
     never = msgspec.structs.replace(SPECS["json"], after=next(t for t in range(6, VOCAB) if t not in free))
     eng.submit("never", prompts[0], max_new_tokens=n, grammar=never)
     refs["never"] = reference(model, compiler, never, prompts[0], n)
