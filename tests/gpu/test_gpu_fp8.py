@@ -46,6 +46,7 @@ def _close(y: torch.Tensor, x, w8, s, rows, acts) -> None:
 def test_fp8_linear_at_8b_shapes(m, layout, acts):
     """The GEMV (1 and 4 rows; split K through down), the GEMM (64, 1024 rows), the gated GEMV
     (gate_up, up to 64 rows): within a bf16 rounding of the exact products."""
+    torch.manual_seed(m)  # a failure reproduces
     for n, k in SHAPES_8B:
         w8, s, rows = _weight(n, k, layout)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
