@@ -23,6 +23,19 @@ PROMPTS = [[(7 * j + 3 * i) % 370 + 6 for j in range(10 + 5 * i)] for i in range
 NEW = 5
 
 
+@pytest.fixture
+def launch_orders(monkeypatch):
+    """The decode launch orders the backend chose (None: the default order). The prompts' 3 rows
+    x 2 KV heads are more programs than the interpreter's 2 "SMs" hold twice, so decode rows
+    launch longest first, on the graph and eager paths and for the draft's read too."""
+    from gpu_worker.attention import triton_backend
+
+    orders = []
+    real = triton_backend.launch_order
+    monkeypatch.setattr(triton_backend, "launch_order", lambda *a: orders.append(o := real(*a)) or o)
+    return orders
+
+
 def _run(model, draft=None, **kw):
     eng = InProcEngine(model, draft=draft, attention_backend="triton", page_size=4, chunked_prefill_size=16, **kw)
     for i, p in enumerate(PROMPTS):
@@ -32,13 +45,15 @@ def _run(model, draft=None, **kw):
 
 
 @pytest.mark.parametrize("arch,graphs", [("llama", False), ("qwen3", True), ("gemma4", False), ("gemma4", True)])
-def test_triton_backend_matches_hf(ckpts, arch, graphs, monkeypatch):
+def test_triton_backend_matches_hf(ckpts, arch, graphs, monkeypatch, launch_orders):
+    """HF's tokens, with the decode rows launched longest first."""
     if graphs:
         monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
     got, eng = _run(ckpts[arch], cuda_graph_bs=(1, 2, 4))
     assert (eng.runner.graphs is not None) == graphs
     if graphs:
         assert eng.runner.graphs.sizes == [1, 2, 4]
+    assert any(o is not None for o in launch_orders)
     assert got == [hf_greedy(ckpts[arch], p, NEW, ignore_eos=True) for p in PROMPTS]
 
 
@@ -50,21 +65,13 @@ def test_triton_backend_mtp_graph_path_is_lossless(ckpts, overlap, monkeypatch):
     assert got == [hf_greedy(ckpts["gemma4"], p, NEW, ignore_eos=True) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch,draft,graphs", [("qwen3", False, True), ("gemma4", False, False), ("gemma4", True, True)])
-def test_longest_first_launch_order_keeps_hf_tokens(ckpts, arch, draft, graphs, monkeypatch):
-    """Decode rows launched longest first (3 rows x 2 KV heads are more programs than the
-    interpreter's 2 "SMs" hold twice), on the graph and eager paths, for the draft's read too:
-    still HF's tokens."""
-    from gpu_worker.attention import triton_backend
-
-    if graphs:
-        monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
-    orders = []
-    real = triton_backend.launch_order
-    monkeypatch.setattr(triton_backend, "launch_order", lambda *a: orders.append(o := real(*a)) or o)
-    got, _ = _run(ckpts[arch], draft=ckpts["assistant"] if draft else None, cuda_graph_bs=(4,))
-    assert any(o is not None for o in orders)
-    assert got == [hf_greedy(ckpts[arch], p, NEW, ignore_eos=True) for p in PROMPTS]
+def test_mtp_graph_path_launches_longest_first(ckpts, monkeypatch, launch_orders):
+    """With MTP on the graph path (3 rows in bucket 4), verify's and the draft's attention reads
+    launch longest first too: still HF's tokens."""
+    monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
+    got, _ = _run(ckpts["gemma4"], draft=ckpts["assistant"], cuda_graph_bs=(4,))
+    assert any(o is not None for o in launch_orders)
+    assert got == [hf_greedy(ckpts["gemma4"], p, NEW, ignore_eos=True) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("arch,draft", [("qwen3", False), ("gemma4", True)])
