@@ -1,9 +1,11 @@
 """FP8 linears against bf16 at the benchmark models' shapes (Llama-3.1-8B, the Gemma-4 9B
 shape), each timed inside a CUDA graph with its weights rotated over more than L2:
 
-- decode rows (1, 2, 4): the FP8 GEMV as the engine launches it (``kernels/fp8_linear.py``)
-  and a few other launch shapes, against the bf16 path (``gemv.linear``: the GEMV or cuBLAS):
-  microseconds and the share of the copy bandwidth its weight bytes stream at;
+- decode rows (1, 2, 4): the FP8 GEMV as the engine launches it (``kernels/fp8_linear.py``,
+  dynamic activations and weight-only) and, at one row, other tiles of the one-row kernel
+  (``fp8_gemv.py``; its gated variant on gate_up against the projection + activation pair),
+  against the bf16 path (``gemv.linear``: the GEMV or cuBLAS): microseconds and the share of the
+  copy bandwidth its weight bytes stream at;
 - batches and prefill (16 to 8192 rows): bf16 cuBLAS, the FP8 GEMM with dynamic activations
   (its quantization kernel included) and weight-only, and ``torch._scaled_mm`` (per-token
   activation and per-row weight scales; its torch quantization included, and alone): TFLOP/s.
@@ -29,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
 from gpu_worker.kernels import gemv as G  # noqa: E402
 from gpu_worker.kernels import fp8_linear as L  # noqa: E402
+from gpu_worker.kernels.activation import gated_act  # noqa: E402
 from gpu_worker.kernels.fp8_gemm import fp8_gemm  # noqa: E402
+from gpu_worker.kernels.fp8_gemv import fp8_gemv_row  # noqa: E402
 from gpu_worker.kernels.fp8_quant import quantize_acts  # noqa: E402
 from gpu_worker.quant.fp8_math import quantize_rows  # noqa: E402
 
@@ -46,10 +50,12 @@ SHAPES = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 40
           ("9B qkv", 8192, 3840), ("9B gate_up", 30720, 3840), ("9B down", 3840, 15360)]
 GEMV_ROWS = (1, 2, 4)
 GEMM_ROWS = (16, 64, 256, 1024, 4096, 8192)
-GEMV_TRIES = [dict(block_n=bn, block_k=128, num_warps=w, num_stages=st)
-              for bn, w, st in ((16, 4, 4), (32, 4, 4), (32, 4, 6), (64, 4, 4), (64, 8, 4))] + \
-    [dict(block_n=bn, block_k=128, num_warps=4, num_stages=st, dot=True) for bn, st in ((32, 4), (64, 4), (64, 6),
-                                                                                         (128, 4))]
+# one-row kernel tiles: (block_n, groups, num_warps, num_stages)
+ROW_TRIES = [dict(block_n=bn, groups=g, num_warps=w, num_stages=st)
+             for bn, g, w, st in ((8, 2, 4, 4), (8, 4, 4, 3), (16, 1, 4, 4), (16, 2, 4, 4), (16, 2, 4, 6), (16, 4, 4, 3),
+                                  (32, 1, 4, 4), (32, 2, 4, 4), (32, 2, 8, 4), (64, 1, 4, 4), (16, 2, 2, 4), (8, 4, 2, 4))]
+# the 2-D FMA kernel at one row (before the one-row kernel), for comparison
+FMA_2D = dict(block_n=32, block_k=128, num_warps=4, num_stages=4)
 
 
 def _weights(n: int, k: int, fp8: bool):
@@ -69,21 +75,31 @@ def gemv_rows(bw: float) -> list[dict]:
         for m in GEMV_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = {"shape": label, "m": m, "n": n, "k": k}
+
+            def add(impl: str, fn, **extra) -> None:
+                try:
+                    sec = graph_time(fn, len(w8))
+                    rows.append(base | extra | {"impl": impl, "us": sec * 1e6, "frac_of_copy_bw": n * k / sec / bw})
+                except Exception as exc:  # noqa: BLE001 -- a config that does not build is a row too
+                    rows.append(base | extra | {"impl": impl, "error": repr(exc)[:200]})
+
             sec = graph_time(lambda: [G.linear(x, w) for w in wb], len(wb))
             rows.append(base | {"impl": "bf16 (engine)", "us": sec * 1e6, "frac_of_copy_bw": n * k * 2 / sec / bw})
-            sec = graph_time(lambda: [L.fp8_linear(x, w, s, 1, "dynamic") for w, s in w8], len(w8))
-            rows.append(base | {"impl": "fp8 (engine)", "us": sec * 1e6, "frac_of_copy_bw": n * k / sec / bw})
+            for acts in ("dynamic", "none"):
+                add(f"fp8 {acts} (engine)", lambda: [L.fp8_linear(x, w, s, 1, acts) for w, s in w8])
+            if m > 1:
+                continue
             splits = L.LONG_K_SPLITS if k > L.SKINNY_MAX_K else 1
-            for cfg in GEMV_TRIES:
-                if m > 1 and not cfg.get("dot"):
-                    continue
-                try:
-                    sec = graph_time(lambda: [G.gemv(x, w, splits=splits, scale=s, a8=1, **cfg) for w, s in w8],
-                                     len(w8))
-                    rows.append(base | {"impl": "fp8 gemv", "config": cfg, "splits": splits, "us": sec * 1e6,
-                                        "frac_of_copy_bw": n * k / sec / bw})
-                except Exception as exc:  # noqa: BLE001 -- a config that does not build is a row too
-                    rows.append(base | {"impl": "fp8 gemv", "config": cfg, "error": repr(exc)[:200]})
+            add("fp8 2-D fma", lambda: [G.gemv(x, w, splits=splits, scale=s, a8=1, **FMA_2D) for w, s in w8])
+            for cfg in ROW_TRIES:
+                add("fp8 row", lambda: [fp8_gemv_row(x, w, s, 1, 1, cfg=cfg) for w, s in w8], config=cfg)
+            if "gate_up" in label:  # the gated variant against the projection + activation pair
+                add("fp8 pair (engine)", lambda: [gated_act(*L.fp8_linear(x, w, s, 1, "dynamic").chunk(2, dim=1), "silu")
+                                                   for w, s in w8])
+                add("fp8 gated (engine)", lambda: [L.fp8_gated_linear(x, w, s, 1, "dynamic", None, "silu") for w, s in w8])
+                for cfg in ROW_TRIES[:6]:
+                    add("fp8 row gated", lambda: [fp8_gemv_row(x, w, s, 1, 1, act="silu", cfg=cfg) for w, s in w8],
+                        config=cfg)
         del wb, w8
         torch.cuda.empty_cache()
     return rows
@@ -103,8 +119,7 @@ def _scaled_mm(x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, s: torch.Te
 def gemm_rows() -> list[dict]:
     rows = []
     for label, n, k in SHAPES:
-        wb = _weights(n, k, False)[:2]  # compute-bound past a few hundred rows: two copies suffice
-        w8 = _weights(n, k, True)[:2]
+        wb, w8 = _weights(n, k, False), _weights(n, k, True)  # small batches stream W: more than L2
         for m in GEMM_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             flops = 2 * m * n * k
@@ -119,9 +134,18 @@ def gemm_rows() -> list[dict]:
             x8t, tok = _per_token(x)
             impls["fp8 triton gemm alone"] = lambda: [fp8_gemm(xq, xs, w, s, 1, x.dtype) for w, s in w8]
             impls["fp8 scaled_mm alone"] = lambda: [_scaled_mm(x8t, tok, w, s) for w, s in w8]
+            if m <= 64:  # small decode batches stream W: other GEMM tiles, and the gated GEMV on gate_up
+                for bn in (32, 64, 128):
+                    for st in (4, 6):
+                        cfg = dict(block_m=max(16, min(64, m)), block_n=bn, num_warps=4, num_stages=st)
+                        impls[f"fp8 gemm n{bn} s{st}"] = (
+                            lambda cfg=cfg: [fp8_gemm(xq, xs, w, s, 1, x.dtype, cfg=cfg) for w, s in w8])
+                if "gate_up" in label:
+                    impls["fp8 gated wide (engine)"] = lambda: [
+                        L.fp8_gated_linear(x, w, s, 1, "dynamic", None, "silu") for w, s in w8]
             for name, fn in impls.items():
                 try:
-                    sec = graph_time(fn, 2)
+                    sec = graph_time(fn, len(wb) if name.startswith("bf16") else len(w8))
                     rows.append(base | {"impl": name, "us": sec * 1e6, "tflops": flops / sec / 1e12})
                 except Exception as exc:  # noqa: BLE001
                     rows.append(base | {"impl": name, "error": repr(exc)[:200]})
@@ -170,9 +194,8 @@ def main() -> None:
     for r in out.get("gemv", []):
         if "us" in r:
             cfg = r.get("config", {})
-            tile = (f"{'dot' if cfg.get('dot') else 'fma'} n{cfg['block_n']} k{cfg['block_k']} w{cfg['num_warps']} "
-                    f"s{cfg['num_stages']} splits {r['splits']}") if cfg else ""
-            print(f"gemv {r['shape']:11} m={r['m']} {r['impl']:14} {tile:34} "
+            tile = " ".join(f"{k[0]}{v}" for k, v in cfg.items())
+            print(f"gemv {r['shape']:11} m={r['m']} {r['impl']:20} {tile:18} "
                   f"{r['us']:8.1f} us {r['frac_of_copy_bw']:6.1%} of copy bw")
     for r in out.get("gemm", []):
         if "us" in r:

@@ -8,11 +8,13 @@
 #          64 requests (512 in / 256 out) plus a prefill-bound round (16 x 2048), and the Gemma-4
 #          9B shape + its assistant (MTP S=3) at one request; then benchmarks/fp8_report.py's
 #          table: step roofline per row, KV pool tokens, the goals PASS / MISS.
-# About 2 + 2 + 6 minutes on an H100 (six engine starts); FP8_CONFIGS narrows the engine runs.
+# About 2 + 2 + 6 minutes on an H100 (six engine starts); FP8_CONFIGS and FP8_MODELS ("llama gemma")
+# narrow the engine runs.
 set -uo pipefail
 : "${OUT:?run through benchmarks/gpu_suite.sh (PARTS=fp8)}" "${DM:?}"
 STAGES=${FP8_STAGES:-"tests kernels engines"}
 CONFIGS=${FP8_CONFIGS:-"bf16 fp8 fp8kv"}
+MODELS=${FP8_MODELS:-"llama gemma"}
 flags() {  # config name -> engine flags
   case $1 in
     bf16) ;;
@@ -35,10 +37,12 @@ fi
 if [[ " $STAGES " == *" engines "* ]]; then
   echo "== FP8 engines: 8B at 1 / 64 requests + prefill, Gemma-4 9B + assistant MTP: $CONFIGS"
   for c in $CONFIGS; do
+    [[ " $MODELS " == *" llama "* ]] || continue
     off fp8_llama_$c 170 --model-path $DM/llama-3.1-8b --num-prompts 1,64 --input-len 512 --output-len 256 \
       --max-running-requests 64 --warmup-rounds 1 --prefill-prompts 16 --prefill-len 2048 $(flags $c)
   done
   for c in $CONFIGS; do
+    [[ " $MODELS " == *" gemma "* ]] || continue
     off fp8_gemma_$c 170 --model-path $DM/gemma4-dense-9b --num-prompts 1 --input-len 512 --output-len 128 \
       --max-running-requests 8 --warmup-rounds 1 --speculative-algorithm FROZEN-KV-MTP \
       --speculative-draft-model-path $DM/gemma4-dense-9b-assistant --speculative-num-steps 3 $(flags $c)

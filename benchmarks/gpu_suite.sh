@@ -15,6 +15,7 @@
 #   attn     decode attention alone against copy bandwidth
 #   scale    every dummy shape (SCALE_MODELS) at 1, 64 and 256 requests, no speed flags
 #   profile  a torch.profiler trace of one 8B decode step and its per-layer kernel table
+#            (PROFILE_ARGS: more profile_step.py flags, e.g. "--quantization fp8")
 #   moe      mixture-of-experts shapes (benchmarks/moe_suite.sh)
 #   fp8      FP8 weights and KV cache beside bf16 (benchmarks/fp8_suite.sh; FP8_STAGES picks its
 #            stages: tests kernels engines, all by default; fp8_summary.txt)
@@ -66,7 +67,7 @@ if has tests; then
 fi
 if has profile; then
   echo "== profile: an 8B decode step (1 request), kernel by kernel"
-  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 \
+  timeout 120 python3 benchmarks/profile_step.py --model-path $DM/llama-3.1-8b --steps 48 ${PROFILE_ARGS:-} \
     --trace "$FINAL/trace_8b_bs1.json.gz" > "$OUT/profile_8b.txt" 2>&1 || echo "profile failed"
   python3 benchmarks/trace_layers.py "$FINAL/trace_8b_bs1.json.gz" > "$OUT/layers_8b.txt" 2>&1 && cat "$OUT/layers_8b.txt"
 fi

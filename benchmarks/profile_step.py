@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--disable-piecewise-cuda-graph", action="store_true", help="prefill steps eager")
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--quantization", default=None, help="as tandem serve's flag (fp8: online FP8 weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--decode-only", action="store_true", help="profile decode steps only")
     ap.add_argument("--sync-debug", action="store_true", help="list host syncs in the profiled steps")
@@ -60,7 +62,7 @@ def main() -> None:
                        attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
                        disable_piecewise_cuda_graph=a.disable_piecewise_cuda_graph,
                        max_running_requests=max(8, a.batch), context_length=a.input_len + a.steps + 64,
-                       overlap=not a.no_overlap)
+                       overlap=not a.no_overlap, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     vocab = eng.ready.vocab_size
     def prompt(tag: str, r: int) -> list[int]:
         # Distinct per request: a shared prompt would hit the prefix cache (no prefill to profile)

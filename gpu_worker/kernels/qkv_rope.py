@@ -14,8 +14,8 @@ Same sums as the plain GEMV with ``block_n = 2 * PAIRS`` (same K tiles, same red
 to the model dtype, then ``rope.py``'s roundings (cos / sin from float32, each product and the
 sum rounded, as HF): bitwise the unfused pair. Only where that pair would run: one row, no
 qkv bias, no per-head q/k norm, one K split (the dispatch is ``applies``). An FP8 qkv weight
-takes the FP8 GEMV's arithmetic (``gemv_kernels.py``'s ``WS`` / ``A8``, 128-column K tiles):
-bitwise its FMA GEMV + ``rope_store`` pair.
+streams its rows through the one-row FP8 GEMV's loop (``fp8_gemv.fp8_row_sums``, its tile of
+``ROW_CONFIG``): bitwise that GEMV + ``rope_store`` pair.
 """
 
 from __future__ import annotations
@@ -25,32 +25,38 @@ import torch
 from gpu_worker.kernels import PDL_ON, pdl
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 from gpu_worker.kernels import use_triton
-from gpu_worker.kernels import fp8_linear as F8
-from gpu_worker.kernels.fp8_round import BLOCK, FP8
+from gpu_worker.kernels.fp8_gemv import ROW_CONFIG, row_splits
+from gpu_worker.kernels.fp8_round import FP8
 from gpu_worker.kernels.gemv import CONFIG, SKINNY_MAX_K, launch_config, launch_tiles, prefetch_cols, short_k_splits, skinny
 
 try:
     import triton
     import triton.language as tl
 
-    from gpu_worker.kernels.gemv_kernels import _dot_row, _row_scale, _w_tile
+    from gpu_worker.kernels.fp8_gemv import fp8_row_sums
+    from gpu_worker.kernels.gemv_kernels import _dot_row
     from gpu_worker.kernels.rope import _rnd, _rotate, kv_value
 except ImportError:
     triton = None
 
 
 def applies(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
-    """Whether the one-row qkv GEMV (FMA kernel, one K split; for FP8 weights the FP8 one) would
-    run for ``x`` through ``w``, and ``head_dim`` splits into whole program tiles."""
-    pairs = CONFIG["block_n"] // 2
+    """Whether the one-row qkv GEMV (FMA kernel, one K split; for FP8 weights the one-row FP8
+    kernel) would run for ``x`` through ``w``, and ``head_dim`` splits into whole program tiles."""
+    pairs = _pairs(w)
     if not (x.dim() == 2 and x.shape[0] == 1 and w.shape[1] <= SKINNY_MAX_K and head_dim % 2 == 0
             and (head_dim // 2) % pairs == 0):
         return False
     if w.dtype == FP8:
-        return (use_triton(x) and x.stride(1) == 1 and w.is_contiguous() and F8.gemv_config(1, w) is F8.FMA_CONFIG
-                and F8.gemv_splits(w, F8.FMA_CONFIG, x.device) == 1)
+        return (use_triton(x) and x.stride(1) == 1 and w.is_contiguous()
+                and row_splits(w.shape[0], w.shape[1], ROW_CONFIG, x.device) == 1)
     return (skinny(x, w) and launch_config(1, w) is CONFIG
             and short_k_splits(launch_tiles(w.shape[0], CONFIG), w.shape[1], CONFIG["block_k"], x.device) == 1)
+
+
+def _pairs(w: torch.Tensor) -> int:
+    """Rotate-half pairs a program owns: half the rows of the GEMV tile it replaces."""
+    return (ROW_CONFIG if w.dtype == FP8 else CONFIG)["block_n"] // 2
 
 
 if triton is not None:
@@ -59,7 +65,7 @@ if triton is not None:
     def _qkv_rope_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, loc_ptr, inv_ptr, K, swn, ss,
                          skn, skh, svn, svh, k_inv, v_inv, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-                         WS: tl.constexpr, A8: tl.constexpr, SN: tl.constexpr):
+                         WS: tl.constexpr, A8: tl.constexpr, SN: tl.constexpr, G: tl.constexpr):
         HALF: tl.constexpr = D // 2
         PER_HEAD: tl.constexpr = HALF // PAIRS  # programs per head
         pid = tl.program_id(0)
@@ -74,15 +80,17 @@ if triton is not None:
         # the epilogue's operands, loaded before the weight stream so their latency hides in it
         f = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + j)
         loc = tl.load(loc_ptr)
-        k0 = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([2 * PAIRS], tl.float32)
-        srow = (rows // SN) * ss  # FP8: the rows' scale rows
-        for start in range(0, K, BLOCK_K):
-            k = start + k0
-            km = k < K
-            w = _w_tile(w_rows, k, km[None, :], s_ptr, srow, start // BLOCK_K, WS)
-            acc += _dot_row(w, x_ptr, k, km, xs_ptr, A8)
-        acc = _row_scale(acc, s_ptr, srow, WS)
+        if WS > 0:  # FP8: the one-row FP8 GEMV's loop (G scale groups a K tile)
+            acc = fp8_row_sums(w_ptr + rows.to(tl.int64) * swn, (rows // SN) * ss, s_ptr, x_ptr, xs_ptr, 0, K,
+                               rows >= 0, 2 * PAIRS, G, WS, A8)
+        else:
+            k0 = tl.arange(0, BLOCK_K)
+            acc = tl.zeros([2 * PAIRS], tl.float32)
+            for start in range(0, K, BLOCK_K):
+                k = start + k0
+                km = k < K
+                w = tl.load(w_rows + k[None, :], mask=km[None, :], other=0.0).to(tl.float32)
+                acc += _dot_row(w, x_ptr, k, km, xs_ptr, 0)
         DT = qo_ptr.dtype.element_ty
         x1, x2 = tl.split(tl.permute(tl.reshape(_rnd(acc, DT), [2, PAIRS]), [1, 0]))
         if head < HQ + HKV:
@@ -116,7 +124,8 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, in
     if q_out is None:
         q_out = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
     assert q_out.is_contiguous()
-    pairs = CONFIG["block_n"] // 2
+    pairs = _pairs(w)
+    cfg = ROW_CONFIG if scale is not None else CONFIG
     on = pdl(x)
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // pairs),)
     s = scale if scale is not None else q_out  # stand-ins: never read by a bf16 launch
@@ -125,8 +134,9 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, in
         x, w, s, input_scale if input_scale is not None else s, q_out, k_cache, v_cache, positions, out_loc,
         inv_freq, x.shape[1], w.stride(0), scale.stride(0) if scale is not None else 0,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *store_scales,
-        HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAIRS=pairs, BLOCK_K=BLOCK if scale is not None else CONFIG["block_k"],
+        HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAIRS=pairs, BLOCK_K=CONFIG["block_k"],
         PDL=on, PREFETCH_K=prefetch_cols(w.shape[0], 1, x.shape[1], elt=w.element_size()) if on == PDL_ON else 0,
-        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"], launch_pdl=on == PDL_ON, **fp8,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=on == PDL_ON,
+        G=ROW_CONFIG["groups"], **fp8,
     )
     return q_out

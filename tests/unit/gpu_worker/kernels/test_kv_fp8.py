@@ -128,10 +128,10 @@ def test_paged_extend_reads_an_fp8_pool():
 @pytest.mark.parametrize("acts,layout", [("none", "channel"), ("dynamic", "channel"), ("dynamic", "block"),
                                          ("static", "channel")])
 def test_fp8_qkv_rope_is_the_fp8_gemv_then_rope_store(acts, layout):
-    """FP8 qkv weights (and an FP8 pool): bitwise the FP8 FMA GEMV then ``rope_store``."""
+    """FP8 qkv weights (and an FP8 pool): bitwise the one-row FP8 GEMV then ``rope_store``."""
     from gpu_worker.kernels import enable_cpu_kernels
-    from gpu_worker.kernels import gemv as G
-    from gpu_worker.kernels.fp8_linear import A8, FMA_CONFIG
+    from gpu_worker.kernels.fp8_gemv import fp8_gemv_row
+    from gpu_worker.kernels.fp8_linear import A8
 
     hq, hkv, d, kdim = 2, 1, 32, 384
     w8, s, rows = fp8_weight((hq + 2 * hkv) * d, kdim, layout, seed=5, rows=1)
@@ -143,11 +143,11 @@ def test_fp8_qkv_rope_is_the_fp8_gemv_then_rope_store(acts, layout):
     k8b, v8b = k8.clone(), v8.clone()
     scales = (1 / SCALES[0], 1 / SCALES[1])
     q = qkv_rope.qkv_rope_store(x, w8, pos, inv, loc, k8, v8, hq, hkv, d, store_scales=scales, **fp8)
-    qkv = G.gemv(x, w8, **FMA_CONFIG, **fp8)
+    qkv = fp8_gemv_row(x, w8, s, rows, fp8["a8"], fp8["input_scale"])
     qr, kr, vr = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     enable_cpu_kernels(True)
     try:
-        assert qkv_rope.applies(x, w8, d)  # the pair it replaces: the FP8 FMA GEMV, one K split
+        assert qkv_rope.applies(x, w8, d)  # the pair it replaces: the one-row FP8 GEMV, one K split
         q_ref = rope_store(qr.view(1, hq, d), kr.view(1, hkv, d), vr.view(1, hkv, d), pos, inv, loc, k8b, v8b,
                            store_scales=scales)
     finally:

@@ -1,0 +1,152 @@
+"""The one-row FP8 GEMV (plain decode at one request, the MTP draft): y [1, N] = x [1, K] @ W^T
+with W float8 e4m3 [N, K] and its scales (``fp8_math``'s layout), x in the model dtype.
+
+The two-dimensional GEMV kernels (``gemv_kernels.py``) reduce every K tile to its row sums. An
+FP8 scale group is 128 columns, 128 bytes a row: per byte streamed that reduction costs several
+times what it costs a bf16 tile, and it kept the FP8 GEMV far from the copy bandwidth. Here a
+program accumulates element-wise products in a [BLOCK_N, G, 128] float32 tile over its whole K
+range and reduces once, at the end. A K tile holds G scale groups (G x 128 bytes a row in flight);
+x's tile is quantized per group as the format asks (``A8`` 1 dynamic: amax / 448 of its 128
+columns; 2 static: the one scale) and folded back with its scale (``x_q * s``, as
+``fp8_math.qdq_acts``), so the loop is a convert and a product-add per weight byte (block scales,
+``WS`` 2: one more product). Row scales (``WS`` 1) multiply the sums once.
+
+The same streaming loop (``fp8_row_sums``) serves ``qkv_rope.py``'s one-row qkv with RoPE. The
+gated variant (``ACT``) streams the gate rows, then the up rows, and writes ``act(gate) * up``;
+split-K, the ticket protocol and the PDL prefetch are ``gemv.py``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.kernels import PDL_ON, TICKETS, pdl, tickets
+from gpu_worker.kernels.activation import ACTS
+from gpu_worker.kernels.fp8_round import BLOCK
+from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
+from gpu_worker.kernels.gemv import LONG_K_SPLITS, SKINNY_MAX_K, prefetch_cols, short_k_splits
+
+try:
+    import triton
+    import triton.language as tl
+
+    from gpu_worker.kernels.fp8_round import to_e4m3
+    from gpu_worker.kernels.gemv_kernels import _reduce_row, _store_row
+except ImportError:
+    triton = None
+
+# BLOCK_N weight rows a program, G scale groups (G x 128 columns) a K tile.
+ROW_CONFIG = dict(block_n=16, groups=2, num_warps=4, num_stages=4)
+
+
+def row_splits(n: int, k: int, cfg: dict, device: torch.device, gated: bool = False) -> int:
+    """K splits of a launch through a weight of ``n`` rows (gated: ``n`` / 2 outputs), K ``k``:
+    the bf16 GEMV's rule."""
+    if k > SKINNY_MAX_K:
+        return LONG_K_SPLITS
+    tiles = -(-(n // 2 if gated else n) // cfg["block_n"])
+    return short_k_splits(tiles, k, cfg["groups"] * BLOCK, device)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _x_groups(x_ptr, k, km, xs_ptr, A8: tl.constexpr):
+        """x's K tile [G, 128] as float32: x itself, or quantized to e4m3 per group and times its
+        scale (the format's value of x)."""
+        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        if A8 == 1:
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+            x = to_e4m3(x * tl.div_rn(448.0, amax)[:, None]).to(tl.float32) * tl.div_rn(amax, 448.0)[:, None]
+        elif A8 == 2:
+            s = tl.load(xs_ptr).to(tl.float32)
+            x = to_e4m3(x * tl.div_rn(1.0, s)).to(tl.float32) * s
+        return x
+
+    @triton.jit
+    def fp8_row_sums(rows_ptr, srow, s_ptr, x_ptr, xs_ptr, k_lo, k_hi, nm, BLOCK_N: tl.constexpr,
+                     G: tl.constexpr, WS: tl.constexpr, A8: tl.constexpr):
+        """float32 [BLOCK_N]: the weight rows at ``rows_ptr`` ([BLOCK_N] pointers; ``nm`` masks
+        them) times x over columns k_lo..k_hi (k_lo a multiple of 128), with their scales
+        (``srow``: the rows' scale-row offsets)."""
+        kg = tl.arange(0, G)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        acc = tl.zeros([BLOCK_N, G, 128], tl.float32)
+        for start in range(k_lo, k_hi, G * 128):
+            k = start + kg
+            km = k < k_hi
+            x = _x_groups(x_ptr, k, km, xs_ptr, A8)
+            w = tl.load(rows_ptr[:, None, None] + k[None, :, :], mask=nm[:, None, None] & km[None, :, :],
+                        other=0.0).to(tl.float32)
+            if WS == 2:
+                gi = start // 128 + tl.arange(0, G)
+                sm = nm[:, None] & (gi * 128 < k_hi)[None, :]
+                w = w * tl.load(s_ptr + srow[:, None] + gi[None, :], mask=sm, other=0.0)[:, :, None]
+            acc += w * x[None, :, :]
+        sums = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if WS == 1:
+            sums = sums * tl.load(s_ptr + srow)
+        return sums
+
+    @triton.jit
+    def _fp8_row_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, s_ptr, xs_ptr, N, K, K_CHUNK, swn, ss,
+                        BLOCK_N: tl.constexpr, G: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
+                        PDL: tl.constexpr, PREFETCH_K: tl.constexpr, WS: tl.constexpr, A8: tl.constexpr,
+                        SN: tl.constexpr):
+        pid = tl.program_id(0)
+        k_lo = tl.program_id(1) * K_CHUNK
+        k_hi = tl.minimum(K, k_lo + K_CHUNK)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        nc = tl.minimum(n, N - 1)
+        if PREFETCH_K > 0:  # weights only, before the wait (one prefetch per 32-byte sector)
+            sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 32) * 32, K - 1)
+            prefetch_l2(w_ptr + nc.to(tl.int64)[:, None] * swn + sec[None, :], PDL)
+        gdc_enter(PDL)
+        a = fp8_row_sums(w_ptr + n.to(tl.int64) * swn, (nc // SN) * ss, s_ptr, x_ptr, xs_ptr, k_lo, k_hi, nm,
+                         BLOCK_N, G, WS, A8)
+        b = a
+        if ACT >= 0:  # gated: the up half of [gate; up]
+            b = fp8_row_sums(w_ptr + (n + N).to(tl.int64) * swn, ((nc + N) // SN) * ss, s_ptr, x_ptr, xs_ptr,
+                             k_lo, k_hi, nm, BLOCK_N, G, WS, A8)
+        _store_row(y_ptr, ws_ptr + tl.program_id(1) * 2 * N, 0, n, nm, a, b, N, SPLITS, ACT)
+        if SPLITS > 1:
+            # as gemv_kernels.py: every partial store precedes the ticket, which releases them
+            tl.debug_barrier()
+            if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                _reduce_row(y_ptr, ws_ptr, 0, n, nm, N, 1, SPLITS, ACT)
+                tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+
+def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, a8: int,
+                 input_scale: torch.Tensor | None = None, act: str | None = None, splits: int | None = None,
+                 cfg: dict = ROW_CONFIG, prefetch_k: int | None = None) -> torch.Tensor:
+    """x [1, K] (unit column stride) through e4m3 ``w`` [N, K] (with ``act``: a merged [gate; up]
+    [2N, K], the result ``act(gate) * up``) -> [1, N] in x's dtype. ``splits`` None: the launch
+    rule (``row_splits``); ``prefetch_k`` overrides the PDL prefetch (benchmarks)."""
+    k = x.shape[1]
+    rows = w.shape[0]
+    n = rows // 2 if act else rows
+    assert x.shape[0] == 1 and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (x.shape, w.shape)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    bn, g = cfg["block_n"], cfg["groups"]
+    tiles = triton.cdiv(n, bn)
+    splits = row_splits(rows, k, cfg, x.device, gated=act is not None) if splits is None else splits
+    chunk = triton.cdiv(triton.cdiv(k, max(1, splits)), g * BLOCK) * g * BLOCK
+    splits = triton.cdiv(k, chunk)  # no empty split
+    ws = tk = y
+    if splits > 1:
+        assert tiles <= TICKETS, (n, bn)
+        ws = torch.empty((splits, 1, 2 * n), dtype=torch.float32, device=x.device)
+        tk = tickets(x.device)
+    on = pdl(x)
+    pre = 0
+    if on == PDL_ON:
+        pre = prefetch_cols(rows, splits, chunk, elt=1) if prefetch_k is None else prefetch_k
+        pre = pre if pre >= 32 else 0
+    _fp8_row_kernel[(tiles, splits)](
+        x, w, y, ws, tk, scale, input_scale if input_scale is not None else scale, n, k, chunk, w.stride(0),
+        scale.stride(0), BLOCK_N=bn, G=g, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
+        WS=1 if scale.shape[1] == 1 else 2, A8=a8, SN=scale_rows, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], launch_pdl=on == PDL_ON,
+    )
+    return y
