@@ -1,10 +1,9 @@
 """FP8 linears against bf16 at the benchmark models' shapes (Llama-3.1-8B, the Gemma-4 9B
 shape), each timed inside a CUDA graph with its weights rotated over more than L2:
 
-- decode rows (1, 2, 4): the FP8 GEMV as the engine launches it (``kernels/fp8_linear.py``,
+- decode rows (1, 2, 4): the FP8 linear as the engine launches it (``kernels/fp8_linear.py``,
   dynamic activations and weight-only) and, at one row, other tiles of the one-row kernel
-  (``fp8_gemv.py``; its gated variant on gate_up against the projection + activation pair),
-  against the bf16 path (``gemv.linear``: the GEMV or cuBLAS): microseconds and the share of the
+  (``fp8_gemv.py``), against the bf16 path (``gemv.linear``: the GEMV or cuBLAS): microseconds and the share of the
   copy bandwidth its weight bytes stream at;
 - batches and prefill (16 to 8192 rows): bf16 cuBLAS, the FP8 GEMM with dynamic activations
   (its quantization kernel included) and weight-only, and ``torch._scaled_mm`` (per-token
@@ -31,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
 from gpu_worker.kernels import gemv as G  # noqa: E402
 from gpu_worker.kernels import fp8_linear as L  # noqa: E402
-from gpu_worker.kernels.activation import gated_act  # noqa: E402
 from gpu_worker.kernels.fp8_gemm import fp8_gemm  # noqa: E402
 from gpu_worker.kernels.fp8_gemv import fp8_gemv_row  # noqa: E402
 from gpu_worker.kernels.fp8_quant import quantize_acts  # noqa: E402
@@ -52,10 +50,8 @@ GEMV_ROWS = (1, 2, 4)
 GEMM_ROWS = (16, 64, 256, 1024, 4096, 8192)
 # one-row kernel tiles: (block_n, groups, num_warps, num_stages)
 ROW_TRIES = [dict(block_n=bn, groups=g, num_warps=w, num_stages=st)
-             for bn, g, w, st in ((8, 2, 4, 4), (8, 4, 4, 3), (16, 1, 4, 4), (16, 2, 4, 4), (16, 2, 4, 6), (16, 4, 4, 3),
-                                  (32, 1, 4, 4), (32, 2, 4, 4), (32, 2, 8, 4), (64, 1, 4, 4), (16, 2, 2, 4), (8, 4, 2, 4))]
-# the 2-D FMA kernel at one row (before the one-row kernel), for comparison
-FMA_2D = dict(block_n=32, block_k=128, num_warps=4, num_stages=4)
+             for bn, g, w, st in ((8, 4, 2, 4), (8, 4, 2, 6), (8, 8, 2, 3), (16, 2, 2, 4), (16, 4, 2, 4), (4, 4, 1, 4),
+                                  (4, 8, 1, 4), (8, 4, 1, 4), (8, 2, 1, 6), (16, 4, 4, 4), (32, 2, 2, 4), (64, 1, 4, 4))]
 
 
 def _weights(n: int, k: int, fp8: bool):
@@ -89,17 +85,8 @@ def gemv_rows(bw: float) -> list[dict]:
                 add(f"fp8 {acts} (engine)", lambda: [L.fp8_linear(x, w, s, 1, acts) for w, s in w8])
             if m > 1:
                 continue
-            splits = L.LONG_K_SPLITS if k > L.SKINNY_MAX_K else 1
-            add("fp8 2-D fma", lambda: [G.gemv(x, w, splits=splits, scale=s, a8=1, **FMA_2D) for w, s in w8])
             for cfg in ROW_TRIES:
                 add("fp8 row", lambda: [fp8_gemv_row(x, w, s, 1, 1, cfg=cfg) for w, s in w8], config=cfg)
-            if "gate_up" in label:  # the gated variant against the projection + activation pair
-                add("fp8 pair (engine)", lambda: [gated_act(*L.fp8_linear(x, w, s, 1, "dynamic").chunk(2, dim=1), "silu")
-                                                   for w, s in w8])
-                add("fp8 gated (engine)", lambda: [L.fp8_gated_linear(x, w, s, 1, "dynamic", None, "silu") for w, s in w8])
-                for cfg in ROW_TRIES[:6]:
-                    add("fp8 row gated", lambda: [fp8_gemv_row(x, w, s, 1, 1, act="silu", cfg=cfg) for w, s in w8],
-                        config=cfg)
         del wb, w8
         torch.cuda.empty_cache()
     return rows
@@ -134,15 +121,12 @@ def gemm_rows() -> list[dict]:
             x8t, tok = _per_token(x)
             impls["fp8 triton gemm alone"] = lambda: [fp8_gemm(xq, xs, w, s, 1, x.dtype) for w, s in w8]
             impls["fp8 scaled_mm alone"] = lambda: [_scaled_mm(x8t, tok, w, s) for w, s in w8]
-            if m <= 64:  # small decode batches stream W: other GEMM tiles, and the gated GEMV on gate_up
+            if m <= 64:  # small decode batches stream W: other GEMM tiles
                 for bn in (32, 64, 128):
                     for st in (4, 6):
                         cfg = dict(block_m=max(16, min(64, m)), block_n=bn, num_warps=4, num_stages=st)
                         impls[f"fp8 gemm n{bn} s{st}"] = (
                             lambda cfg=cfg: [fp8_gemm(xq, xs, w, s, 1, x.dtype, cfg=cfg) for w, s in w8])
-                if "gate_up" in label:
-                    impls["fp8 gated wide (engine)"] = lambda: [
-                        L.fp8_gated_linear(x, w, s, 1, "dynamic", None, "silu") for w, s in w8]
             for name, fn in impls.items():
                 try:
                     sec = graph_time(fn, len(wb) if name.startswith("bf16") else len(w8))

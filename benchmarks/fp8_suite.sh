@@ -3,7 +3,7 @@
 # and its engine-run function ``off``), stages picked by FP8_STAGES (default all three):
 # tests:   tests/gpu/test_gpu_fp8.py and the FP8 unit kernel tests on CUDA (self-checking)
 # kernels: benchmarks/fp8_gemm_bench.py (FP8 GEMV vs bf16 at 1-4 rows; FP8 GEMM vs bf16 cuBLAS
-#          vs torch._scaled_mm at 16-8192 rows: which GEMM wins)
+#          vs torch._scaled_mm at 16-8192 rows: which GEMM wins; FP8_BENCH_ONLY=gemv or gemm)
 # engines: dummy weights, each in bf16 / FP8 weights / FP8 weights + FP8 KV: the 8B shape at 1 and
 #          64 requests (512 in / 256 out) plus a prefill-bound round (16 x 2048), and the Gemma-4
 #          9B shape + its assistant (MTP S=3) at one request; then benchmarks/fp8_report.py's
@@ -30,7 +30,7 @@ if [[ " $STAGES " == *" tests "* ]]; then
 fi
 if [[ " $STAGES " == *" kernels "* ]]; then
   echo "== FP8 GEMV / GEMM vs bf16 (and torch._scaled_mm)"
-  timeout ${FP8_BENCH_TIMEOUT:-200} python3 benchmarks/fp8_gemm_bench.py --json "$OUT/fp8_gemm_bench.json" \
+  timeout ${FP8_BENCH_TIMEOUT:-300} python3 benchmarks/fp8_gemm_bench.py --json "$OUT/fp8_gemm_bench.json" --only ${FP8_BENCH_ONLY:-gemv,gemm} \
     > "$OUT/fp8_gemm_bench.log" 2>&1 || { echo "fp8 gemm bench failed"; tail -5 "$OUT/fp8_gemm_bench.log"; }
   grep "^decision" "$OUT/fp8_gemm_bench.log"
 fi

@@ -11,9 +11,10 @@ columns; 2 static: the one scale) and folded back with its scale (``x_q * s``, a
 ``fp8_math.qdq_acts``), so the loop is a convert and a product-add per weight byte (block scales,
 ``WS`` 2: one more product). Row scales (``WS`` 1) multiply the sums once.
 
-The same streaming loop (``fp8_row_sums``) serves ``qkv_rope.py``'s one-row qkv with RoPE. The
-gated variant (``ACT``) streams the gate rows, then the up rows, and writes ``act(gate) * up``;
-split-K, the ticket protocol and the PDL prefetch are ``gemv.py``'s.
+The same streaming loop (``fp8_row_sums``) serves ``qkv_rope.py``'s one-row qkv with RoPE.
+Split-K, the ticket protocol and the PDL prefetch are ``gemv.py``'s. A merged gate_up takes this
+kernel then the activation kernel: a gated variant (gate rows, then up rows, ``act(gate) * up``
+in the epilogue) measured slower than that pair (docs/decisions/fp8.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.kernels import PDL_ON, TICKETS, pdl, tickets
-from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.fp8_round import BLOCK
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 from gpu_worker.kernels.gemv import LONG_K_SPLITS, SKINNY_MAX_K, prefetch_cols, short_k_splits
@@ -35,17 +35,16 @@ try:
 except ImportError:
     triton = None
 
-# BLOCK_N weight rows a program, G scale groups (G x 128 columns) a K tile.
-ROW_CONFIG = dict(block_n=16, groups=2, num_warps=4, num_stages=4)
+# BLOCK_N weight rows a program, G scale groups (G x 128 columns) a K tile: the fastest tile over
+# the 8B and 9B shapes' projections (benchmarks/fp8_gemm_bench.py; docs/decisions/fp8.md).
+ROW_CONFIG = dict(block_n=8, groups=4, num_warps=2, num_stages=4)
 
 
-def row_splits(n: int, k: int, cfg: dict, device: torch.device, gated: bool = False) -> int:
-    """K splits of a launch through a weight of ``n`` rows (gated: ``n`` / 2 outputs), K ``k``:
-    the bf16 GEMV's rule."""
+def row_splits(n: int, k: int, cfg: dict, device: torch.device) -> int:
+    """K splits of a launch through a weight of ``n`` rows, K ``k``: the bf16 GEMV's rule."""
     if k > SKINNY_MAX_K:
         return LONG_K_SPLITS
-    tiles = -(-(n // 2 if gated else n) // cfg["block_n"])
-    return short_k_splits(tiles, k, cfg["groups"] * BLOCK, device)
+    return short_k_splits(-(-n // cfg["block_n"]), k, cfg["groups"] * BLOCK, device)
 
 
 if triton is not None:
@@ -89,7 +88,7 @@ if triton is not None:
 
     @triton.jit
     def _fp8_row_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, s_ptr, xs_ptr, N, K, K_CHUNK, swn, ss,
-                        BLOCK_N: tl.constexpr, G: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr,
                         PDL: tl.constexpr, PREFETCH_K: tl.constexpr, WS: tl.constexpr, A8: tl.constexpr,
                         SN: tl.constexpr):
         pid = tl.program_id(0)
@@ -104,33 +103,27 @@ if triton is not None:
         gdc_enter(PDL)
         a = fp8_row_sums(w_ptr + n.to(tl.int64) * swn, (nc // SN) * ss, s_ptr, x_ptr, xs_ptr, k_lo, k_hi, nm,
                          BLOCK_N, G, WS, A8)
-        b = a
-        if ACT >= 0:  # gated: the up half of [gate; up]
-            b = fp8_row_sums(w_ptr + (n + N).to(tl.int64) * swn, ((nc + N) // SN) * ss, s_ptr, x_ptr, xs_ptr,
-                             k_lo, k_hi, nm, BLOCK_N, G, WS, A8)
-        _store_row(y_ptr, ws_ptr + tl.program_id(1) * 2 * N, 0, n, nm, a, b, N, SPLITS, ACT)
+        _store_row(y_ptr, ws_ptr + tl.program_id(1) * 2 * N, 0, n, nm, a, a, N, SPLITS, -1)
         if SPLITS > 1:
             # as gemv_kernels.py: every partial store precedes the ticket, which releases them
             tl.debug_barrier()
             if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                _reduce_row(y_ptr, ws_ptr, 0, n, nm, N, 1, SPLITS, ACT)
+                _reduce_row(y_ptr, ws_ptr, 0, n, nm, N, 1, SPLITS, -1)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, a8: int,
-                 input_scale: torch.Tensor | None = None, act: str | None = None, splits: int | None = None,
-                 cfg: dict = ROW_CONFIG, prefetch_k: int | None = None) -> torch.Tensor:
-    """x [1, K] (unit column stride) through e4m3 ``w`` [N, K] (with ``act``: a merged [gate; up]
-    [2N, K], the result ``act(gate) * up``) -> [1, N] in x's dtype. ``splits`` None: the launch
-    rule (``row_splits``); ``prefetch_k`` overrides the PDL prefetch (benchmarks)."""
+                 input_scale: torch.Tensor | None = None, splits: int | None = None, cfg: dict = ROW_CONFIG,
+                 prefetch_k: int | None = None) -> torch.Tensor:
+    """x [1, K] (unit column stride) through e4m3 ``w`` [N, K] -> [1, N] in x's dtype. ``splits``
+    None: the launch rule (``row_splits``); ``prefetch_k`` overrides the PDL prefetch (benchmarks)."""
     k = x.shape[1]
-    rows = w.shape[0]
-    n = rows // 2 if act else rows
+    n = w.shape[0]
     assert x.shape[0] == 1 and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (x.shape, w.shape)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     bn, g = cfg["block_n"], cfg["groups"]
     tiles = triton.cdiv(n, bn)
-    splits = row_splits(rows, k, cfg, x.device, gated=act is not None) if splits is None else splits
+    splits = row_splits(n, k, cfg, x.device) if splits is None else splits
     chunk = triton.cdiv(triton.cdiv(k, max(1, splits)), g * BLOCK) * g * BLOCK
     splits = triton.cdiv(k, chunk)  # no empty split
     ws = tk = y
@@ -141,11 +134,11 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_ro
     on = pdl(x)
     pre = 0
     if on == PDL_ON:
-        pre = prefetch_cols(rows, splits, chunk, elt=1) if prefetch_k is None else prefetch_k
+        pre = prefetch_cols(n, splits, chunk, elt=1) if prefetch_k is None else prefetch_k
         pre = pre if pre >= 32 else 0
     _fp8_row_kernel[(tiles, splits)](
         x, w, y, ws, tk, scale, input_scale if input_scale is not None else scale, n, k, chunk, w.stride(0),
-        scale.stride(0), BLOCK_N=bn, G=g, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
+        scale.stride(0), BLOCK_N=bn, G=g, SPLITS=splits, PDL=on, PREFETCH_K=pre,
         WS=1 if scale.shape[1] == 1 else 2, A8=a8, SN=scale_rows, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], launch_pdl=on == PDL_ON,
     )

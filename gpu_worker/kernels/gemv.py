@@ -122,25 +122,20 @@ def launch_tiles(rows: int, cfg: dict, gated: bool = False) -> int:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: int = 1, block_n: int = 16,
          block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None,
-         dot: bool = False, scale: torch.Tensor | None = None, scale_rows: int = 1, a8: int = 0,
-         input_scale: torch.Tensor | None = None) -> torch.Tensor:
+         dot: bool = False) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M, unit column stride), w [N, K] contiguous -> [M, N].
 
     With ``act``, w is a merged [gate; up] weight [2N, K] and the result ``act(x @ gate^T) *
     (x @ up^T)`` [M, N]. ``splits`` > 1 cuts K into that many pieces (one kernel, deterministic
     sum). ``dot`` takes the tensor-core variant (up to DOT_MAX_M rows; with ``act`` a program
     holds ``block_n`` / 2 gate rows and their up rows). ``prefetch_k`` overrides
-    ``prefetch_cols`` (benchmarks). An FP8 weight (e4m3) comes with ``scale`` [ceil(N / scale_rows),
-    KB] (``fp8_math``'s layout) and ``a8`` (0 weight-only, 1 dynamic, 2 static activations with
-    ``input_scale``): blocks of 128 columns (KB > 1) and ``a8`` need ``block_k`` = 128."""
+    ``prefetch_cols`` (benchmarks). FP8 weights take ``fp8_linear.py``'s kernels."""
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if act else rows
     assert m <= (DOT_MAX_M if dot else GEMV_MAX_M) and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (
         x.shape, w.shape)
     assert not act or (rows % 2 == 0 and (not dot or block_n % 2 == 0)), (w.shape, block_n)
-    ws_mode = 0 if scale is None else (1 if scale.shape[1] == 1 else 2)
-    assert (ws_mode < 2 and not a8) or block_k == 128, "FP8 blocks and activation scales take 128-column tiles"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if not m:
         return y
@@ -158,24 +153,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
         pre = 0
     else:
         pre = prefetch_cols(rows, splits, chunk, elt=w.element_size()) if prefetch_k is None else prefetch_k
-    s = scale if scale is not None else y  # stand-ins: never read by a bf16 launch
-    xs = input_scale if input_scale is not None else s
-    ss = scale.stride(0) if scale is not None else 0
-    fp8 = dict(WS=ws_mode, A8=a8, SN=scale_rows)
     if dot:
         mp = max(DOT_ROWS, next_pow2(m))
         rt = m > GEMV_MAX_M and splits == 1  # one variant per MP for decode batches (no compile per size)
         _gemv_dot_kernel[(tiles, splits)](
-            x, w, y, ws, tk, s, xs, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), ss, m, M=mp if rt else m,
+            x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), m, M=mp if rt else m,
             MP=mp, BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, ROWS_RT=rt,
             F32=not x.is_cuda or x.dtype == torch.float32, PDL=on, PREFETCH_K=pre, num_warps=num_warps, num_stages=num_stages,
-            launch_pdl=on == PDL_ON, **fp8,
+            launch_pdl=on == PDL_ON,
         )
         return y
     _gemv_kernel[(tiles, splits)](
-        x, w, y, ws, tk, s, xs, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), ss, M=m, BLOCK_N=block_n,
+        x, w, y, ws, tk, n, k, chunk, x.stride(0), w.stride(0), y.stride(0), M=m, BLOCK_N=block_n,
         BLOCK_K=block_k, ACT=ACTS[act] if act else -1, SPLITS=splits, PDL=on, PREFETCH_K=pre,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=on == PDL_ON, **fp8,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=on == PDL_ON,
     )
     return y
 

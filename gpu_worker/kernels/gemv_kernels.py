@@ -2,15 +2,7 @@
 takes and why): the FMA kernel (M fp32 accumulators, one reduction per K tile) and the
 tensor-core kernel (x padded to MP rows), each with the gated epilogue (``ACT`` >= 0: W is
 ``[gate; up]`` and the output ``act(gate) * up``) and split-K (``SPLITS`` > 1: fp32 partials,
-summed in split order by the last program of a column tile, which takes a ticket).
-
-FP8 weights (``WS`` > 0; ``kernels/fp8_linear.py`` launches them) are float8 e4m3, dequantized
-in registers: e4m3 values are exact in float32 and bf16, so the products are those of the
-dequantized weight. ``WS`` 1: one scale per output row (``s_ptr``, scale row ``n // SN``)
-applied to the sums; 2: one per row and 128 columns, applied per K tile (BLOCK_K = 128). ``A8``
-quantizes x as the format asks, in registers, per K tile (BLOCK_K = 128): 1 dynamic (each row's
-128 columns: ``fp8_math.quantize_groups``), 2 static (the one scale at ``xs_ptr``); each tile's
-sums are then multiplied by x's scale. ``WS`` = ``A8`` = 0 is the bf16 kernel, unchanged."""
+summed in split order by the last program of a column tile, which takes a ticket)."""
 
 from __future__ import annotations
 
@@ -21,7 +13,6 @@ try:
     import triton.language as tl
 
     from gpu_worker.kernels.activation import gated_value
-    from gpu_worker.kernels.fp8_round import to_e4m3
 except ImportError:  # CPU-only installs: kernels/gemv.py then never launches these
     triton = None
 
@@ -36,57 +27,22 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _x_tile(x_ptr, k, km, xs_ptr, A8: tl.constexpr):
-        """One row's K tile as float32 and the scale its sums take: x itself (1.0), or x
-        quantized to e4m3 with its dynamic (amax / 448 of the tile) or static scale."""
-        # if / elif / else: the compiler type-checks code after a constexpr branch's return too
-        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        if A8 == 0:
-            s = 1.0
-        elif A8 == 1:
-            amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-            x = to_e4m3(x * tl.div_rn(448.0, amax)).to(tl.float32)
-            s = tl.div_rn(amax, 448.0)
-        else:
-            s = tl.load(xs_ptr).to(tl.float32)
-            x = to_e4m3(x * tl.div_rn(1.0, s)).to(tl.float32)
-        return x, s
-
-    @triton.jit
-    def _dot_row(w, x_ptr, k, km, xs_ptr, A8: tl.constexpr):
+    def _dot_row(w, x_ptr, k, km):
         """W_tile . x[k] for one row (float32 [BLOCK_N])."""
-        x, s = _x_tile(x_ptr, k, km, xs_ptr, A8)
-        if A8 == 0:
-            return tl.sum(w * x[None, :], axis=1)
-        return tl.sum(w * x[None, :], axis=1) * s
+        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        return tl.sum(w * x[None, :], axis=1)
 
     @triton.jit
-    def _accumulate(w, x_ptr, sxm, k, km, xs_ptr, M: tl.constexpr, A8: tl.constexpr, a0, a1, a2, a3):
+    def _accumulate(w, x_ptr, sxm, k, km, M: tl.constexpr, a0, a1, a2, a3):
         """a_m += W_tile . x[m, k] for each of the M rows."""
-        a0 += _dot_row(w, x_ptr, k, km, xs_ptr, A8)
+        a0 += _dot_row(w, x_ptr, k, km)
         if M > 1:
-            a1 += _dot_row(w, x_ptr + sxm, k, km, xs_ptr, A8)
+            a1 += _dot_row(w, x_ptr + sxm, k, km)
         if M > 2:
-            a2 += _dot_row(w, x_ptr + 2 * sxm, k, km, xs_ptr, A8)
+            a2 += _dot_row(w, x_ptr + 2 * sxm, k, km)
         if M > 3:
-            a3 += _dot_row(w, x_ptr + 3 * sxm, k, km, xs_ptr, A8)
+            a3 += _dot_row(w, x_ptr + 3 * sxm, k, km)
         return a0, a1, a2, a3
-
-    @triton.jit
-    def _w_tile(rows_ptr, k, wm, s_ptr, srow, kt, WS: tl.constexpr):
-        """A weight tile as float32; with ``WS`` 2 times its rows' scales of K tile ``kt``
-        (``srow``: the rows' scale-row offsets)."""
-        w = tl.load(rows_ptr + k[None, :], mask=wm, other=0.0).to(tl.float32)
-        if WS == 2:
-            w = w * tl.load(s_ptr + srow + kt)[:, None]
-        return w
-
-    @triton.jit
-    def _row_scale(a, s_ptr, srow, WS: tl.constexpr):
-        """Sums times their rows' scales (``WS`` 1); unchanged otherwise."""
-        if WS == 1:
-            return a * tl.load(s_ptr + srow)
-        return a
 
     @triton.jit
     def _finish(a, b, ACT: tl.constexpr, DT: tl.constexpr):
@@ -118,10 +74,9 @@ if triton is not None:
         tl.store(y_ptr + n, _finish(a, b, ACT, y_ptr.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, s_ptr, xs_ptr, N, K, K_CHUNK, sxm, swn, sym, ss,
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym,
                      M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-                     SPLITS: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr, WS: tl.constexpr,
-                     A8: tl.constexpr, SN: tl.constexpr):
+                     SPLITS: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
@@ -129,8 +84,6 @@ if triton is not None:
         nm = n < N
         g_rows = w_ptr + n.to(tl.int64)[:, None] * swn
         u_rows = w_ptr + (n + N).to(tl.int64)[:, None] * swn  # gated: the up half of [gate; up]
-        g_srow = (tl.minimum(n, N - 1) // SN) * ss  # FP8: the rows' scale rows
-        u_srow = ((tl.minimum(n, N - 1) + N) // SN) * ss
         if PREFETCH_K > 0:  # weights only, before the wait (one prefetch per 32-byte sector)
             sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
             prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
@@ -143,16 +96,11 @@ if triton is not None:
             k = start + k0
             km = k < k_hi
             wm = nm[:, None] & km[None, :]
-            w = _w_tile(g_rows, k, wm, s_ptr, g_srow, start // BLOCK_K, WS)
-            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, xs_ptr, M, A8, a0, a1, a2, a3)
+            w = tl.load(g_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+            a0, a1, a2, a3 = _accumulate(w, x_ptr, sxm, k, km, M, a0, a1, a2, a3)
             if ACT >= 0:
-                w = _w_tile(u_rows, k, wm, s_ptr, u_srow, start // BLOCK_K, WS)
-                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, xs_ptr, M, A8, b0, b1, b2, b3)
-        a0, a1, a2, a3 = (_row_scale(a0, s_ptr, g_srow, WS), _row_scale(a1, s_ptr, g_srow, WS),
-                          _row_scale(a2, s_ptr, g_srow, WS), _row_scale(a3, s_ptr, g_srow, WS))
-        if ACT >= 0:
-            b0, b1, b2, b3 = (_row_scale(b0, s_ptr, u_srow, WS), _row_scale(b1, s_ptr, u_srow, WS),
-                              _row_scale(b2, s_ptr, u_srow, WS), _row_scale(b3, s_ptr, u_srow, WS))
+                w = tl.load(u_rows + k[None, :], mask=wm, other=0.0).to(tl.float32)
+                b0, b1, b2, b3 = _accumulate(w, x_ptr, sxm, k, km, M, b0, b1, b2, b3)
         ws = ws_ptr + tl.program_id(1) * M * 2 * N
         _store_row(y_ptr, ws, 0, n, nm, a0, b0, N, SPLITS, ACT)
         if M > 1:
@@ -184,26 +132,11 @@ if triton is not None:
         n = pid * BLOCK_N + i
         return n, n < N
 
-    @triton.jit
-    def _xt_quant(xt, xs_ptr, A8: tl.constexpr):
-        """The x tile [BLOCK_K, MP] quantized as the format asks (``_x_tile`` per column), in its
-        own dtype (e4m3 values are exact there), and its scales [MP] (A8 1) or scale (A8 2)."""
-        x = xt.to(tl.float32)
-        if A8 == 1:
-            amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)[None, :]
-            inv = tl.div_rn(448.0, amax)
-            s = tl.div_rn(amax, 448.0)
-        else:
-            s = tl.zeros([1, xt.shape[1]], tl.float32) + tl.load(xs_ptr).to(tl.float32)
-            inv = tl.div_rn(1.0, s)
-        return to_e4m3(x * inv).to(xt.dtype), s
-
     @triton.jit(do_not_specialize=["rows"])
-    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, s_ptr, xs_ptr, N, K, K_CHUNK, sxm, swn, sym, ss, rows,
+    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, rows,
                          M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          ACT: tl.constexpr, SPLITS: tl.constexpr, ROWS_RT: tl.constexpr, F32: tl.constexpr,
-                         PDL: tl.constexpr, PREFETCH_K: tl.constexpr, WS: tl.constexpr, A8: tl.constexpr,
-                         SN: tl.constexpr):
+                         PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
         """Tensor-core variant for 1..DOT_MAX_M rows: acc [BLOCK_N, MP] += W tile @ x tile^T (x
         padded to MP rows, read as zeros). The FMA kernel above reduces every tile once per row, which at
         four rows makes it 2-3x slower than cuBLAS (docs/decisions/gemv.md).
@@ -221,7 +154,6 @@ if triton is not None:
         else:
             rm = r < M
         w_rows = w_ptr + w_idx.to(tl.int64)[:, None] * swn
-        srow = (tl.where(nm, w_idx, 0) // SN) * ss  # FP8: the rows' scale rows
         if PREFETCH_K > 0:  # as in _gemv_kernel: weights only, before the wait
             sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 16) * 16, K - 1)
             prefetch_l2(w_ptr + tl.where(nm, w_idx, 0).to(tl.int64)[:, None] * swn + sec[None, :], PDL)
@@ -234,19 +166,7 @@ if triton is not None:
             xt = tl.load(x_ptr + r[None, :] * sxm + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
             if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
                 w, xt = w.to(tl.float32), xt.to(tl.float32)
-            elif WS > 0:
-                w = w.to(xt.dtype)  # e4m3 -> x's dtype: exact
-            if A8 == 0 and WS < 2:
-                acc = mma(w, xt, acc, F32)
-            else:
-                f = 1.0
-                if A8 > 0:
-                    xt, f = _xt_quant(xt, xs_ptr, A8)
-                if WS == 2:
-                    f = f * tl.load(s_ptr + srow + start // BLOCK_K)[:, None]
-                acc += mma(w, xt, tl.zeros_like(acc), F32) * f
-        if WS == 1:
-            acc = acc * tl.load(s_ptr + srow)[:, None]
+            acc = mma(w, xt, acc, F32)
         ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's layout: [split, m, 2N]
         if ACT >= 0:
             HALF: tl.constexpr = BLOCK_N // 2

@@ -90,7 +90,7 @@ if triton is not None:
                 k = start + k0
                 km = k < K
                 w = tl.load(w_rows + k[None, :], mask=km[None, :], other=0.0).to(tl.float32)
-                acc += _dot_row(w, x_ptr, k, km, xs_ptr, 0)
+                acc += _dot_row(w, x_ptr, k, km)
         DT = qo_ptr.dtype.element_ty
         x1, x2 = tl.split(tl.permute(tl.reshape(_rnd(acc, DT), [2, PAIRS]), [1, 0]))
         if head < HQ + HKV:

@@ -198,10 +198,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One decode row at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py). Under
         # TP the column-parallel subclass may lay its shard out differently: the general path.
+        # FP8 weights (``quant``) take the projection then the activation kernel.
         proj = self.gate_up_proj
-        if type(proj) is MergedLinear and proj.bias is None:
-            h = (proj.quant.gated(proj, x, self.act_name) if proj.quant is not None
-                 else gated_linear(x, proj.weight, self.act_name))
+        if type(proj) is MergedLinear and proj.bias is None and proj.quant is None:
+            h = gated_linear(x, proj.weight, self.act_name)
             if h is not None:
                 return self.down_proj(h)
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))

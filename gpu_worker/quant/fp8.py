@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gpu_worker.kernels import use_triton
-from gpu_worker.kernels.fp8_linear import A8, fp8_gated_linear, fp8_linear
+from gpu_worker.kernels.fp8_linear import A8, fp8_linear
 from gpu_worker.quant.config import Fp8Format
 from gpu_worker.quant.fp8_math import BLOCK, FP8, fp8_linear_ref, quantize_rows
 
@@ -84,15 +84,7 @@ class Fp8LinearMethod:
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def kernel_args(self, layer: nn.Module) -> dict:
-        """What a kernel taking this projection's weight needs besides it (``gemv.gemv``'s and
-        ``qkv_rope.qkv_rope_store``'s FP8 arguments)."""
+        """What a kernel taking this projection's weight needs besides it (``qkv_rope.qkv_rope_store``'s
+        FP8 arguments)."""
         return dict(scale=layer.weight_scale, scale_rows=layer.scale_rows, a8=A8[self.fmt.acts],
                     input_scale=getattr(layer, "input_scale", None))
-
-    def gated(self, layer: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor | None:
-        """``act(gate) * up`` from a merged [gate; up] FP8 projection in one GEMV, or None (the
-        caller runs ``apply`` and the activation)."""
-        if not use_triton(x) or layer.bias is not None:
-            return None
-        return fp8_gated_linear(x, layer.weight, layer.weight_scale, layer.scale_rows, self.fmt.acts,
-                                getattr(layer, "input_scale", None), act)

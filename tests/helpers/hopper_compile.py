@@ -305,12 +305,12 @@ def record_engine(root) -> set[str]:
 
 
 def record_fp8_kernels() -> None:
-    """Launch the FP8 GEMV (FMA, tensor-core, gated, split-K), GEMM, activation quantization and
-    one-row qkv + RoPE in every weight layout (row scales; 128-column blocks, per row and per
+    """Launch the one-row FP8 GEMV (split-K), the GEMM, activation quantization and one-row
+    qkv + RoPE in every weight layout (row scales; 128-column blocks, per row and per
     128-row group) and activation scheme (weight-only, dynamic, static), at one and several rows:
     the variants checkpoints in the other formats compile."""
     from gpu_worker.kernels import enable_cpu_kernels
-    from gpu_worker.kernels.fp8_linear import A8, fp8_gated_linear, fp8_linear
+    from gpu_worker.kernels.fp8_linear import A8, fp8_linear
     from gpu_worker.kernels.qkv_rope import qkv_rope_store
     from gpu_worker.quant.fp8_math import FP8
 
@@ -323,7 +323,6 @@ def record_fp8_kernels() -> None:
         for acts in ("none", "dynamic", "static"):
             for x in xs:
                 fp8_linear(x, w, s, rows, acts, inp)
-                fp8_gated_linear(x, w, s, rows, acts, inp, "silu")
             kv = torch.zeros(4, 2, 32, dtype=FP8)  # 4 query + 2 x 2 KV heads of 32 = the weight's 256 rows
             enable_cpu_kernels(True)
             try:
