@@ -101,6 +101,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, sca
     if not m:
         return y
     cfg = cfg or gemm_config(m)
+    if a.element_size() == 4:  # float32 activations (a float32 model) fill twice the shared memory a stage
+        cfg = dict(cfg, num_stages=min(cfg["num_stages"], 4))
     a8 = 0 if a_scale is None else (2 if static else 1)
     grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)
     _fp8_gemm_kernel[grid](
