@@ -105,6 +105,100 @@ def _fast_nested_jit_calls() -> None:
 _fast_nested_jit_calls()
 
 
+def _overflow_check_as_read(semantic_cls, interpreter) -> bool:
+    """Triton 3.9 as read: the overflow check's only effect besides its two type assertions is a
+    ``device_assert``, which returns at once unless ``options.debug``; the interpreter's
+    options are built once, ``debug`` off; ``_get_np_dtype`` maps each dtype through a table
+    it builds per call."""
+    import inspect
+
+    try:
+        check = inspect.getsource(semantic_cls.binary_op_sanitize_overflow_impl)
+        device_assert = inspect.getsource(semantic_cls.device_assert)
+        np_dtype = inspect.getsource(interpreter._get_np_dtype)
+        builder = inspect.getsource(interpreter.InterpreterBuilder.__init__)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return (check.count("self.device_assert(") == 1 and "return\n" in check
+            and "not self.builder.options.sanitize_overflow" in check
+            and "if not self.builder.options.debug:\n            return" in device_assert
+            and "self.options = InterpreterOptions()" in builder and "np_types = {" in np_dtype
+            and not interpreter.InterpreterOptions().debug)
+
+
+def _fast_overflow_check_and_dtypes() -> None:
+    """Two pieces of the interpreter's per-operation work that change no result.
+
+    Every int ``+``, ``-`` and ``*`` of a kernel runs ``binary_op_sanitize_overflow_impl``: both
+    operands cast to int64, the operation again, two comparisons and an ``and`` (a dozen tensor
+    constructions), all to feed a ``device_assert`` that does nothing with ``debug`` off, as
+    the interpreter's options always have it (on the GPU, too, the check is compiled in only
+    under ``debug``). It was a quarter of the engine tests' interpreter time. Here the check
+    keeps its type assertions and returns where ``device_assert`` would have discarded it;
+    with ``debug`` on it is Triton's own. And ``_get_np_dtype`` (every load, store and cast)
+    builds its 19-entry table at each call: here a lookup of the same table, Triton's own
+    function for any other type. ``TANDEM_TEST_SLOW_INTERPRETER=1`` turns both off.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("TANDEM_TEST_SLOW_INTERPRETER") == "1":
+        return
+    try:
+        import triton.language as tl
+        from triton.language.semantic import TritonSemantic
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    if semantic is None or getattr(interpreter._get_np_dtype, "_tandem_fast", False):
+        return
+    if not _overflow_check_as_read(TritonSemantic, interpreter):
+        return
+    own_check = TritonSemantic.binary_op_sanitize_overflow_impl.__get__(semantic)
+
+    def overflow_check(lhs, rhs, binary_op):
+        options = semantic.builder.options
+        if options.debug:
+            return own_check(lhs, rhs, binary_op)
+        if lhs.type.scalar.int_bitwidth >= 64 or not options.sanitize_overflow:
+            return None
+        lhs_sca_ty, rhs_sca_ty = lhs.type.scalar, rhs.type.scalar
+        assert lhs_sca_ty == rhs_sca_ty, f"expected matching operand types, got {lhs_sca_ty} and {rhs_sca_ty}"
+        assert lhs_sca_ty.is_int(), f"expected integer type, got {lhs_sca_ty}"
+        overflow_check.skipped += 1
+        return None
+
+    overflow_check.skipped = 0  # checks that returned early (test_interpreter_fast_path.py)
+    semantic.binary_op_sanitize_overflow_impl = overflow_check  # this instance only: not the compiler's
+
+    own_np_dtype = interpreter._get_np_dtype
+    table = {}
+    for ty in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32,
+               tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16, tl.float8e4nv,
+               tl.float8e4b8, tl.float8e4b15):
+        table[ty] = own_np_dtype(ty)
+    pointer, block = tl.pointer_type, tl.block_type
+
+    def np_dtype(tt_dtype):
+        cls = type(tt_dtype)
+        if cls is block:
+            element = tt_dtype.element_ty
+            if type(element) is pointer:
+                return table_pointer
+            found = table.get(element)
+        elif cls is pointer:
+            return table_pointer
+        else:
+            found = table.get(tt_dtype)
+        return found if found is not None else own_np_dtype(tt_dtype)
+
+    table_pointer = own_np_dtype(tl.pointer_type(tl.int8))
+    np_dtype._tandem_fast = True
+    np_dtype.__wrapped__ = own_np_dtype
+    interpreter._get_np_dtype = np_dtype
+
+
+_fast_overflow_check_and_dtypes()
+
+
 def pytest_collection_modifyitems(items):
     """Modules marked ``heavy`` first (each keeps its order): under ``make test`` each process
     takes one module at a time in this order, so the longest start first and the processes end
