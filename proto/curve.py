@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import parse_monitor_message
+
+# ``zmq.auth.thread`` and ``zmq.utils.monitor`` import asyncio (~8 MB resident in every process);
+# they are imported where a tcp:// channel first needs them, so ipc-only processes never load them.
 
 log = logging.getLogger("tandem.security")
 ZAP_DOMAIN = "tandem"
@@ -133,6 +134,8 @@ class _Guard:
     handler's own sockets must be closed before the context can terminate)."""
 
     def __init__(self, ctx: zmq.Context, keys: CurveKeys):
+        from zmq.auth.thread import ThreadAuthenticator  # noqa: PLC0415 (tcp:// only)
+
         self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("tandem.security.zap"))
         self.auth.start()
         self.auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_AllowList(keys.authorized))
@@ -140,6 +143,12 @@ class _Guard:
 
 
 _MONITOR_IDS = itertools.count()
+
+
+def _parse_event(frames: list[bytes]) -> dict:
+    from zmq.utils.monitor import parse_monitor_message  # noqa: PLC0415 (tcp:// only)
+
+    return parse_monitor_message(frames)
 
 
 def _monitor_pair(sock: zmq.Socket, events: int) -> zmq.Socket:
@@ -170,7 +179,7 @@ class _Monitor:
             if not self.pair.poll(200):
                 continue
             try:
-                event = parse_monitor_message(self.pair.recv_multipart())
+                event = _parse_event(self.pair.recv_multipart())
             except zmq.ZMQError:
                 return
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -214,7 +223,7 @@ class HandshakeWatch:
 
     def check(self, limit: int) -> None:
         while self.pair.poll(0):
-            event = parse_monitor_message(self.pair.recv_multipart())
+            event = _parse_event(self.pair.recv_multipart())
             ok = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
             self.failures, self.last = (0, None) if ok else (self.failures + 1, event)
         final = self.last is not None and self.last["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -12,14 +12,16 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from proto.curve import ChannelRefused, Curve, CurveKeys, HandshakeWatch, load_keys
 from proto.messages import OutputMsg, PlanMsg, RequestMsg, ResultMsg
+
+if TYPE_CHECKING:  # asyncio is the front's alone: the scheduler, worker and supervisor never load it
+    import zmq.asyncio
 
 T = TypeVar("T")
 

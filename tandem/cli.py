@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import sys
 
@@ -15,6 +14,8 @@ USAGE = ("usage: tandem serve [MODEL | --model-path DIR|HUB_ID] [--dp-size N] [o
 
 
 def version() -> str:
+    import importlib.metadata  # noqa: PLC0415 (~4.5 MB resident: only --version asks)
+
     return importlib.metadata.version("tandem-serve")
 
 

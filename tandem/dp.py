@@ -23,11 +23,13 @@ import subprocess
 import sys
 import threading
 import time
-
-import urllib.error
-import urllib.request
+from functools import cache
+from typing import TYPE_CHECKING
 
 from common.args import ArgError, ServerArgs
+
+if TYPE_CHECKING:
+    import urllib.request
 
 log = logging.getLogger("tandem")
 
@@ -215,16 +217,24 @@ class DataParallel:
                 p.wait(5.0)
 
 
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+@cache
+def _no_proxy() -> urllib.request.OpenerDirector:
+    """Opened on first use: urllib.request loads ssl and hashlib (~5 MB), which ``tandem serve``
+    without --dp-size (it imports this module for ``split_router_args``) never needs."""
+    import urllib.request  # noqa: PLC0415
+
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _healthy(url: str, api_key: str | None = None) -> bool:
     """``api_key``: with --metrics-require-key /health wants it too."""
+    import urllib.request  # noqa: PLC0415 (see _no_proxy; URLError is an OSError)
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with _NO_PROXY.open(urllib.request.Request(url + "/health", headers=headers), timeout=2.0) as r:
+        with _no_proxy().open(urllib.request.Request(url + "/health", headers=headers), timeout=2.0) as r:
             return r.status == 200
-    except (OSError, urllib.error.URLError):
+    except OSError:
         return False
 
 

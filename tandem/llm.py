@@ -114,8 +114,8 @@ class LLM:
         info = self._engine.info
         self._limits = Limits(max_context=info.max_context, vocab_size=info.vocab_size)
         self._ids = itertools.count()
-        # Stopped when this object is collected, or at the interpreter's exit: registered after
-        # multiprocessing's own exit hook (which joins live children), so it runs first.
+        # Stopped when this object is collected, or at the interpreter's exit (atexit hooks run
+        # last-registered first, so before any hook registered earlier that waits on children).
         self._stop = weakref.finalize(self, EngineLink.close, self._engine)
         self._stop.atexit = False
         atexit.register(self._stop)

@@ -9,12 +9,8 @@ garbage collection, the interpreter's exit) stops them in order.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import sys
 import time
-import types
-from typing import Iterator
 
 import zmq
 
@@ -30,21 +26,6 @@ class EngineError(RuntimeError):
     """The engine did not start, or one of its processes died; the message says which and why."""
 
 
-@contextlib.contextmanager
-def caller_main_hidden() -> Iterator[None]:
-    """Spawn children without the caller's script. Python's spawn start method runs the parent's
-    ``__main__`` file again in each child (as ``__mp_main__``, so that objects pickled from it
-    resolve); the engine's entry point and arguments live in Tandem's own modules, and a script
-    that builds an ``LLM`` at top level, with no ``if __name__ == "__main__"`` guard, would
-    otherwise start an engine again inside each of its children."""
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-
-
 class EngineLink:
     """Started processes plus the two channels this process holds; ``info`` once they are up."""
 
@@ -57,8 +38,7 @@ class EngineLink:
         self.closed = False
         self.dead_reason: str | None = None
         try:
-            with caller_main_hidden():
-                self.sup.start_engine()
+            self.sup.start_engine()
             self.info: EngineInfo = self._wait_info()
         except BaseException:
             self.close(timeout=2.0)

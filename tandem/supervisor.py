@@ -19,13 +19,12 @@ children die with us (PR_SET_PDEATHSIG, tandem/child.py).
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import signal
 import time
 import uuid
-from multiprocessing.connection import wait
+from multiprocessing.connection import Pipe, wait
 from typing import Callable
 
 import zmq
@@ -35,6 +34,7 @@ from proto.curve import generate_keys
 from proto.messages import EngineDead
 from proto.transport import Endpoints, PushChannel, ipc_endpoints, make_run_dir, tcp_endpoints, use_endpoint_security
 from tandem.child import child_main
+from tandem.launch import ChildProcess
 
 log = logging.getLogger("tandem")
 ROLES = ("worker", "scheduler", "tokenizer")
@@ -67,8 +67,7 @@ class Supervisor:
         else:
             self.endpoints = ipc_endpoints(self.run_dir)
         use_endpoint_security(self.endpoints)  # our own EngineDead push is a channel client too
-        self.ctx = mp.get_context("spawn")
-        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.procs: dict[str, ChildProcess] = {}
         self.status: dict[str, object] = {}
         self.stopping = False
         self.failures = 0  # engine deaths in a row
@@ -91,10 +90,10 @@ class Supervisor:
         self.init_method = "file://" + f"{self.run_dir}/tp-{uuid.uuid4().hex}.store"
 
     def _spawn(self, role: str) -> None:
-        parent_conn, child_conn = self.ctx.Pipe(duplex=False)
+        parent_conn, child_conn = Pipe(duplex=False)
         kw = {"rank": int(role[6:] or 0), "init_method": self.init_method} if role.startswith("worker") else {}
-        proc = self.ctx.Process(target=self.entry, args=(role, self.args, self.endpoints, child_conn, os.getpid()),
-                                kwargs=kw, name=f"tandem-{role}", daemon=False)
+        proc = ChildProcess(self.entry, (role, self.args, self.endpoints, child_conn, os.getpid()), kw,
+                            name=f"tandem-{role}")
         proc.start()
         child_conn.close()
         self.procs[role] = proc

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from proto.arrays import view_f32, view_i32
+from proto.arrays import unpack_f32, unpack_i32
 from proto.messages import Logprobs, ReqOutput, SamplingParams
 from tokenizer_proc.detokenize import Decoder, IncrementalDetokenizer
 from tokenizer_proc.reasoning import ReasoningTokenCounter
@@ -27,12 +27,11 @@ TokenLogprob = tuple[float, list[tuple[int, float]]]
 def unpack_logprobs(lp: Logprobs | None) -> list[TokenLogprob]:
     if lp is None:
         return []
-    chosen = view_f32(lp.token_logprobs)
+    chosen = unpack_f32(lp.token_logprobs)
     if lp.top <= 0:
-        return [(float(x), []) for x in chosen]
-    ids = view_i32(lp.top_ids).reshape(-1, lp.top)
-    lps = view_f32(lp.top_logprobs).reshape(-1, lp.top)
-    return [(float(c), list(zip(ids[i].tolist(), lps[i].tolist(), strict=True))) for i, c in enumerate(chosen)]
+        return [(c, []) for c in chosen]
+    ids, lps, k = unpack_i32(lp.top_ids), unpack_f32(lp.top_logprobs), lp.top
+    return [(c, list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k], strict=True))) for i, c in enumerate(chosen)]
 
 
 @dataclass
@@ -139,10 +138,10 @@ class RequestState:
         return delta if (delta.text or delta.token_ids or delta.finished) else None
 
     def _consume_tokens(self, out: ReqOutput, delta: Delta) -> None:
-        ids = view_i32(out.token_ids)
+        ids = unpack_i32(out.token_ids)
         logprobs = unpack_logprobs(out.logprobs)
         texts: list[str] = []
-        for i, token in enumerate(ids.tolist()):
+        for i, token in enumerate(ids):
             self.n_tokens += 1
             delta.token_ids.append(token)
             if i < len(logprobs):
