@@ -173,7 +173,7 @@ def test_engine_tokens_track_unfused(tmp_path, env):
 
 def _assert_tracks(eng, ref) -> None:
     """Every row of ``eng`` decodes ``ref``'s tokens up to its first differing one, which must
-    be a near-tie in ``eng``'s own distribution (both ran ``_run`` with logprobs=2)."""
+    be a near-tie in ``eng``'s own distribution (both ran with logprobs: its top alternatives)."""
     for i in range(len(PROMPTS)):
         got, want, top = eng.tokens[f"r{i}"], ref.tokens[f"r{i}"], top_alternatives(eng, f"r{i}")
         assert len(got) == len(want) == len(top) == 24
