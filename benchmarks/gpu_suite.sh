@@ -61,7 +61,7 @@ export -f run_offline eng off; export OUT  # moe_suite.sh and fp8_suite.sh use t
 if has tests; then
   echo "== ${TESTS:-tests/gpu}"
   # SIGINT at the limit: pytest stops as on Ctrl-C and still prints what failed so far
-  timeout -s INT -k 30 ${TESTS_TIMEOUT:-480} python3 -m pytest ${TESTS:-tests/gpu} -q ${TESTS_STOP--x} -rfE -p no:cacheprovider \
+  timeout -s INT -k 30 ${TESTS_TIMEOUT:-480} python3 -m pytest ${TESTS:-tests/gpu} -q ${TESTS_STOP--x} -rfEs -p no:cacheprovider \
     > "$OUT/gpu_tests_full.log" 2>&1
   tail -40 "$OUT/gpu_tests_full.log" | tee "$OUT/gpu_tests.log"
 fi
