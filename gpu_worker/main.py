@@ -51,6 +51,19 @@ def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
+def draft_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> torch.dtype:
+    """The draft model's dtype: the target's, except for a float32 target on the CPU with the
+    torch backend at TP=1 (the compiled CPU steps' path), whose draft runs in bfloat16. The
+    draft only proposes: the target's verify decides every token, so outputs do not change,
+    only how many drafts it accepts. In bfloat16 its few-row GEMMs read half the bytes through
+    oneDNN's bf16 kernels, and its weights (bfloat16 in the checkpoint) take half the memory
+    (docs/decisions/cpu.md, "Draft dtype"). The Triton interpreter's bf16 dots are not exact,
+    and TP shards run eagerly: both keep the target's dtype."""
+    if device.type == "cpu" and dtype == torch.float32 and backend == "torch" and tp_size() == 1:
+        return torch.bfloat16
+    return dtype
+
+
 def max_positions(model_dir: str) -> int:
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
@@ -67,13 +80,14 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     elif device.index is not None:
         torch.cuda.set_device(device)
     dtype = resolve_dtype(args, device)
+    name = resolve_backend(args.attention_backend, device.type)
     torch.manual_seed(args.random_seed)
     target = load_model(args.model_path, dtype, device, args.load_format, quantization=args.quantization)
     assistant = None
     if args.spec_enabled:
         try:
-            assistant = load_model(args.speculative_draft_model_path, dtype, device, args.load_format, target=target,
-                                   quantization=args.quantization)
+            assistant = load_model(args.speculative_draft_model_path, draft_dtype(dtype, device, name), device,
+                                   args.load_format, target=target, quantization=args.quantization)
         except ValueError as exc:
             raise ValueError(f"--speculative-draft-model-path: {exc}") from exc
     t = args.tokens_per_step
@@ -82,7 +96,6 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, kv, device, scales=target.kv_scales)
     _log_kv(pool, target)
     state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
-    name = resolve_backend(args.attention_backend, device.type)
     if device.type == "cpu" and name == "torch" and tp_size() == 1:  # torch's ops on the CPU (no kernels):
         for model in (target, assistant):  # before anything binds the weights' storage
             if model is not None:
@@ -163,8 +176,10 @@ def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: i
     if backend != "torch" or tp_size() > 1 or runner.backend.pool.fp8:
         log.info("compiled CPU steps off: they need --attention-backend torch, TP=1 and --kv-cache-dtype auto")
         return None
+    dtype = runner.state.hidden.dtype
     spec = BuildSpec(args.model_path, args.speculative_draft_model_path if args.spec_enabled else None,
-                     str(runner.state.hidden.dtype).removeprefix("torch."), runner.t, args.page_size, args.load_format)
+                     _dtype_name(dtype), runner.t, args.page_size, args.load_format,
+                     _dtype_name(draft_dtype(dtype, runner.device, backend)))
     paths = ensure_built(spec)
     if paths is None:
         return None
@@ -179,6 +194,10 @@ def _return_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _graphs_note(graphs) -> str:

@@ -9,7 +9,7 @@ shape and code version and is cached. Later starts only load the packages (milli
   ``torch._C._aoti`` alone. The worker waits for it at start-up and logs the wait.
 - Cache: ``<TORCHINDUCTOR_CACHE_DIR, else Inductor's default /tmp/torchinductor_<user>>/
   tandem-cpu-steps/<key>/<program>.pt2``. The key hashes what a program's code depends on:
-  both models' ``config.json``, the dtype, tokens per step, page size, torch's version and CPU
+  both models' ``config.json``, both models' dtypes, tokens per step, page size, torch's version and CPU
   capability, and the source of the code a program traces (``TRACED``: a change there rebuilds).
   Weights are not in it: packages bind the models' tensors at load.
 - Concurrent starts (data-parallel engines, parallel tests) take a file lock per key: one
@@ -54,6 +54,7 @@ class BuildSpec:
     tokens_per_step: int
     page_size: int
     load_format: str = "auto"
+    draft_dtype: str = "float32"  # the draft model's (gpu_worker/main.py: draft_dtype)
 
     def programs(self) -> tuple[str, ...]:
         return ("draft", "target", "tail") if self.draft_path else ("target", "tail")
@@ -107,7 +108,7 @@ def cache_key(spec: BuildSpec) -> str:
         "format": FORMAT, "torch": torch.__version__, "python": sys.version_info[:2],
         "cpu": torch.backends.cpu.get_cpu_capability(), "sources": _sources_digest(),
         "target": _config_text(spec.model_path), "draft": _config_text(spec.draft_path),
-        "dtype": spec.dtype, "t": spec.tokens_per_step, "page_size": spec.page_size,
+        "dtype": spec.dtype, "draft_dtype": spec.draft_dtype, "t": spec.tokens_per_step, "page_size": spec.page_size,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -193,7 +194,8 @@ def build(spec: BuildSpec, key_dir: str) -> None:
     inductor_config.compile_threads = 1  # no compile worker pool: the machine may have two cores
     cpu, dtype = torch.device("cpu"), getattr(torch, spec.dtype)
     target = load_model(spec.model_path, dtype, cpu, spec.load_format)
-    assistant = load_model(spec.draft_path, dtype, cpu, spec.load_format, target=target) if spec.draft_path else None
+    assistant = (load_model(spec.draft_path, getattr(torch, spec.draft_dtype), cpu, spec.load_format, target=target)
+                 if spec.draft_path else None)
     for model in (target, assistant):  # the worker's weight layout: a program assumes its constants' strides
         if model is not None:
             column_major_projections(model)

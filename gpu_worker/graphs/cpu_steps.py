@@ -7,10 +7,17 @@ three programs compiled ahead of time by AOTInductor (``cpu_programs.py``, built
 ``cpu_build.py``): fused loops in C++ around the GEMMs, no Python between them.
 
 Same interface as ``DecodeGraphs`` (``bucket``, ``holds``, ``slots``, ``run``, ``run_tail``), so
-the runner's graph path serves both. The programs' batch size is symbolic, so every batch up to
-the largest runs at its exact size (no padding rows); buffers are kept per size. Each call
-passes the key bound ``K`` (every row's KV length after the step, rounded up to a page), the
-one size that moves from step to step.
+the runner's graph path serves both. The programs' batch size is symbolic, so the target and the
+tail run every batch up to the largest at its exact size (no padding rows); buffers are kept per
+size. Each call passes the key bound ``K`` (every row's KV length after the step, rounded up to a
+page), the one size that moves from step to step.
+
+The draft (bfloat16 under a float32 target, ``gpu_worker/main.py: draft_dtype``) runs its GEMMs
+through oneDNN, which keeps kernels and buffers per row count, ~4 MB each for the bundled pair's
+draft: so from two rows it runs at a power of two, the rows past the batch padding (slot 0, whose
+drafts nobody reads), and holds 3 row counts up to 8 rather than 7 (its GEMMs take about the same
+time at 2 to 8 rows). At one row it skips oneDNN for torch's own bfloat16 GEMV: the draft then
+takes ~10 % more than in float32, where oneDNN's per-call overhead made it ~50 % slower.
 
 Invariants: a size's ``tokens`` / ``result`` buffers are rewritten by its next step; the CPU
 runs a step to completion in ``run`` / ``run_tail``, and the runner clones the result before
@@ -20,9 +27,11 @@ the next step (``CopyHome``). The programs read the models' weights in place (bo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -59,11 +68,35 @@ def model_constants(target, assistant) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in out.items()}
 
 
+def draft_rows(n: int) -> int:
+    """The rows the draft program runs for a batch of ``n``: 1, else the next power of two."""
+    return 1 << (n - 1).bit_length()
+
+
+@contextlib.contextmanager
+def _onednn(enabled: bool) -> Iterator[None]:
+    """oneDNN on or off for the ops run inside (a process-wide flag that aten's GEMMs read)."""
+    before = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(before)
+
+
 @dataclass
 class _Size:
     slots: torch.Tensor  # [n]
     tokens: torch.Tensor  # [n, T]
     result: torch.Tensor  # [n, T + 1] int32
+
+
+@dataclass
+class _DraftRows:
+    """A padded batch of the draft: slots [rows] (slot 0 past the batch), tokens [rows, T]."""
+
+    slots: torch.Tensor
+    tokens: torch.Tensor
 
 
 class CpuDecodeSteps:
@@ -77,6 +110,7 @@ class CpuDecodeSteps:
         self._seq = state.seq_len.numpy()  # the device state itself: the CPU reads it for free
         self._held: dict[int, np.ndarray] = {}
         self._per_size: dict[int, _Size] = {}
+        self._draft_pad: dict[int, _DraftRows] = {}  # by draft_rows(n), apart from _per_size's buffers
         self._tail_inputs: list[torch.Tensor] = []  # the last step's inputs and (hidden, logits)
 
     @classmethod
@@ -122,11 +156,27 @@ class CpuDecodeSteps:
             self._held[n] = padded
         inputs = self._inputs(s, padded)
         if "draft" in self.programs:
-            self.programs["draft"](inputs)
+            self._draft(n, s, inputs)
         mark()
         hidden, logits = self.programs["target"](inputs)
         self._tail_inputs = [*inputs, hidden, logits]
         return s.tokens, hidden, logits
+
+    def _draft(self, n: int, s: _Size, inputs: list[torch.Tensor]) -> None:
+        """The bonus and drafts into ``s.tokens``, at ``draft_rows(n)`` rows (module docstring)."""
+        rows = draft_rows(n)
+        if rows == n:
+            with _onednn(n > 1):
+                self.programs["draft"](inputs)
+            return
+        pad = self._draft_pad.get(rows)
+        if pad is None:
+            pad = self._draft_pad[rows] = _DraftRows(torch.zeros(rows, dtype=torch.int64),
+                                                     torch.zeros(rows, self.t, dtype=torch.int64))
+        pad.slots[:n].copy_(s.slots)
+        pad.slots[n:].zero_()
+        self.programs["draft"]([pad.slots, pad.tokens, *inputs[2:]])
+        s.tokens.copy_(pad.tokens[:n])
 
     def run_tail(self, n: int) -> torch.Tensor:
         """After ``run(n, ...)`` of an all-greedy step: tokens, accept counts and the slot-state

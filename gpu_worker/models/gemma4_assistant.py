@@ -160,8 +160,10 @@ class Gemma4AssistantForCausalLM(CausalLM):
     def _run(self, x: torch.Tensor, fb: ForwardBatch, backend,
              hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pre-projected input [R, 2 Ht] -> (post-norm draft hidden [R, Ha], next_hidden [R, Ht]
-        or None without ``hidden``)."""
-        h = self.model.run(self.pre_projection(x), None, fb, backend)
+        or None without ``hidden``). The input row is in the target's dtype (its embedding and
+        hidden); a draft in another dtype (bfloat16 under a float32 target on the CPU) casts it
+        to its own, which its norms hold (an FP8 projection's weight is stored in FP8)."""
+        h = self.model.run(self.pre_projection(x.to(self.model.norm.weight.dtype)), None, fb, backend)
         return h, self.post_projection(h) if hidden else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,18 @@
 in-process engine, MTP on: greedy tokens equal HF transformers' for batches of every size up to
 the slot count, a batch goes from the greedy tail to the eager token selection and back (a
 logprobs request joins and leaves) on one slot state, and ``--disable-cuda-graph`` turns the
-path off. The first run on a machine builds the tiny pair's programs (a minute or two)."""
+path off. The draft runs in bfloat16 under the float32 target (row-major weights, padded to a
+power of two from two rows, oneDNN off at one row) and the outputs stay the target's. The first
+run on a machine builds the tiny pair's programs (a minute or two)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from gpu_worker.graphs.cpu_steps import CpuDecodeSteps
+from gpu_worker.graphs.cpu_attention import _work_dtype
+from gpu_worker.graphs.cpu_steps import CpuDecodeSteps, draft_rows
+from gpu_worker.main import draft_dtype
 from gpu_worker.step.runner import ModelRunner
 from tests.helpers.checkpoints import hf_greedy
 from tests.helpers.inproc import InProcEngine
@@ -73,3 +78,58 @@ def test_a_failed_build_is_recorded_and_skipped(ckpts, tmp_path, monkeypatch, ca
     monkeypatch.setattr(cpu_build, "_run_build", lambda *a: pytest.fail("built again"))
     assert cpu_build.ensure_built(spec) is None
     assert "their build failed: NotImplementedError: softcap" in caplog.text
+
+
+def test_the_draft_runs_in_bfloat16_row_major_under_the_float32_target(engine):
+    target, draft = engine.runner.target, engine.runner.assistant
+    assert {p.dtype for p in target.parameters()} == {torch.float32}
+    assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
+    assert engine.runner.state.hidden.dtype == torch.float32  # the slot state is the target's
+    w = draft.model.layers[0].mlp.gate_up_proj.weight
+    assert w.stride() == (w.shape[1], 1)  # bf16 keeps the row-major layout (models/cpu_layout.py)
+    t = target.model.layers[0].mlp.gate_up_proj.weight
+    assert t.stride() == (1, t.shape[0])  # float32: column-major, MKL's faster layout
+
+
+def test_padded_draft_rows_are_lossless(engine, ckpts):
+    """Five rows (prompts short enough to prefill in one step) finishing one by one: the draft
+    runs 8, 4, 4, 2 and 1 rows (slot 0 past the batch), the target the exact batch; every token
+    is the target's greedy one."""
+    prompts = [[(5 * j + 11 * i) % 370 + 6 for j in range(4)] for i in range(5)]
+    lens = [9, 11, 13, 15, 17]
+    for i, n in enumerate(lens):
+        engine.submit(f"p{i}", prompts[i], max_new_tokens=n, ignore_eos=True)
+    engine.run()
+    for i, n in enumerate(lens):
+        assert engine.tokens[f"p{i}"] == hf_greedy(ckpts["gemma4"], prompts[i], n, ignore_eos=True), i
+    assert {4, 8} <= set(engine.runner.graphs._draft_pad)
+    assert torch._C._get_mkldnn_enabled()  # the one-row draft turns oneDNN back on
+    engine.core.alloc.check_all_free()
+
+
+def test_draft_rows_are_one_or_a_power_of_two():
+    assert [draft_rows(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+
+
+def test_draft_dtype_is_bfloat16_only_under_a_float32_target_on_the_compiled_path():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert draft_dtype(torch.float32, cpu, "torch") == torch.bfloat16
+    assert draft_dtype(torch.float32, cpu, "triton") == torch.float32  # the interpreter's bf16 dots are inexact
+    assert draft_dtype(torch.bfloat16, cpu, "torch") == torch.bfloat16
+    assert draft_dtype(torch.float32, cuda, "triton") == torch.float32
+    assert draft_dtype(torch.bfloat16, cuda, "triton") == torch.bfloat16
+
+
+def test_a_bfloat16_query_attends_in_the_float32_pool_dtype():
+    assert _work_dtype(torch.bfloat16, torch.float32) == torch.float32
+    assert _work_dtype(torch.float32, torch.float32) == torch.float32
+    assert _work_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
+    assert _work_dtype(torch.bfloat16, torch.float8_e4m3fn) == torch.bfloat16
+
+
+def test_the_draft_dtype_is_part_of_the_build_key(ckpts):
+    from gpu_worker.graphs.cpu_build import BuildSpec, cache_key
+
+    f32 = BuildSpec(ckpts["gemma4"], ckpts["assistant"], "float32", 4, 4, draft_dtype="float32")
+    assert cache_key(f32) != cache_key(BuildSpec(ckpts["gemma4"], ckpts["assistant"], "float32", 4, 4,
+                                                 draft_dtype="bfloat16"))
