@@ -23,9 +23,12 @@ from safetensors.torch import load_file, save_file
 
 from gpu_worker.quant.fp8_math import BLOCK, FP8_MAX, dequantize, to_fp8
 
-# decoder projections (and Gemma's per-layer projections, which stay unquantized in the engine:
-# it dequantizes them at load); never embeddings, heads, norms or the assistant's centroids
-PROJ = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$|per_layer_(input_gate|projection)\.weight$")
+# decoder projections, per-expert MoE weights (``mlp.experts.N.gate_proj.weight``, the layout FP8
+# MoE checkpoints ship), and Gemma's per-layer projections (those two stay unquantized in the
+# engine: it dequantizes them at load); never embeddings, heads, norms, routers or the
+# assistant's centroids
+PROJ = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?\w+_proj\.weight$"
+                  r"|per_layer_(input_gate|projection)\.weight$")
 STATIC_INPUT_SCALE = 16.0 / FP8_MAX  # activations up to 16 keep their range
 
 
@@ -74,13 +77,16 @@ def quantize_checkpoint(src: str, out: str, layout: str = "block", acts: str = "
     ``model.layers.N.self_attn.{k,v}_scale``); its float32 twin in ``out/dequantized``."""
     os.makedirs(out, exist_ok=True)
     deq_dir = os.path.join(out, "dequantized")
+    weights = [f for f in os.listdir(src) if f.endswith(".safetensors") or f == "model.safetensors.index.json"]
     for d in (out, deq_dir):
         os.makedirs(d, exist_ok=True)
         for f in os.listdir(src):
-            if f != "model.safetensors" and os.path.isfile(os.path.join(src, f)):
+            if f not in weights and os.path.isfile(os.path.join(src, f)):
                 shutil.copy(os.path.join(src, f), d)
     strategy = "block" if layout == "block" else layout.removeprefix("ct-")
-    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors = {}  # every shard of ``src``; written back as one file
+    for f in sorted(w for w in weights if w.endswith(".safetensors")):
+        tensors.update(load_file(os.path.join(src, f)))
     quant, deq = {}, {}
     for name, t in tensors.items():
         if not PROJ.search(name):

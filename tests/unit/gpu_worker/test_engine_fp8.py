@@ -22,7 +22,7 @@ import torch
 from gpu_worker.models.loader import load_model
 from common.args import ServerArgs
 from proto.transport import ipc_endpoints, make_run_dir
-from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama, hf_greedy
+from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama, build_qwen3_moe, hf_greedy, rewrite_experts
 from tests.helpers.fp8_checkpoints import dequantized, quantize_checkpoint
 from tests.helpers.inproc import InProcEngine
 
@@ -104,6 +104,21 @@ def test_weight_only_fp8_is_hf_on_the_dequantized_weights(models, arch, layout):
     attn = m.model.layers[0].self_attn
     assert attn.qkv_proj.weight.dtype == torch.float8_e4m3fn and attn.o_proj.quant is not None
     assert m.lm_head_weight().dtype == torch.float32  # heads and embeddings stay unquantized
+
+
+def test_fp8_moe_checkpoint_with_quantized_experts_is_hf_on_the_dequantized_weights(tmp_path):
+    """A Qwen3-MoE FP8 checkpoint in the layout such checkpoints ship (per-expert modules, every
+    projection and every expert block-quantized, two shards): the experts are dequantized into
+    the model dtype at load, attention and the dense layer's MLP stay FP8, and the engine
+    decodes what HF decodes on the dequantized weights."""
+    src = rewrite_experts(build_qwen3_moe(str(tmp_path / "moe")), "per_expert", shards=2)
+    q = quantize_checkpoint(src, str(tmp_path / "moe-fp8"), "ct-block", acts="none")
+    want = [hf_greedy(dequantized(q), p, NEW, ignore_eos=True) for p in PROMPTS]
+    assert _generate(q) == want
+    m = load_model(q, torch.float32, "cpu")
+    experts = m.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float32  # dequantized at load
+    assert m.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
 
 
 def test_weight_only_fp8_on_the_kernel_path(models):
