@@ -251,7 +251,7 @@ def test_worker_sigkill_with_restart_on_failure(ckpts, tmp_path):
     try:
         old = engine_children(srv.proc.pid)
         assert set(old) == {"tandem-worker", "tandem-schedule", "tandem-front"}
-        for comm, pid in old.items():  # ps shows the full title, not multiprocessing's spawn command
+        for comm, pid in old.items():  # ps shows the full title, not the interpreter's command line
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 assert f.read().rstrip(b"\0").decode() == {"tandem-schedule": "tandem-scheduler"}.get(comm, comm)
         kill = lambda: os.kill(old["tandem-worker"], signal.SIGKILL)  # noqa: E731

@@ -1,5 +1,5 @@
 """Child processes carry their role in ps: the title (cmdline) and the kernel's 15-character
-name (comm), instead of ``python -B -c from multiprocessing.spawn import spawn_main...``."""
+name (comm), instead of the interpreter's command line (``python -c ...``, tandem/launch.py)."""
 
 from __future__ import annotations
 
