@@ -16,8 +16,9 @@ The draft (bfloat16 under a float32 target, ``gpu_worker/main.py: draft_dtype``)
 through oneDNN, which keeps kernels and buffers per row count, ~4 MB each for the bundled pair's
 draft: so from two rows it runs at a power of two, the rows past the batch padding (slot 0, whose
 drafts nobody reads), and holds 3 row counts up to 8 rather than 7 (its GEMMs take about the same
-time at 2 to 8 rows). At one row it skips oneDNN for torch's own bfloat16 GEMV: the draft then
-takes ~10 % more than in float32, where oneDNN's per-call overhead made it ~50 % slower.
+time at 2 to 8 rows). At one row it skips oneDNN for torch's own bfloat16 GEMV: the draft
+program then takes ~7 % longer than in float32, where oneDNN's per-call overhead made it ~35 %
+longer.
 
 Invariants: a size's ``tokens`` / ``result`` buffers are rewritten by its next step; the CPU
 runs a step to completion in ``run`` / ``run_tail``, and the runner clones the result before
