@@ -35,8 +35,8 @@ try:
 except ImportError:
     triton = None
 
-# BLOCK_N weight rows a program, G scale groups (G x 128 columns) a K tile: the fastest tile over
-# the 8B and 9B shapes' projections (benchmarks/fp8_gemm_bench.py; docs/decisions/fp8.md).
+# BLOCK_N weight rows a program, G scale groups (G x 128 columns) a K tile: the fastest tile summed
+# over the 8B and 9B shapes' projections (benchmarks/fp8_gemm_bench.py; docs/decisions/fp8.md).
 ROW_CONFIG = dict(block_n=8, groups=4, num_warps=2, num_stages=4)
 
 
