@@ -15,6 +15,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _patching_on() -> bool:
+    """Tests run under the interpreter and ``TANDEM_TEST_SLOW_INTERPRETER=1`` is not asking for
+    Triton's own, unpatched paths."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("TANDEM_TEST_SLOW_INTERPRETER") != "1"
+
+
 def _interpreter_as_read(interpreter) -> bool:
     """The interpreter is built as the fast path below assumes (read in Triton 3.9): a launch
     patches through ``_patch_lang`` and restores the scope it returns; a nested helper call
@@ -50,7 +56,7 @@ def _fast_nested_jit_calls() -> None:
     ``_patch_lang`` returns no restorable scope) runs Triton's own code unchanged, so the
     interpreted semantics are Triton's. ``TANDEM_TEST_SLOW_INTERPRETER=1`` turns this off.
     """
-    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("TANDEM_TEST_SLOW_INTERPRETER") == "1":
+    if not _patching_on():
         return
     try:
         import triton.language as tl
@@ -139,7 +145,7 @@ def _fast_overflow_check_and_dtypes() -> None:
     builds its 19-entry table at each call: here a lookup of the same table, Triton's own
     function for any other type. ``TANDEM_TEST_SLOW_INTERPRETER=1`` turns both off.
     """
-    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("TANDEM_TEST_SLOW_INTERPRETER") == "1":
+    if not _patching_on():
         return
     try:
         import triton.language as tl
