@@ -3,7 +3,8 @@ weights, as HF's routers compute them (``models/moe.py: route_reference``); and,
 the router's projection and the routing in one launch (``router_topk``).
 
 One program per token holds its E logits (E <= 1024): float32 softmax, then K rounds of "the
-largest probability left, the lowest index among equals" (``torch.topk``'s choice on ties),
+largest probability left, the lowest index among equals" (``torch.topk``'s choice on ties; one
+reduction a round, over keys that pack the probability above the index),
 then, as the model asks: renormalise over the K chosen (``RENORM``), round to the logits' dtype
 (``ROUND``: Qwen3-MoE casts its weights to the model dtype), times a per-expert scale
 (``SCALED``: Gemma 4). Writes ids int32 [T, K] and weights float32 [T, K]; no host sync, so
@@ -34,16 +35,19 @@ if triton is not None:
         """One token's routing from its logits x [BLOCK_E] (float32, -inf past E)."""
         p = tl.exp(x - tl.max(x, axis=0))
         p = p / tl.sum(p, axis=0)
-        left = tl.where(em, p, -1.0)  # probabilities still to choose from; -1 = taken or padding
+        # One max per pick: a probability (>= 0, so its float32 bits order as integers) over the
+        # complement of its index (the lowest index wins among equals); -1 = taken or padding.
+        bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(em, (bits << 32) | (BLOCK_E - 1 - e).to(tl.int64), -1)
         slots = tl.arange(0, BLOCK_K)
         vals = tl.zeros([BLOCK_K], tl.float32)
         idx = tl.zeros([BLOCK_K], tl.int32)
         for k in tl.static_range(K):
-            best = tl.max(left, axis=0)
-            pick = tl.min(tl.where(left == best, e, BLOCK_E), axis=0)
-            vals = tl.where(slots == k, best, vals)
+            best = tl.max(key, axis=0)
+            pick = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+            vals = tl.where(slots == k, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
             idx = tl.where(slots == k, pick, idx)
-            left = tl.where(e == pick, -1.0, left)
+            key = tl.where(e == pick, -1, key)
         km = slots < K
         if RENORM:
             vals = vals / tl.sum(tl.where(km, vals, 0.0), axis=0)
@@ -117,7 +121,10 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, expert_scale
 
 
 ROUTER_MAX_TOKENS = 4  # the fused router's token rows (decode; MTP's verify and draft at one request)
-E_PART = 4  # experts a program of the fused router scores (E / E_PART programs: 32 at 128 experts)
+# A program of the fused router scores E_PART experts over BLOCK_H columns at a time: 128
+# programs at 128 experts, each a few wide loads (a long loop of small ones is latency-bound).
+E_PART = 1
+ROUTER_BLOCK_H = 1024
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
@@ -135,7 +142,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
     _router_kernel[(triton.cdiv(e, E_PART),)](
         x, weight, logits, tickets(x.device), expert_scale if expert_scale is not None else weights, ids, weights, t,
         e, h, x.stride(0), weight.stride(0), K=top_k, BLOCK_E=next_pow2(e), BLOCK_K=next_pow2(top_k), E_PART=E_PART,
-        BLOCK_H=256, MT=ROUTER_MAX_TOKENS, RENORM=renormalize, ROUND=round_weights, SCALED=expert_scale is not None,
+        BLOCK_H=min(ROUTER_BLOCK_H, next_pow2(h)), MT=ROUTER_MAX_TOKENS, RENORM=renormalize, ROUND=round_weights, SCALED=expert_scale is not None,
         PDL=on, num_warps=4, launch_pdl=on == PDL_ON,
     )
     return ids, weights

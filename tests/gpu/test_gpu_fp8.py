@@ -119,7 +119,8 @@ def test_mtp_with_fp8_target_assistant_and_kv_is_lossless_with_graphs(ckpts):
 
 
 def _wide(d, **kw) -> InProcEngine:
-    eng = InProcEngine(d, device="cuda", dtype="bfloat16", load_format="dummy", quantization="fp8",
+    kw = {"quantization": "fp8", **kw}
+    eng = InProcEngine(d, device="cuda", dtype="bfloat16", load_format="dummy",
                        kv_cache_dtype="fp8_e4m3", tokenizer_path="models/tiny-shakespeare/target",
                        max_total_tokens=8192, max_running_requests=4, cuda_graph_max_bs=4, **kw)
     for i, p in enumerate(WIDE_PROMPTS):
@@ -136,6 +137,11 @@ def test_bf16_fp8_engine_at_8b_width_graphs_track_eager(tmp_path):
 
 
 def test_flashinfer_reads_the_fp8_kv_cache(tmp_path):
+    """FlashInfer's decode over the FP8 pool tracks triton's. bf16 weights: with FP8 activations
+    a 1e-3 difference in an attention output can flip an activation's e4m3 rounding, a jump of
+    one e4m3 step (1/8 of its value), so two W8A8 engines part at ties far wider than the near-tie bound (the
+    kernels themselves: ``test_gpu_flashinfer.py``, both within 1e-3 of fp32 over the FP8 pool)."""
     pytest.importorskip("flashinfer")
     d = _llama_8b_width(str(tmp_path), 4096)
-    _assert_tracks(_wide(d, attention_backend="flashinfer"), _wide(d, attention_backend="triton"))
+    kw = dict(quantization=None)
+    _assert_tracks(_wide(d, attention_backend="flashinfer", **kw), _wide(d, attention_backend="triton", **kw))
