@@ -131,11 +131,13 @@ if triton is not None:
             tl.store(vc_ptr + loc * svn + kh[:, None] * svch + dv[None, :], kv_value(v, v_inv, vc_ptr), mask=vm)
 
 
-def heads_per_program(tokens: int, heads: int) -> int:
-    """Heads one program handles: 1 at decode sizes (most parallelism for few tokens), up to 8
-    from 64 tokens on, where one program per (token, head) makes the kernel launch-grid bound
-    (about 5x its bytes' time at 8192 tokens of a 24-head model)."""
-    if tokens < 64:
+def heads_per_program(tokens: int, heads: int, cpu: bool = False) -> int:
+    """Heads one program handles: on a GPU 1 at decode sizes (most parallelism for few tokens),
+    up to 8 from 64 tokens on, where one program per (token, head) makes the kernel launch-grid
+    bound (about 5x its bytes' time at 8192 tokens of a 24-head model). On the CPU (Triton's
+    interpreter, where a program costs its Python steps whatever its width) up to 8 at every
+    size; a head's arithmetic is the same in either grouping."""
+    if tokens < 64 and not cpu:
         return 1
     return min(8, 1 << max(0, heads.bit_length() - 1))
 
@@ -158,7 +160,7 @@ def rope_store(q, k, v, positions, inv_freq, out_loc, k_cache, v_cache, *, norm:
         return q_out
     dv = v.shape[-1] if store else 1
     dummy = q_out
-    hb = heads_per_prog or heads_per_program(t, hq)
+    hb = heads_per_prog or heads_per_program(t, hq, cpu=q.device.type == "cpu")
     grid = (t, -(-hq // hb) + -(-hkv // hb))
     on = pdl(q)
     _rope_store_kernel[grid](

@@ -79,9 +79,12 @@ def test_route_at_real_shape():
         want = picked / picked.sum(-1, keepdim=True) if renorm else picked
         want = want.to(torch.bfloat16).float() if rounded else want
         want = want * sc.cpu().float()[ids] if sc is not None else want
-        torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-7)
+        # CUDA's and the CPU's exp may differ by an ulp of float32, which can move a weight
+        # rounded to bf16 by one bf16 ulp
+        tol = dict(rtol=2**-8, atol=0.0) if rounded else dict(rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(w, want, **tol)
         if sc is None:  # tied experts weigh the same: the weights are the reference's, in some order
-            torch.testing.assert_close(w.sort(dim=1).values, ref_w.sort(dim=1).values, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(w.sort(dim=1).values, ref_w.sort(dim=1).values, **tol)
 
 
 @pytest.mark.parametrize("tokens", [64, 8192])

@@ -110,29 +110,34 @@ def cuda_launch_choices(sms: int) -> Iterator[None]:
     """While recording, let the host make its launch choices as on a GPU with ``sms`` SMs: each
     kernel module's ``pdl`` applies the device-free rule (``kernels.pdl_level``: PDL levels and
     the GEMV's L2 prefetch depth come out as on the H200; the interpreter's ``gdc`` helpers stay
-    no-ops) and the attention backend splits the KV for ``sms``."""
+    no-ops), the attention backend splits the KV for ``sms`` and RoPE groups heads by the GPU's
+    rule."""
     import pkgutil
 
     import gpu_worker.kernels as kernels
     from gpu_worker.attention import triton_backend
+    from gpu_worker.kernels import rope
 
     def cuda_pdl(x) -> int:
         return kernels.pdl_level(x.shape[0])
+
+    def cuda_heads(tokens: int, heads: int, cpu: bool = False) -> int:
+        return heads_before(tokens, heads)
 
     names = [f"gpu_worker.kernels.{m.name}" for m in pkgutil.iter_modules(kernels.__path__)]
     patched = [(m, attr) for m in map(importlib.import_module, names)
                for attr, v in vars(m).items() if v is kernels.pdl]
     assert patched, "no kernel module imports kernels.pdl: the recorder's patch point moved"
-    sms_before = triton_backend.CPU_SMS
+    sms_before, heads_before = triton_backend.CPU_SMS, rope.heads_per_program
     for m, attr in patched:
         setattr(m, attr, cuda_pdl)
-    triton_backend.CPU_SMS = sms
+    triton_backend.CPU_SMS, rope.heads_per_program = sms, cuda_heads
     try:
         yield
     finally:
         for m, attr in patched:
             setattr(m, attr, kernels.pdl)
-        triton_backend.CPU_SMS = sms_before
+        triton_backend.CPU_SMS, rope.heads_per_program = sms_before, heads_before
 
 
 class _Sm90Driver:

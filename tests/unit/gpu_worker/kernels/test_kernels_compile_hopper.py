@@ -48,8 +48,9 @@ def compiled(recorded) -> list[dict]:
 
 
 def test_launches_are_recorded_as_the_h200_would_make_them(recorded):
-    """PDL levels and prefetch depths by the CUDA rule (not the CPU's "off"), and the decode
-    kernel both split (small batches on 132 SMs) and unsplit with its rows longest first."""
+    """PDL levels and prefetch depths by the CUDA rule (not the CPU's "off"), RoPE one head a
+    program (the CPU groups them), and the decode kernel both split (small batches on 132 SMs)
+    and unsplit with its rows longest first."""
     records = [json.loads(r) for r in json.loads((recorded / "launches.json").read_text())]
     assert len(records) > 50
     with_pdl = {r["name"] for r in records if "PDL" in r["kwargs"]}
@@ -57,6 +58,7 @@ def test_launches_are_recorded_as_the_h200_would_make_them(recorded):
     assert any(r["kwargs"].get("PDL") == 0 for r in records)  # off above
     for name in ("_gemv_kernel", "_gemv_dot_kernel", "_qkv_rope_kernel"):
         assert any(r["kwargs"].get("PREFETCH_K", 0) > 0 for r in records if r["name"] == name), name
+    assert {r["kwargs"]["HB"] for r in records if r["name"] == "_rope_store_kernel"} == {1}  # decode sizes, GPU rule
     decode = [r["kwargs"] for r in records if r["name"] == "_decode_kernel"]
     assert {kw["SPLITS"] > 1 for kw in decode} == {True, False} and any(kw["ORDERED"] for kw in decode)
 

@@ -121,6 +121,15 @@ def test_rope_store(dtype, norm, partial, hb):
     assert (kc.cpu()[untouched] == 7.0).all() and (vc.cpu()[untouched] == 7.0).all()
 
 
+def test_heads_per_program_by_device():
+    """A GPU takes one head a program below 64 tokens and up to 8 from there; the CPU's
+    interpreter groups up to 8 at every size (the tests above pin every grouping's values)."""
+    from gpu_worker.kernels.rope import heads_per_program
+
+    assert [heads_per_program(t, 32) for t in (1, 63, 64)] == [1, 1, 8]
+    assert [heads_per_program(1, h, cpu=True) for h in (1, 4, 6, 32)] == [1, 4, 4, 8]
+
+
 def test_rope_q_only_and_k_eq_v():
     """Q-only (a layer that reads another's KV) writes nothing; k_eq_v passes k's raw columns
     as v (aliasing k), and the cache gets v_norm(raw k), not the rotated k."""
