@@ -23,10 +23,8 @@ TEST_WORKERS ?= auto
 # A module runs in one process (its module-scoped servers and engines start once), modules in
 # collection order: the heavy ones first (tests/conftest.py), not reordered by test count.
 TEST_DIST ?= --dist loadscope --no-loadscope-reorder
-# pip quiet: progress and "already satisfied" lines off, errors still shown; --no-compile: no
-# byte-compiling of every installed file (a third of a fresh install, mostly torch's), Python
-# compiles what it imports when it first imports it
-PIP_Q  := -q --disable-pip-version-check --no-compile
+# pip quiet: progress and "already satisfied" lines off, errors still shown
+PIP_Q  := -q --disable-pip-version-check
 
 .PHONY: install runtime tools serve test test-unit test-e2e test-gpu hopper-check clean
 
