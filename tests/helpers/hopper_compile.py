@@ -121,9 +121,6 @@ def cuda_launch_choices(sms: int) -> Iterator[None]:
     def cuda_pdl(x) -> int:
         return kernels.pdl_level(x.shape[0])
 
-    def cuda_heads(tokens: int, heads: int, cpu: bool = False) -> int:
-        return heads_before(tokens, heads)
-
     names = [f"gpu_worker.kernels.{m.name}" for m in pkgutil.iter_modules(kernels.__path__)]
     patched = [(m, attr) for m in map(importlib.import_module, names)
                for attr, v in vars(m).items() if v is kernels.pdl]
@@ -131,7 +128,7 @@ def cuda_launch_choices(sms: int) -> Iterator[None]:
     sms_before, heads_before = triton_backend.CPU_SMS, rope.heads_per_program
     for m, attr in patched:
         setattr(m, attr, cuda_pdl)
-    triton_backend.CPU_SMS, rope.heads_per_program = sms, cuda_heads
+    triton_backend.CPU_SMS, rope.heads_per_program = sms, lambda t, h, cpu=False: heads_before(t, h)
     try:
         yield
     finally:
