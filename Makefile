@@ -17,10 +17,9 @@ TORCH  ?= $(if $(HAS_GPU),torch,torch==2.13.0)
 TRITON ?= $(if $(HAS_GPU),,triton==3.9.*)
 ARGS   ?=
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist): one per core and one more. Most tests are single-threaded
-# Python (Triton's interpreter, tiny models); the end-to-end ones spend part of their time
-# waiting on the servers they start, which the extra process fills.
-TEST_WORKERS ?= $(shell python3 -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
+# Test processes (pytest-xdist): one per core; most tests are single-threaded Python (Triton's
+# interpreter, tiny models), so two cores run the suite in about half the time.
+TEST_WORKERS ?= auto
 # A module runs in one process (its module-scoped servers and engines start once), modules in
 # collection order: the heavy ones first (tests/conftest.py), not reordered by test count.
 TEST_DIST ?= --dist loadscope --no-loadscope-reorder
