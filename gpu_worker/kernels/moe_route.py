@@ -142,7 +142,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
     _router_kernel[(triton.cdiv(e, E_PART),)](
         x, weight, logits, tickets(x.device), expert_scale if expert_scale is not None else weights, ids, weights, t,
         e, h, x.stride(0), weight.stride(0), K=top_k, BLOCK_E=next_pow2(e), BLOCK_K=next_pow2(top_k), E_PART=E_PART,
-        BLOCK_H=min(ROUTER_BLOCK_H, next_pow2(h)), MT=ROUTER_MAX_TOKENS, RENORM=renormalize, ROUND=round_weights, SCALED=expert_scale is not None,
-        PDL=on, num_warps=4, launch_pdl=on == PDL_ON,
+        BLOCK_H=min(ROUTER_BLOCK_H, next_pow2(h)), MT=ROUTER_MAX_TOKENS, RENORM=renormalize, ROUND=round_weights,
+        SCALED=expert_scale is not None, PDL=on, num_warps=4, launch_pdl=on == PDL_ON,
     )
     return ids, weights
