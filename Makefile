@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 # interpreter, tiny models), so two cores run the suite in about half the time.
 TEST_WORKERS ?= auto
 # A module runs in one process (its module-scoped servers and engines start once), modules in
-# collection order: the longest first (tests/conftest.py), not reordered by test count.
+# collection order: the heavy ones first (tests/conftest.py), not reordered by test count.
 TEST_DIST ?= --dist loadscope --no-loadscope-reorder
 # pip quiet: progress and "already satisfied" lines off, errors still shown
 PIP_Q  := -q --disable-pip-version-check

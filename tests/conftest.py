@@ -5,7 +5,6 @@ tests and the ``--attention-backend triton`` parity tests run in CI. The variabl
 before any kernel module is imported: ``triton.jit`` reads it when it decorates.
 """
 
-import json
 import os
 import threading
 
@@ -207,18 +206,10 @@ _fast_overflow_check_and_dtypes()
 
 
 def pytest_collection_modifyitems(items):
-    """The longest modules first (each keeps its order), by their seconds in the last measured
-    run (``tests/module_seconds.json``; a module not in it: 60 s if marked ``heavy``, else 0):
-    under ``make test`` each process takes one module at a time in this order, so the processes
-    end together instead of one finishing a long module alone."""
-    path = os.path.join(os.path.dirname(__file__), "module_seconds.json")
-    with open(path) as f:
-        seconds = json.load(f)
-
-    def longest_first(item) -> float:
-        return -seconds.get(item.module.__name__, 60.0 if item.get_closest_marker("heavy") else 0.0)
-
-    items.sort(key=longest_first)
+    """Modules marked ``heavy`` first (each keeps its order): under ``make test`` each process
+    takes one module at a time in this order, so the longest start first and the processes end
+    together instead of one finishing a long module alone."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
 @pytest.fixture(autouse=True)
