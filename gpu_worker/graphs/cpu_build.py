@@ -41,7 +41,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpu_wo
 # What a traced program runs: the models and their layers, the kernels' torch paths, the
 # decode body and its CPU attention (paths under gpu_worker/).
 TRACED = ("models", "kernels", "parallel", "spec", "graphs/decode.py", "graphs/cpu_attention.py",
-          "graphs/cpu_programs.py", "forward_batch.py", "kv_pool.py")
+          "graphs/cpu_programs.py", "graphs/cpu_ops.py", "graphs/cpu_gemm.cpp", "forward_batch.py", "kv_pool.py")
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,7 @@ def build(spec: BuildSpec, key_dir: str) -> None:
     import torch
     import torch._inductor.config as inductor_config
 
+    from gpu_worker.graphs import cpu_ops
     from gpu_worker.graphs.cpu_attention import CpuDecodeAttention
     from gpu_worker.graphs.cpu_programs import StepProgram, dynamic_shapes, example_inputs
     from gpu_worker.graphs.decode import DecodeBody
@@ -203,15 +204,19 @@ def build(spec: BuildSpec, key_dir: str) -> None:
     state = SlotState(3, 5, target.hidden_size, cpu, dtype)  # 4 slot rows, 5 pages: distinct sizes
     attention = CpuDecodeAttention(pool, state.page_table)
     body = DecodeBody(target, assistant, attention, state, spec.tokens_per_step)
+    rows = cpu_ops.build_library(key_dir)  # the few-row GEMM (cpu_gemm.cpp), linked by name:
+    os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [key_dir, os.environ.get("LIBRARY_PATH")]))
     for name in spec.programs():
         t0 = time.perf_counter()
         inputs = example_inputs(name, body, attention)
         with torch.no_grad():
             program = torch.export.export(StepProgram(name, body, attention), tuple(inputs), strict=False,
                                           dynamic_shapes=dynamic_shapes(name, 2 * len(pool.k), spec.tokens_per_step))
+        configs = {"aot_inductor.package_constants_in_so": False}
+        if rows and cpu_ops.use_rows_linear(program):
+            configs.update(cpu_ops.inductor_configs(key_dir))
         tmp = os.path.join(key_dir, f".{name}.{os.getpid()}.pt2")
-        torch._inductor.aoti_compile_and_package(program, package_path=tmp,
-                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
+        torch._inductor.aoti_compile_and_package(program, package_path=tmp, inductor_configs=configs)
         os.replace(tmp, os.path.join(key_dir, f"{name}.pt2"))
         log.warning("CPU decode steps: %s compiled in %.0f s", name, time.perf_counter() - t0)
 

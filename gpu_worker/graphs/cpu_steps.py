@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -37,6 +38,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from gpu_worker.graphs.cpu_ops import load_library
 from gpu_worker.graphs.cpu_programs import PROGRAMS, step_inputs
 
 log = logging.getLogger("tandem.worker")
@@ -117,6 +119,7 @@ class CpuDecodeSteps:
     @classmethod
     def load(cls, paths: dict[str, str], target, assistant, state, pool, t: int, max_batch: int) -> "CpuDecodeSteps":
         t0 = time.perf_counter()
+        load_library(os.path.dirname(next(iter(paths.values()))))  # before the packages that link it
         constants = model_constants(target, assistant)
         programs = {name: Program(path, constants) for name, path in paths.items()}
         steps = cls(programs, state, pool, t, max_batch)

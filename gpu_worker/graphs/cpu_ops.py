@@ -1,0 +1,115 @@
+"""The compiled CPU steps' own GEMM: ``tandem_cpu::rows_linear`` (``cpu_gemm.cpp``).
+
+``rows_linear(x, w)`` is ``F.linear(x, w)`` for a float32 ``x`` [M, K] and a column-major float32
+``w`` [N, K] (``models/cpu_layout.py``). Up to 8 rows its kernel streams the weights as a one-row
+GEMV does, where MKL's few-row kernel reads them in K strided streams that the prefetchers do not
+follow (``docs/decisions/cpu.md``, "The verify's GEMMs"); past 8 rows it is ``at::mm``.
+
+- Build side (``cpu_build.py``, its own process): ``build_library`` compiles ``cpu_gemm.cpp``
+  into the key's directory, ``use_rows_linear`` rewrites an exported program's float32 linears
+  over column-major weights into the op, and ``inductor_configs`` has AOTInductor call the
+  op's C shim directly (no dispatcher, no proxy executor) and link the library by name.
+- Worker side (``cpu_steps.py``): ``load_library`` before the packages, so that their code finds
+  the library (matched by its soname: nothing searches the file system at load).
+
+The library's name carries the cache key, so programs of two builds in one process each bind
+their own (it is loaded with local symbols).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import torch
+
+SHIM = "AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_gemm.cpp")
+_lib: list[torch.library.Library] = []  # the op's registration, once per process
+
+
+def library_name(key_dir: str) -> str:
+    return f"tandem_cpu_{os.path.basename(os.path.normpath(key_dir))}"
+
+
+def library_path(key_dir: str) -> str:
+    return os.path.join(key_dir, f"lib{library_name(key_dir)}.so")
+
+
+def load_library(key_dir: str) -> ctypes.CDLL | None:
+    """The key's GEMM library, loaded (None where the build made none: the programs then use
+    MKL alone)."""
+    path = library_path(key_dir)
+    return ctypes.CDLL(path) if os.path.exists(path) else None
+
+
+def define() -> None:
+    """The op's schema, shape function and eager body (for tracing and eager checks)."""
+    if _lib:
+        return
+    lib = torch.library.Library("tandem_cpu", "DEF")
+    lib.define("rows_linear(Tensor x, Tensor w) -> Tensor")
+    lib.impl("rows_linear", lambda x, w: torch.mm(x, w.t()), "CPU")
+    torch.library.register_fake("tandem_cpu::rows_linear", lambda x, w: x.new_empty((x.shape[0], w.shape[0])),
+                                lib=lib)
+    _lib.append(lib)
+
+
+def build_library(key_dir: str) -> bool:
+    """Compile ``cpu_gemm.cpp`` with the flags Inductor uses for this CPU's vector ISA into
+    ``library_path(key_dir)``; False (nothing built) where Inductor finds no vector ISA."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    if not isa:
+        return False
+    torch_dir = os.path.dirname(torch.__file__)
+    lib_dir = os.path.join(torch_dir, "lib")
+    out = library_path(key_dir)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    cmd = [get_cpp_compiler(), "-O3", "-shared", "-fPIC", "-std=c++20", "-w",
+           *(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split(),
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+           "-I", os.path.join(torch_dir, "include"), SOURCE, "-o", tmp,
+           f"-Wl,-soname,{os.path.basename(out)}", "-L", lib_dir, "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib_dir}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise RuntimeError(f"compiling {os.path.basename(SOURCE)} failed (exit {done.returncode})")
+    os.replace(tmp, out)
+    return True
+
+
+def use_rows_linear(program: torch.export.ExportedProgram) -> int:
+    """Rewrite ``program``'s bias-free float32 linears over a 2-D input and a column-major
+    weight into ``rows_linear``, in place; returns how many."""
+    define()
+    linear, rows = torch.ops.aten.linear.default, torch.ops.tandem_cpu.rows_linear.default
+    n = 0
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target is linear and _fits(node):
+            node.target, node.args, node.kwargs = rows, tuple(node.args[:2]), {}
+            n += 1
+    program.graph_module.recompile()
+    return n
+
+
+def _fits(node) -> bool:
+    x, w, *rest = node.args
+    if any(b is not None for b in rest) or node.kwargs.get("bias") is not None:
+        return False
+    xv, wv = getattr(x, "meta", {}).get("val"), getattr(w, "meta", {}).get("val")
+    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor):
+        return False
+    return (xv.dim() == 2 and wv.dim() == 2 and xv.dtype == wv.dtype == torch.float32
+            and wv.stride(0) == 1)
+
+
+def inductor_configs(key_dir: str) -> dict:
+    """AOTInductor settings for a program that calls ``rows_linear``: the shim's declaration and
+    the library to link (found in ``key_dir`` through ``LIBRARY_PATH``, set by the caller)."""
+    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.tandem_cpu.rows_linear.default: [SHIM]},
+            "aot_inductor.custom_op_libs": [library_name(key_dir)]}
