@@ -2,8 +2,8 @@
 shape), each timed inside a CUDA graph with its weights rotated over more than L2:
 
 - decode rows (1, 2, 4): the FP8 linear as the engine launches it (``kernels/fp8_linear.py``,
-  dynamic activations and weight-only) and, at one row, other tiles of the one-row kernel
-  (``fp8_gemv.py``), against the bf16 path (``gemv.linear``: the GEMV or cuBLAS): microseconds and the share of the
+  dynamic activations and weight-only), the tensor-core GEMV's tiles (``fp8_gemv.fp8_gemv_dot``)
+  and, at one row, the one-row loop's (``fp8_gemv_row``), against the bf16 path (``gemv.linear``: the GEMV or cuBLAS): microseconds and the share of the
   copy bandwidth its weight bytes stream at;
 - batches and prefill (16 to 8192 rows): bf16 cuBLAS, the FP8 GEMM with dynamic activations
   (its quantization kernel included) and weight-only, and ``torch._scaled_mm`` (per-token
@@ -31,7 +31,7 @@ from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
 from gpu_worker.kernels import gemv as G  # noqa: E402
 from gpu_worker.kernels import fp8_linear as L  # noqa: E402
 from gpu_worker.kernels.fp8_gemm import fp8_gemm  # noqa: E402
-from gpu_worker.kernels.fp8_gemv import fp8_gemv_row  # noqa: E402
+from gpu_worker.kernels.fp8_gemv import fp8_gemv_dot, fp8_gemv_row  # noqa: E402
 from gpu_worker.kernels.fp8_quant import quantize_acts  # noqa: E402
 from gpu_worker.quant.fp8_math import quantize_rows  # noqa: E402
 
@@ -49,9 +49,10 @@ SHAPES = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 40
 GEMV_ROWS = (1, 2, 4)
 GEMM_ROWS = (16, 64, 256, 1024, 4096, 8192)
 # one-row kernel tiles: (block_n, groups, num_warps, num_stages)
-ROW_TRIES = [dict(block_n=bn, groups=g, num_warps=w, num_stages=st)
-             for bn, g, w, st in ((8, 4, 2, 4), (8, 4, 2, 6), (8, 8, 2, 3), (16, 2, 2, 4), (16, 4, 2, 4), (4, 4, 1, 4),
-                                  (4, 8, 1, 4), (8, 4, 1, 4), (8, 2, 1, 6), (16, 4, 4, 4), (32, 2, 2, 4), (64, 1, 4, 4))]
+ROW_TRIES = [dict(block_n=8, groups=4, num_warps=2, num_stages=4), dict(block_n=16, groups=2, num_warps=2, num_stages=4)]
+# tensor-core GEMV tiles: (block_n, num_warps, num_stages)
+DOT_TRIES = [dict(block_n=bn, num_warps=w, num_stages=st)
+             for bn, w, st in ((16, 2, 4), (32, 4, 4), (64, 4, 4), (64, 4, 6), (128, 4, 4), (128, 8, 4), (128, 4, 6))]
 
 
 def _weights(n: int, k: int, fp8: bool):
@@ -83,6 +84,9 @@ def gemv_rows(bw: float) -> list[dict]:
             rows.append(base | {"impl": "bf16 (engine)", "us": sec * 1e6, "frac_of_copy_bw": n * k * 2 / sec / bw})
             for acts in ("dynamic", "none"):
                 add(f"fp8 {acts} (engine)", lambda: [L.fp8_linear(x, w, s, 1, acts) for w, s in w8])
+            for cfg in DOT_TRIES:
+                add("fp8 dot", lambda: [fp8_gemv_dot(x, w, s, 1, 1, cfg=cfg) for w, s in w8], config=cfg)
+            add("fp8 dot none", lambda: [fp8_gemv_dot(x, w, s, 1, 0) for w, s in w8])
             if m > 1:
                 continue
             for cfg in ROW_TRIES:

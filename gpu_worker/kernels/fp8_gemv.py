@@ -1,22 +1,25 @@
-"""The one-row FP8 GEMV (plain decode at one request, the MTP draft): y [1, N] = x [1, K] @ W^T
-with W float8 e4m3 [N, K] and its scales (``fp8_math``'s layout), x in the model dtype.
+"""The FP8 GEMVs: y [M, N] = x [M, K] @ W^T for one to four rows (decode at small batches, the
+MTP draft and verify at one request), W float8 e4m3 [N, K] with its scales (``fp8_math``'s
+layout), x in the model dtype.
 
-The two-dimensional GEMV kernels (``gemv_kernels.py``) reduce every K tile to its row sums. An
-FP8 scale group is 128 columns, 128 bytes a row: per byte streamed that reduction costs several
-times what it costs a bf16 tile, and it kept the FP8 GEMV far from the copy bandwidth. Here a
-program accumulates element-wise products in a [BLOCK_N, G, 128] float32 tile over its whole K
-range and reduces once, at the end. A K tile holds G scale groups (G x 128 bytes a row in flight);
-x's tile is quantized per group as the format asks (``A8`` 1 dynamic: amax / 448 of its 128
-columns; 2 static: the one scale) and folded back with its scale (``x_q * s``, as
-``fp8_math.qdq_acts``), so the loop is a convert and a product-add per weight byte (block scales,
-``WS`` 2: one more product). Row scales (``WS`` 1) multiply the sums once.
+**The tensor-core GEMV** (``fp8_gemv_dot``: every row count where x is quantized) multiplies a
+[BLOCK_N, 128] weight tile by x's tile padded to 16 rows, one 128-column scale group a K tile,
+and adds the product to a float32 accumulator times the tile's scales. The weight reaches the
+tensor cores as e4m3, with no conversion in registers; x's tile is quantized per row and group
+in registers, as ``fp8_quant`` quantizes it (``_x_tile_q``), so no launch precedes it.
 
-The same streaming loop (``fp8_row_sums``) serves ``qkv_rope.py``'s one-row qkv with RoPE.
-Split-K, the ticket protocol and the PDL prefetch are ``gemv.py``'s. A merged gate_up takes this
-kernel then the activation kernel: a gated variant (gate rows, then up rows, ``act(gate) * up``
-in the epilogue) measured slower than that pair (docs/decisions/fp8.md).
+**The one-row loop** (``fp8_row_sums``: weight-only checkpoints at one row, and ``qkv_rope.py``'s
+one-row qkv with RoPE) accumulates element-wise products in a [BLOCK_N, G, 128] float32 tile over
+its K range and reduces once, at the end. x's tile is quantized per group as the format asks
+(``A8`` 1 dynamic: amax / 448 of its 128 columns; 2 static: the one scale) and folded back with
+its scale (``x_q * s``, as ``fp8_math.qdq_acts``), so the loop is a convert and a product-add per
+weight byte (block scales, ``WS`` 2: one more product); the converts bound it below the copy
+bandwidth, where the tensor-core GEMV is not (docs/decisions/fp8.md). Row scales (``WS`` 1)
+multiply the sums once.
+
+Split-K, the ticket protocol and the PDL prefetch are ``gemv.py``'s. A merged gate_up takes a
+GEMV then the activation kernel.
 """
-
 from __future__ import annotations
 
 import torch
@@ -24,20 +27,34 @@ import torch
 from gpu_worker.kernels import PDL_ON, TICKETS, pdl, tickets
 from gpu_worker.kernels.fp8_round import BLOCK
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
-from gpu_worker.kernels.gemv import LONG_K_SPLITS, SKINNY_MAX_K, prefetch_cols, short_k_splits
+from gpu_worker.kernels.gemv import BIG_WEIGHT, LONG_K_SPLITS, SKINNY_MAX_K, prefetch_cols, short_k_splits
 
 try:
     import triton
     import triton.language as tl
 
     from gpu_worker.kernels.fp8_round import to_e4m3
-    from gpu_worker.kernels.gemv_kernels import _reduce_row, _store_row
+    from gpu_worker.kernels.gemv_kernels import _reduce_row, _store_row, mma
 except ImportError:
     triton = None
 
 # BLOCK_N weight rows a program, G scale groups (G x 128 columns) a K tile: the fastest tile summed
 # over the 8B and 9B shapes' projections (benchmarks/fp8_gemm_bench.py; docs/decisions/fp8.md).
 ROW_CONFIG = dict(block_n=8, groups=4, num_warps=2, num_stages=4)
+# The tensor-core kernel (``fp8_gemv_dot``), x padded to 16 rows: BLOCK_N weight rows a program,
+# by weight (the fastest of benchmarks/fp8_gemm_bench.py's DOT_TRIES on the 8B and 9B shapes at
+# 1-4 rows; docs/decisions/fp8.md): long K (split LONG_K_SPLITS ways), big weights, the rest.
+DOT_LONG_K = dict(block_n=128, num_warps=4, num_stages=6)
+DOT_BIG = dict(block_n=128, num_warps=8, num_stages=4)
+DOT_CONFIG = dict(block_n=64, num_warps=4, num_stages=4)
+DOT_MAX_ROWS = 4
+
+
+def dot_config(n: int, k: int) -> dict:
+    """The tensor-core GEMV's tile for an [n, k] weight."""
+    if k > SKINNY_MAX_K:
+        return DOT_LONG_K
+    return DOT_BIG if n * k >= BIG_WEIGHT else DOT_CONFIG
 
 
 def row_splits(n: int, k: int, cfg: dict, device: torch.device) -> int:
@@ -111,6 +128,84 @@ if triton is not None:
                 _reduce_row(y_ptr, ws_ptr, 0, n, nm, N, 1, SPLITS, -1)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
 
+    @triton.jit
+    def _x_tile_q(x_ptr, sxm, r, rm, k, km, xs_ptr, A8: tl.constexpr):
+        """x's K tile [MP, 128] as the tensor cores take it, and the per-row factor its products
+        carry: e4m3 and amax / 448 of each row's 128 columns (``A8`` 1, ``_x_groups``' values),
+        e4m3 and the static scale (2), or x and 1 (0: weight-only)."""
+        x = tl.load(x_ptr + r[:, None] * sxm + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        f = tl.full(r.shape, 1.0, tl.float32)
+        if A8 == 1:
+            amax = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), axis=1), 1e-12)
+            x = to_e4m3(x.to(tl.float32) * tl.div_rn(448.0, amax)[:, None])
+            f = tl.div_rn(amax, 448.0)
+        elif A8 == 2:
+            s = tl.load(xs_ptr).to(tl.float32)
+            x = to_e4m3(x.to(tl.float32) * tl.div_rn(1.0, s))
+            f = f * s
+        return x, f
+
+    @triton.jit
+    def fp8_dot_sums(rows_ptr, srow, s_ptr, x_ptr, sxm, xs_ptr, k_lo, k_hi, nm, M: tl.constexpr, MP: tl.constexpr,
+                     WS: tl.constexpr, A8: tl.constexpr, F32: tl.constexpr):
+        """float32 [BLOCK_N, MP]: the weight rows at ``rows_ptr`` ([BLOCK_N] pointers; ``nm`` masks
+        them) times x's M rows (padded to MP with zeros) over columns k_lo..k_hi, with their scales:
+        per 128-column tile, (W tile @ x tile^T) times the tile's factors, on the tensor cores. The
+        weight goes from memory to them as e4m3, never converted in registers (the one-row loop
+        above converts every byte, which bounds it below the copy bandwidth)."""
+        r = tl.arange(0, MP)
+        rm = r < M
+        acc = tl.zeros([rows_ptr.shape[0], MP], tl.float32)
+        for start in range(k_lo, k_hi, 128):
+            k = start + tl.arange(0, 128)
+            km = k < k_hi
+            w = tl.load(rows_ptr[:, None] + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            xq, xf = _x_tile_q(x_ptr, sxm, r, rm, k, km, xs_ptr, A8)
+            if F32:  # the interpreter and float32 models: exact float32 products
+                w, xq = w.to(tl.float32), xq.to(tl.float32)
+            elif A8 == 0:
+                w = w.to(xq.dtype)  # e4m3 -> x's dtype: exact
+            part = mma(w, tl.trans(xq), tl.zeros_like(acc), F32) * xf[None, :]
+            if WS == 2:
+                part = part * tl.load(s_ptr + srow + start // 128, mask=nm, other=0.0)[:, None]
+            acc += part
+        if WS == 1:
+            acc = acc * tl.load(s_ptr + srow)[:, None]
+        return acc
+
+    @triton.jit
+    def _fp8_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, s_ptr, xs_ptr, N, K, K_CHUNK, sxm, swn, sym, ss,
+                        M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                        PDL: tl.constexpr, PREFETCH_K: tl.constexpr, WS: tl.constexpr, A8: tl.constexpr,
+                        SN: tl.constexpr, F32: tl.constexpr):
+        """1..M rows on the tensor cores (``fp8_dot_sums``), split-K as the one-row kernel."""
+        pid = tl.program_id(0)
+        k_lo = tl.program_id(1) * K_CHUNK
+        k_hi = tl.minimum(K, k_lo + K_CHUNK)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        nc = tl.minimum(n, N - 1)
+        r = tl.arange(0, MP)
+        rm = r < M
+        srow = (nc // SN) * ss
+        if PREFETCH_K > 0:  # weights only, before the wait (one prefetch per 32-byte sector)
+            sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 32) * 32, K - 1)
+            prefetch_l2(w_ptr + nc.to(tl.int64)[:, None] * swn + sec[None, :], PDL)
+        gdc_enter(PDL)
+        acc = fp8_dot_sums(w_ptr + n.to(tl.int64) * swn, srow, s_ptr, x_ptr, sxm, xs_ptr, k_lo, k_hi, nm, M, MP,
+                           WS, A8, F32)
+        out_m = rm[None, :] & nm[:, None]
+        if SPLITS == 1:
+            tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
+        else:
+            ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the GEMVs' partials layout: [split, m, 2N]
+            tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
+            tl.debug_barrier()  # as gemv_kernels.py: every partial store precedes the ticket
+            if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                for m in tl.static_range(M):
+                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, -1)
+                tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
+
 
 def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, a8: int,
                  input_scale: torch.Tensor | None = None, splits: int | None = None, cfg: dict = ROW_CONFIG,
@@ -141,5 +236,40 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_ro
         scale.stride(0), BLOCK_N=bn, G=g, SPLITS=splits, PDL=on, PREFETCH_K=pre,
         WS=1 if scale.shape[1] == 1 else 2, A8=a8, SN=scale_rows, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], launch_pdl=on == PDL_ON,
+    )
+    return y
+
+
+def fp8_gemv_dot(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, a8: int,
+                 input_scale: torch.Tensor | None = None, splits: int | None = None, cfg: dict | None = None,
+                 prefetch_k: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= DOT_MAX_ROWS, unit column stride) through e4m3 ``w`` [N, K] -> [M, N] in x's
+    dtype, on the tensor cores. ``splits`` / ``cfg`` None: the launch rule and ``dot_config``."""
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = cfg or dot_config(n, k)
+    assert 1 <= m <= DOT_MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (x.shape, w.shape)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bn = cfg["block_n"]
+    tiles = triton.cdiv(n, bn)
+    if splits is None:
+        splits = LONG_K_SPLITS if k > SKINNY_MAX_K else short_k_splits(tiles, k, BLOCK, x.device)
+    chunk = triton.cdiv(triton.cdiv(k, max(1, splits)), BLOCK) * BLOCK
+    splits = triton.cdiv(k, chunk)  # no empty split
+    ws = tk = y
+    if splits > 1:
+        assert tiles <= TICKETS, (n, bn)
+        ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
+        tk = tickets(x.device)
+    on = pdl(x)
+    pre = 0
+    if on == PDL_ON:
+        pre = prefetch_cols(n, splits, chunk, elt=1) if prefetch_k is None else prefetch_k
+        pre = pre if pre >= 32 else 0
+    _fp8_dot_kernel[(tiles, splits)](
+        x, w, y, ws, tk, scale, input_scale if input_scale is not None else scale, n, k, chunk, x.stride(0),
+        w.stride(0), y.stride(0), scale.stride(0), M=m, MP=16, BLOCK_N=bn, SPLITS=splits, PDL=on, PREFETCH_K=pre,
+        WS=1 if scale.shape[1] == 1 else 2, A8=a8, SN=scale_rows, F32=not x.is_cuda or x.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=on == PDL_ON,
     )
     return y

@@ -307,11 +307,13 @@ def record_engine(root) -> set[str]:
 
 
 def record_fp8_kernels() -> None:
-    """Launch the one-row FP8 GEMV (split-K), the GEMM, activation quantization and one-row
+    """Launch the FP8 GEMVs (split-K), the GEMM, activation quantization and one-row
     qkv + RoPE in every weight layout (row scales; 128-column blocks, per row and per
-    128-row group) and activation scheme (weight-only, dynamic, static), at one and several rows:
-    the variants checkpoints in the other formats compile."""
+    128-row group) and activation scheme (weight-only, dynamic, static), at one and several rows,
+    and the tensor-core GEMV's tiles for big and long-K weights: the variants checkpoints in the
+    other formats compile."""
     from gpu_worker.kernels import enable_cpu_kernels
+    from gpu_worker.kernels.fp8_gemv import DOT_BIG, DOT_LONG_K, fp8_gemv_dot
     from gpu_worker.kernels.fp8_linear import A8, fp8_linear
     from gpu_worker.kernels.qkv_rope import qkv_rope_store
     from gpu_worker.quant.fp8_math import FP8
@@ -325,6 +327,9 @@ def record_fp8_kernels() -> None:
         for acts in ("none", "dynamic", "static"):
             for x in xs:
                 fp8_linear(x, w, s, rows, acts, inp)
+            if acts == "dynamic" and rows == 1:
+                for cfg in (DOT_BIG, DOT_LONG_K):
+                    fp8_gemv_dot(xs[0], w, s, rows, A8[acts], cfg=cfg)
             kv = torch.zeros(4, 2, 32, dtype=FP8)  # 4 query + 2 x 2 KV heads of 32 = the weight's 256 rows
             enable_cpu_kernels(True)
             try:

@@ -10,7 +10,7 @@ import torch
 
 from gpu_worker.kernels import tickets_clear
 from gpu_worker.kernels.fp8_gemm import fp8_gemm
-from gpu_worker.kernels.fp8_gemv import fp8_gemv_row
+from gpu_worker.kernels.fp8_gemv import fp8_gemv_dot, fp8_gemv_row
 from gpu_worker.kernels.fp8_linear import fp8_linear
 from gpu_worker.kernels.fp8_quant import quantize_acts
 from gpu_worker.quant.fp8_math import BLOCK, FP8_MAX, dequantize, fp8_linear_ref, quantize_groups, quantize_rows
@@ -70,6 +70,22 @@ def test_fp8_row_gemv(groups, splits, layout, rows, acts):
     inp = INPUT_SCALE.to(DEV) if acts == "static" else None
     cfg = dict(block_n=16, groups=groups, num_warps=4, num_stages=2)
     y = fp8_gemv_row(x, w8, s, sr, {"none": 0, "dynamic": 1, "static": 2}[acts], inp, splits=splits, cfg=cfg)
+    _close(y, _ref(x, w8, s, sr, acts))
+    assert tickets_clear()
+
+
+@pytest.mark.parametrize("acts", ACTS)
+@pytest.mark.parametrize("layout,rows", [("channel", 1), ("block", 1), ("block", BLOCK)])
+@pytest.mark.parametrize("m,splits", [(1, 1), (1, 3), (2, 2), (4, 1)])
+def test_fp8_tensor_core_gemv(m, splits, layout, rows, acts):
+    """The tensor-core GEMV at one to four rows: x padded to 16 rows and quantized a tile at a
+    time, split-K, a partial last K tile and row tile."""
+    n, k = 80, 580
+    w8, s, sr = fp8_weight(n, k, layout, seed=m + splits, rows=rows)
+    x = _x(m, k, seed=splits)
+    inp = INPUT_SCALE.to(DEV) if acts == "static" else None
+    y = fp8_gemv_dot(x, w8, s, sr, {"none": 0, "dynamic": 1, "static": 2}[acts], inp, splits=splits,
+                     cfg=dict(block_n=32, num_warps=4, num_stages=2))
     _close(y, _ref(x, w8, s, sr, acts))
     assert tickets_clear()
 
