@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.kernels import PDL_ON, TICKETS, pdl, tickets
+from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.fp8_round import BLOCK
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
 from gpu_worker.kernels.gemv import BIG_WEIGHT, LONG_K_SPLITS, SKINNY_MAX_K, prefetch_cols, short_k_splits
@@ -34,7 +35,7 @@ try:
     import triton.language as tl
 
     from gpu_worker.kernels.fp8_round import to_e4m3
-    from gpu_worker.kernels.gemv_kernels import _reduce_row, _store_row, mma
+    from gpu_worker.kernels.gemv_kernels import _dot_rows, _finish, _reduce_row, _store_row, mma
 except ImportError:
     triton = None
 
@@ -175,37 +176,50 @@ if triton is not None:
 
     @triton.jit
     def _fp8_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, s_ptr, xs_ptr, N, K, K_CHUNK, sxm, swn, sym, ss,
-                        M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                        PDL: tl.constexpr, PREFETCH_K: tl.constexpr, WS: tl.constexpr, A8: tl.constexpr,
-                        SN: tl.constexpr, F32: tl.constexpr):
-        """1..M rows on the tensor cores (``fp8_dot_sums``), split-K as the one-row kernel."""
+                        M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
+                        SPLITS: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr, WS: tl.constexpr,
+                        A8: tl.constexpr, SN: tl.constexpr, F32: tl.constexpr):
+        """1..M rows on the tensor cores (``fp8_dot_sums``), split-K as the one-row kernel. Gated
+        (``ACT`` >= 0): W is [gate; up] [2N, K], a program's tile BLOCK_N / 2 gate rows then their
+        up rows (``_dot_rows``), and the epilogue writes ``act(gate) * up`` [M, N] rounded as the
+        projection then the activation kernel."""
         pid = tl.program_id(0)
         k_lo = tl.program_id(1) * K_CHUNK
         k_hi = tl.minimum(K, k_lo + K_CHUNK)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < N
-        nc = tl.minimum(n, N - 1)
+        w_idx, nm = _dot_rows(pid, N, BLOCK_N, ACT)
+        wc = tl.where(nm, w_idx, 0)
         r = tl.arange(0, MP)
         rm = r < M
-        srow = (nc // SN) * ss
         if PREFETCH_K > 0:  # weights only, before the wait (one prefetch per 32-byte sector)
             sec = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 32) * 32, K - 1)
-            prefetch_l2(w_ptr + nc.to(tl.int64)[:, None] * swn + sec[None, :], PDL)
+            prefetch_l2(w_ptr + wc.to(tl.int64)[:, None] * swn + sec[None, :], PDL)
         gdc_enter(PDL)
-        acc = fp8_dot_sums(w_ptr + n.to(tl.int64) * swn, srow, s_ptr, x_ptr, sxm, xs_ptr, k_lo, k_hi, nm, M, MP,
-                           WS, A8, F32)
-        out_m = rm[None, :] & nm[:, None]
-        if SPLITS == 1:
-            tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
+        acc = fp8_dot_sums(w_ptr + w_idx.to(tl.int64) * swn, (wc // SN) * ss, s_ptr, x_ptr, sxm, xs_ptr, k_lo, k_hi,
+                           nm, M, MP, WS, A8, F32)
+        ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the GEMVs' partials layout: [split, m, 2N]
+        if ACT >= 0:
+            HALF: tl.constexpr = BLOCK_N // 2
+            g, u = tl.split(tl.permute(tl.reshape(acc, [2, HALF, MP]), [1, 2, 0]))
+            n = pid * HALF + tl.arange(0, HALF)
+            out_m = rm[None, :] & (n < N)[:, None]
+            if SPLITS == 1:
+                tl.store(y_ptr + r[None, :] * sym + n[:, None], _finish(g, u, ACT, y_ptr.dtype.element_ty), mask=out_m)
+            else:
+                tl.store(ws + r[None, :] * 2 * N + n[:, None], g, mask=out_m)
+                tl.store(ws + r[None, :] * 2 * N + N + n[:, None], u, mask=out_m)
         else:
-            ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the GEMVs' partials layout: [split, m, 2N]
-            tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
+            n = w_idx
+            out_m = rm[None, :] & nm[:, None]
+            if SPLITS == 1:
+                tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
+            else:
+                tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
+        if SPLITS > 1:
             tl.debug_barrier()  # as gemv_kernels.py: every partial store precedes the ticket
             if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
                 for m in tl.static_range(M):
-                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, nm, N, M, SPLITS, -1)
+                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, n < N, N, M, SPLITS, ACT)
                 tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
-
 
 def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, a8: int,
                  input_scale: torch.Tensor | None = None, splits: int | None = None, cfg: dict = ROW_CONFIG,
@@ -242,16 +256,20 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_ro
 
 def fp8_gemv_dot(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, a8: int,
                  input_scale: torch.Tensor | None = None, splits: int | None = None, cfg: dict | None = None,
-                 prefetch_k: int | None = None) -> torch.Tensor:
+                 prefetch_k: int | None = None, act: str | None = None) -> torch.Tensor:
     """x [M, K] (M <= DOT_MAX_ROWS, unit column stride) through e4m3 ``w`` [N, K] -> [M, N] in x's
-    dtype, on the tensor cores. ``splits`` / ``cfg`` None: the launch rule and ``dot_config``."""
+    dtype, on the tensor cores. With ``act`` (``activation.ACTS``), w is a merged [gate; up]
+    weight [2N', K] and the result ``act(x @ gate^T) * (x @ up^T)`` [M, N']. ``splits`` / ``cfg``
+    None: the launch rule and ``dot_config``."""
     m, k = x.shape
-    n = w.shape[0]
-    cfg = cfg or dot_config(n, k)
+    rows = w.shape[0]
+    n = rows // 2 if act else rows
+    cfg = cfg or dot_config(rows, k)
     assert 1 <= m <= DOT_MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == k, (x.shape, w.shape)
+    assert not act or rows % 2 == 0, w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bn = cfg["block_n"]
-    tiles = triton.cdiv(n, bn)
+    tiles = triton.cdiv(n, bn // 2 if act else bn)
     if splits is None:
         splits = LONG_K_SPLITS if k > SKINNY_MAX_K else short_k_splits(tiles, k, BLOCK, x.device)
     chunk = triton.cdiv(triton.cdiv(k, max(1, splits)), BLOCK) * BLOCK
@@ -264,12 +282,13 @@ def fp8_gemv_dot(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_ro
     on = pdl(x)
     pre = 0
     if on == PDL_ON:
-        pre = prefetch_cols(n, splits, chunk, elt=1) if prefetch_k is None else prefetch_k
+        pre = prefetch_cols(rows, splits, chunk, elt=1) if prefetch_k is None else prefetch_k
         pre = pre if pre >= 32 else 0
     _fp8_dot_kernel[(tiles, splits)](
         x, w, y, ws, tk, scale, input_scale if input_scale is not None else scale, n, k, chunk, x.stride(0),
-        w.stride(0), y.stride(0), scale.stride(0), M=m, MP=16, BLOCK_N=bn, SPLITS=splits, PDL=on, PREFETCH_K=pre,
-        WS=1 if scale.shape[1] == 1 else 2, A8=a8, SN=scale_rows, F32=not x.is_cuda or x.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=on == PDL_ON,
+        w.stride(0), y.stride(0), scale.stride(0), M=m, MP=16, BLOCK_N=bn, ACT=ACTS[act] if act else -1,
+        SPLITS=splits, PDL=on, PREFETCH_K=pre, WS=1 if scale.shape[1] == 1 else 2, A8=a8, SN=scale_rows,
+        F32=not x.is_cuda or x.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        launch_pdl=on == PDL_ON,
     )
     return y

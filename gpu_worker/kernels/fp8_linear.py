@@ -7,7 +7,9 @@
 - more rows (decode batches, prefill; weight-only from two rows): the FP8 GEMM (``fp8_gemm.py``),
   activations quantized by ``fp8_quant.py`` first where the format asks
   (docs/decisions/fp8.md).
-A merged gate_up is this projection then the activation kernel at every row count. Every launch
+A merged gate_up at one to four rows with quantized activations takes the tensor-core GEMV with
+the activation in its epilogue (``fp8_gated_linear``); elsewhere the projection, then the
+activation kernel. Every launch
 shape depends on the weight and the row count only (CUDA graphs replay it).
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from gpu_worker.kernels.fp8_gemm import fp8_gemm
 from gpu_worker.kernels.fp8_gemv import DOT_MAX_ROWS, fp8_gemv_dot, fp8_gemv_row
+from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.fp8_quant import quantize_acts
 
 A8 = {"none": 0, "dynamic": 1, "static": 2}
@@ -34,3 +37,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows
         return fp8_gemm(x, None, w, scale, scale_rows, x.dtype)
     xq, xs = quantize_acts(x, input_scale if acts == "static" else None)
     return fp8_gemm(xq, xs, w, scale, scale_rows, x.dtype, static=acts == "static")
+
+
+def fp8_gated_linear(x: torch.Tensor, gate_up: torch.Tensor, scale: torch.Tensor, scale_rows: int, acts: str,
+                     input_scale: torch.Tensor | None, act: str) -> torch.Tensor | None:
+    """``act(x @ gate^T) * (x @ up^T)`` (gate_up = [gate; up] in e4m3) in one launch where the
+    tensor-core GEMV takes x, else None: the caller runs ``fp8_linear`` and the activation."""
+    if acts == "none" or act not in ACTS or not 1 <= x.shape[0] <= DOT_MAX_ROWS or x.stride(1) != 1:
+        return None
+    return fp8_gemv_dot(x, gate_up, scale, scale_rows, A8[acts], input_scale, act=act)

@@ -196,12 +196,15 @@ class GatedMLP(nn.Module):
         activation(act)  # fail at build time on an unsupported activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One decode row at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py). Under
-        # TP the column-parallel subclass may lay its shard out differently: the general path.
-        # FP8 weights (``quant``) take the projection then the activation kernel.
+        # Decode rows at TP=1: gate_up and the activation in one GEMV (kernels/gemv.py; FP8
+        # weights: their quant method's). Under TP the column-parallel subclass may lay its shard
+        # out differently: the general path.
         proj = self.gate_up_proj
-        if type(proj) is MergedLinear and proj.bias is None and proj.quant is None:
-            h = gated_linear(x, proj.weight, self.act_name)
+        if type(proj) is MergedLinear and proj.bias is None:
+            if proj.quant is None:
+                h = gated_linear(x, proj.weight, self.act_name)
+            else:
+                h = proj.quant.gated(proj, x, self.act_name)
             if h is not None:
                 return self.down_proj(h)
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))

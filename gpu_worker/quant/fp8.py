@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gpu_worker.kernels import use_triton
-from gpu_worker.kernels.fp8_linear import A8, fp8_linear
+from gpu_worker.kernels.fp8_linear import A8, fp8_gated_linear, fp8_linear
 from gpu_worker.quant.config import Fp8Format
 from gpu_worker.quant.fp8_math import BLOCK, FP8, fp8_linear_ref, quantize_rows
 
@@ -82,6 +82,14 @@ class Fp8LinearMethod:
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def gated(self, layer: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """``act(gate) * up`` of a merged [gate; up] projection in one kernel (no bias), or None
+        where no such kernel takes x: the caller applies the projection, then the activation."""
+        if x.dim() != 2 or not use_triton(x):
+            return None
+        return fp8_gated_linear(x, layer.weight, layer.weight_scale, layer.scale_rows, self.fmt.acts,
+                                getattr(layer, "input_scale", None), act)
 
     def kernel_args(self, layer: nn.Module) -> dict:
         """What a kernel taking this projection's weight needs besides it (``qkv_rope.qkv_rope_store``'s

@@ -90,6 +90,32 @@ def test_fp8_tensor_core_gemv(m, splits, layout, rows, acts):
     assert tickets_clear()
 
 
+@pytest.mark.parametrize("acts", ["dynamic", "static"])
+@pytest.mark.parametrize("layout,rows", [("channel", 1), ("block", BLOCK)])
+@pytest.mark.parametrize("m,splits", [(1, 1), (1, 3), (4, 2)])
+def test_fp8_gated_gemv_is_the_projection_then_the_activation(m, splits, layout, rows, acts):
+    """gate_up with the activation in the tensor-core GEMV's epilogue: the projection rounded to
+    the model dtype, then the activation kernel's roundings (gate rows and up rows in one tile,
+    split-K)."""
+    from gpu_worker.kernels import enable_cpu_kernels
+    from gpu_worker.kernels.activation import gated_act
+
+    n, k = 2 * 48, 580  # 48 outputs: a partial last tile of 32 rows (16 gate + 16 up)
+    w8, s, sr = fp8_weight(n, k, layout, seed=m + splits, rows=rows)
+    x = _x(m, k, seed=splits)
+    inp = INPUT_SCALE.to(DEV) if acts == "static" else None
+    a8 = {"dynamic": 1, "static": 2}[acts]
+    cfg = dict(block_n=32, num_warps=4, num_stages=2)
+    y = fp8_gemv_dot(x, w8, s, sr, a8, inp, splits=splits, cfg=cfg, act="silu")
+    gate, up = fp8_gemv_dot(x, w8, s, sr, a8, inp, splits=splits, cfg=cfg).split(n // 2, dim=1)
+    enable_cpu_kernels(True)
+    try:
+        assert torch.equal(y, gated_act(gate, up, "silu"))
+    finally:
+        enable_cpu_kernels(False)
+    assert tickets_clear()
+
+
 @pytest.mark.parametrize("acts", ACTS)
 @pytest.mark.parametrize("layout,rows", [("channel", 1), ("block", BLOCK)])
 @pytest.mark.parametrize("m", [5, 40])
