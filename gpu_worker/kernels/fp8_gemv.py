@@ -17,8 +17,10 @@ weight byte (block scales, ``WS`` 2: one more product); the converts bound it be
 bandwidth, where the tensor-core GEMV is not (docs/decisions/fp8.md). Row scales (``WS`` 1)
 multiply the sums once.
 
-Split-K, the ticket protocol and the PDL prefetch are ``gemv.py``'s. A merged gate_up takes a
-GEMV then the activation kernel.
+Split-K, the ticket protocol and the PDL prefetch are ``gemv.py``'s. A merged gate_up takes the
+tensor-core GEMV with the activation in its epilogue (``act``: a tile holds gate rows and their up
+rows, as ``gemv_kernels._dot_rows`` gathers them); the one-row loop's gated variant measured
+slower than the projection then the activation kernel, so it has none.
 """
 from __future__ import annotations
 
