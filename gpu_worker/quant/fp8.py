@@ -11,7 +11,8 @@ float8 e4m3 and adds
 - ``quant``: this method, which its ``forward`` hands the multiplication to.
 
 ``apply`` takes the kernels on the device path (``kernels/fp8_linear.py``: a GEMV for 1-4 rows,
-the FP8 GEMM above) and ``fp8_math`` on the CPU twin. Any other module type (an MoE layer's
+the FP8 GEMM above) and ``fp8_math`` on the CPU twin; ``gated`` runs a merged gate_up with its
+activation in one kernel where the GEMV takes x. Any other module type (an MoE layer's
 experts, say) takes the same path by holding the same three tensors and calling ``apply`` (or
 ``fp8_linear.fp8_linear`` per expert weight).
 """
