@@ -1,13 +1,14 @@
-// Few-row float32 GEMM for the compiled CPU steps: out [M, N] = x [M, K] @ W^T, W [N, K] stored
-// column-major (W^T [K, N] contiguous rows, models/cpu_layout.py), for M up to ROWS_MAX.
+// Few-row GEMM for the compiled CPU steps: out [M, N] = x [M, K] @ W^T, W [N, K] stored
+// column-major (W^T [K, N] contiguous rows, models/cpu_layout.py), M up to 8 (float32) or 4 (bfloat16) rows, float32 or
+// bfloat16 (x, W and out of one dtype; products and sums in float32, as MKL's float32 kernels and
+// oneDNN's bfloat16 ones do).
 //
 // Why: at 2 to 8 rows MKL's kernel walks a block of output columns down all K rows of W^T (K
-// streams at a stride of N floats), which the hardware prefetchers do not follow: with the
+// streams at a stride of N elements), which the hardware prefetchers do not follow: with the
 // weights out of the private cache (the draft ran in between, docs/decisions/cpu.md) the verify's
 // GEMMs took twice the one-row step's. Here each pass reads KC consecutive rows of W^T from start
-// to end (KC sequential streams) and adds their products into the output, which stays in L1/L2:
-// the weights stream at the one-row GEMV's rate. Each output element is a sum over k in order,
-// in float32 (fused multiply-adds), as a dot product is.
+// to end (KC sequential streams) and adds their products into float32 sums that stay in L1/L2:
+// the weights stream at the one-row GEMV's rate. Each output element is a sum over k in order.
 //
 // The compiled programs call it through its AOTInductor C shim (aoti_torch_cpu_rows_linear:
 // graphs/cpu_ops.py); other shapes, dtypes and layouts fall back to at::mm.
@@ -19,72 +20,229 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
+using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t KC = 8;  // rows of W^T per pass: 4 to 16 measured within a few per cent
-constexpr int64_t ROWS_MAX = 8;  // past 8 rows MKL's blocked kernels are as fast or faster
+constexpr int64_t V = Vec::size();
+constexpr int64_t COLS = 2 * V;  // output columns a block: one cache line of bfloat16 weights
+constexpr int64_t KC = 16;  // rows of W^T a pass: 8 to 16 measured alike, 64 slower
+// Past these rows MKL's float32 kernels and oneDNN's bfloat16 ones are as fast or faster.
+constexpr int64_t ROWS_MAX_F32 = 8;
+constexpr int64_t ROWS_MAX_BF16 = 4;
 
-// One pass over rows [k0, k0 + kc) of W^T for output columns [n, n + cnt).
-template <int M, bool FULL>
-inline void columns(const float* x, int64_t ldx, const float* wt, int64_t ldw, float* c, int64_t N,
-                    int64_t k0, int64_t kc, int64_t n, int64_t cnt) {
-  Vec acc[M];
+// Weights [p, p + cnt) as two float32 vectors (zeros past cnt).
+inline void load_cols(const float* p, int64_t cnt, Vec& lo, Vec& hi) {
+  lo = cnt >= V ? Vec::loadu(p) : Vec::loadu(p, cnt);
+  hi = cnt >= COLS ? Vec::loadu(p + V) : (cnt > V ? Vec::loadu(p + V, cnt - V) : Vec(0.f));
+}
+
+inline void load_cols(const BFloat16* p, int64_t cnt, Vec& lo, Vec& hi) {
+  using VecB = at::vec::Vectorized<BFloat16>;
+  std::tie(lo, hi) = at::vec::convert_to_float<BFloat16>(cnt >= COLS ? VecB::loadu(p) : VecB::loadu(p, cnt));
+}
+
+inline void store_cols(float* p, int64_t cnt, const Vec& lo, const Vec& hi) {
+  if (cnt >= COLS) {
+    lo.store(p);
+    hi.store(p + V);
+  } else {
+    lo.store(p, std::min(cnt, V));
+    if (cnt > V) hi.store(p + V, cnt - V);
+  }
+}
+
+inline void store_cols(BFloat16* p, int64_t cnt, const Vec& lo, const Vec& hi) {
+  const auto v = at::vec::convert_from_float<BFloat16>(lo, hi);
+  if (cnt >= COLS) {
+    v.store(p);
+  } else {
+    v.store(p, cnt);
+  }
+}
+
+// Rows [0, M) of the float32 sums `acc` (ldc N) for columns [n, n + cnt) += x @ W^T rows
+// [k0, k0 + kc); the last pass writes the result into `out` (which may be `acc` itself).
+template <int M, typename T>
+inline void block(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc, T* out, int64_t N,
+                  int64_t k0, int64_t kc, bool last, int64_t n, int64_t cnt) {
+  Vec lo[M], hi[M];
   for (int m = 0; m < M; ++m) {
     if (k0 == 0) {
-      acc[m] = Vec(0.f);
+      lo[m] = hi[m] = Vec(0.f);
     } else {
-      acc[m] = FULL ? Vec::loadu(c + m * N + n) : Vec::loadu(c + m * N + n, cnt);
+      load_cols(acc + m * N + n, cnt, lo[m], hi[m]);
     }
   }
   for (int64_t j = 0; j < kc; ++j) {
-    const float* row = wt + (k0 + j) * ldw + n;
-    const Vec w = FULL ? Vec::loadu(row) : Vec::loadu(row, cnt);
-    for (int m = 0; m < M; ++m) acc[m] = at::vec::fmadd(w, Vec(x[m * ldx + k0 + j]), acc[m]);
+    Vec wlo, whi;
+    load_cols(wt + (k0 + j) * ldw + n, cnt, wlo, whi);
+    for (int m = 0; m < M; ++m) {
+      const Vec xv(static_cast<float>(x[m * ldx + k0 + j]));
+      lo[m] = at::vec::fmadd(wlo, xv, lo[m]);
+      hi[m] = at::vec::fmadd(whi, xv, hi[m]);
+    }
   }
   for (int m = 0; m < M; ++m) {
-    if (FULL) {
-      acc[m].store(c + m * N + n);
+    if (last) {
+      store_cols(out + m * N + n, cnt, lo[m], hi[m]);
     } else {
-      acc[m].store(c + m * N + n, cnt);
+      store_cols(acc + m * N + n, cnt, lo[m], hi[m]);
     }
+  }
+}
+
+template <int M, typename T>
+void rows_kernel(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc, T* out, int64_t K, int64_t N) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    const bool last = k0 + kc == K;
+    for (int64_t n = 0; n < N; n += COLS) {
+      block<M>(x, ldx, wt, ldw, acc, out, N, k0, kc, last, n, std::min(COLS, N - n));
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__)
+#define TANDEM_DPBF16 1
+// bfloat16 with AVX512-BF16: a dot-product instruction multiplies two k at once (pairs of rows
+// k, k + 1 of W^T interleaved), half the instructions of converting to float32 and multiplying:
+// at 8 rows the GEMMs are bound by instructions, not by the weights' bytes. Each 128-bit lane of
+// the interleaved pairs holds 4 columns of the low or the high half: the sums keep that order in
+// the scratch (a whole block of COLS) and are put back in column order at the last store.
+#define TANDEM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+TANDEM_BF16_TARGET inline __m512i load_pair_row(const BFloat16* p, int64_t cnt) {
+  const __mmask32 mask = cnt >= 32 ? ~__mmask32(0) : ((__mmask32(1) << cnt) - 1);
+  return _mm512_maskz_loadu_epi16(mask, p);
+}
+
+// xp: x as (k, k + 1) pairs, [M, ldxp] 32-bit words (the broadcast operand of the dot products).
+template <int M>
+TANDEM_BF16_TARGET void dp_block(const int32_t* xp, int64_t ldxp, const BFloat16* wt, int64_t ldw, float* acc,
+                                 BFloat16* out, int64_t N, int64_t ldacc, int64_t k0, int64_t kc, bool last,
+                                 int64_t n, int64_t cnt) {
+  __m512 lo[M], hi[M];
+  for (int m = 0; m < M; ++m) {
+    lo[m] = k0 ? _mm512_loadu_ps(acc + m * ldacc + n) : _mm512_setzero_ps();
+    hi[m] = k0 ? _mm512_loadu_ps(acc + m * ldacc + n + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < kc; j += 2) {
+    const bool pair = j + 1 < kc;
+    const __m512i a = load_pair_row(wt + (k0 + j) * ldw + n, cnt);
+    const __m512i b = pair ? load_pair_row(wt + (k0 + j + 1) * ldw + n, cnt) : _mm512_setzero_si512();
+    const __m512bh p0 = (__m512bh)_mm512_unpacklo_epi16(a, b), p1 = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[m * ldxp + (k0 + j) / 2]);
+      lo[m] = _mm512_dpbf16_ps(lo[m], p0, xb);
+      hi[m] = _mm512_dpbf16_ps(hi[m], p1, xb);
+    }
+  }
+  if (!last) {
+    for (int m = 0; m < M; ++m) {
+      _mm512_storeu_ps(acc + m * ldacc + n, lo[m]);
+      _mm512_storeu_ps(acc + m * ldacc + n + 16, hi[m]);
+    }
+    return;
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __mmask32 mask = cnt >= 32 ? ~__mmask32(0) : ((__mmask32(1) << cnt) - 1);
+  for (int m = 0; m < M; ++m) {
+    const __m512 c0 = _mm512_permutex2var_ps(lo[m], first, hi[m]);
+    const __m512 c1 = _mm512_permutex2var_ps(lo[m], second, hi[m]);
+    _mm512_mask_storeu_epi16(out + m * N + n, mask, (__m512i)_mm512_cvtne2ps_pbh(c1, c0));
   }
 }
 
 template <int M>
-void rows_kernel(const float* x, int64_t ldx, const float* wt, int64_t ldw, float* c, int64_t K, int64_t N) {
-  constexpr int64_t V = Vec::size();
-  const int64_t full = N - N % V;
+TANDEM_BF16_TARGET void dp_kernel(const BFloat16* x, int64_t ldx, const BFloat16* wt, int64_t ldw, float* acc,
+                                  BFloat16* out, int64_t K, int64_t N, int64_t ldacc) {
+  const int64_t ldxp = (K + 1) / 2;
+  std::vector<int32_t> pairs(M * ldxp);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
+  for (int m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint32_t lo = xs[m * ldx + k], hi = k + 1 < K ? xs[m * ldx + k + 1] : 0;
+      pairs[m * ldxp + k / 2] = int32_t(lo | (hi << 16));
+    }
+  }
+  const int32_t* xp = pairs.data();
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
-    for (int64_t n = 0; n < full; n += V) columns<M, true>(x, ldx, wt, ldw, c, N, k0, kc, n, V);
-    if (full < N) columns<M, false>(x, ldx, wt, ldw, c, N, k0, kc, full, N - full);
+    for (int64_t n = 0; n < N; n += 32) {
+      dp_block<M>(xp, ldxp, wt, ldw, acc, out, N, ldacc, k0, kc, k0 + kc == K, n, std::min<int64_t>(32, N - n));
+    }
   }
 }
 
-bool fits(const at::Tensor& x, const at::Tensor& w) {
-  return x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
-         x.size(0) >= 1 && x.size(0) <= ROWS_MAX && x.size(1) >= 1 && x.size(1) == w.size(1) &&
-         x.stride(1) == 1 && w.stride(0) == 1;
+bool has_dpbf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
 }
+#endif
 
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w) {
-  if (!fits(x, w)) return at::mm(x, w.t());
+template <typename T>
+void rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t ldx = x.stride(0), ldw = w.stride(1);
+#ifdef TANDEM_DPBF16
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (has_dpbf16()) {
+      const int64_t ldacc = (N + 31) / 32 * 32;  // whole blocks: the sums are kept in lane order
+      at::Tensor acc = at::empty({M, ldacc}, out.options().dtype(at::kFloat));
+      float* ap = acc.data_ptr<float>();
+      switch (M) {
+#define TANDEM_ROWS(R) \
+  case R:              \
+    dp_kernel<R>(xp, ldx, wp, ldw, ap, op, K, N, ldacc); \
+    break;
+        TANDEM_ROWS(1) TANDEM_ROWS(2) TANDEM_ROWS(3) TANDEM_ROWS(4)
+        TANDEM_ROWS(5) TANDEM_ROWS(6) TANDEM_ROWS(7) TANDEM_ROWS(8)
+#undef TANDEM_ROWS
+      }
+      return;
+    }
+  }
+#endif
+  at::Tensor acc = out.scalar_type() == at::kFloat ? out : at::empty({M, N}, out.options().dtype(at::kFloat));
+  float* ap = acc.data_ptr<float>();
   switch (M) {
 #define TANDEM_ROWS(R) \
   case R:              \
-    rows_kernel<R>(xp, ldx, wp, ldw, op, K, N); \
+    rows_kernel<R>(xp, ldx, wp, ldw, ap, op, K, N); \
     break;
     TANDEM_ROWS(1) TANDEM_ROWS(2) TANDEM_ROWS(3) TANDEM_ROWS(4)
     TANDEM_ROWS(5) TANDEM_ROWS(6) TANDEM_ROWS(7) TANDEM_ROWS(8)
 #undef TANDEM_ROWS
+  }
+}
+
+bool fits(const at::Tensor& x, const at::Tensor& w) {
+  const auto dtype = x.scalar_type();
+  const int64_t rows_max = dtype == at::kFloat ? ROWS_MAX_F32 : ROWS_MAX_BF16;
+  return x.dim() == 2 && w.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+         w.scalar_type() == dtype && x.size(0) >= 1 && x.size(0) <= rows_max && x.size(1) >= 1 &&
+         x.size(1) == w.size(1) && x.stride(1) == 1 && w.stride(0) == 1;
+}
+
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w) {
+  if (!fits(x, w)) return at::mm(x, w.t());
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    rows<float>(x, w, out);
+  } else {
+    rows<BFloat16>(x, w, out);
   }
   return out;
 }

@@ -1,14 +1,17 @@
 """The compiled CPU steps' own GEMM: ``tandem_cpu::rows_linear`` (``cpu_gemm.cpp``).
 
-``rows_linear(x, w)`` is ``F.linear(x, w)`` for a float32 ``x`` [M, K] and a column-major float32
-``w`` [N, K] (``models/cpu_layout.py``). Up to 8 rows its kernel streams the weights as a one-row
-GEMV does, where MKL's few-row kernel reads them in K strided streams that the prefetchers do not
-follow (``docs/decisions/cpu.md``, "The verify's GEMMs"); past 8 rows it is ``at::mm``.
+``rows_linear(x, w)`` is ``F.linear(x, w)`` for ``x`` [M, K] and a column-major ``w`` [N, K] of
+one dtype, float32 or bfloat16 (``models/cpu_layout.py``). Up to 8 float32 rows (the target) or 4
+bfloat16 ones (the draft) its kernel streams the weights as a one-row GEMV does, where MKL's
+few-row kernel reads them in K strided streams that the prefetchers do not follow and torch's
+bf16 GEMV runs AVX2 dot products (``docs/decisions/cpu.md``, "The programs' own GEMM"); past that
+it is ``at::mm`` (MKL, oneDNN).
 
 - Build side (``cpu_build.py``, its own process): ``build_library`` compiles ``cpu_gemm.cpp``
-  into the key's directory, ``use_rows_linear`` rewrites an exported program's float32 linears
-  over column-major weights into the op, and ``inductor_configs`` has AOTInductor call the
-  op's C shim directly (no dispatcher, no proxy executor) and link the library by name.
+  into the key's directory, ``use_rows_linear`` rewrites an exported program's float32 and
+  bfloat16 linears over column-major weights into the op, and ``inductor_configs`` has
+  AOTInductor call the op's C shim directly (no dispatcher, no proxy executor) and link the
+  library by name.
 - Worker side (``cpu_steps.py``): ``load_library`` before the packages, so that their code finds
   the library (matched by its soname: nothing searches the file system at load).
 
@@ -84,8 +87,8 @@ def build_library(key_dir: str) -> bool:
 
 
 def use_rows_linear(program: torch.export.ExportedProgram) -> int:
-    """Rewrite ``program``'s bias-free float32 linears over a 2-D input and a column-major
-    weight into ``rows_linear``, in place; returns how many."""
+    """Rewrite ``program``'s bias-free float32 or bfloat16 linears over a 2-D input and a
+    column-major weight of its dtype into ``rows_linear``, in place; returns how many."""
     define()
     linear, rows = torch.ops.aten.linear.default, torch.ops.tandem_cpu.rows_linear.default
     n = 0
@@ -104,7 +107,7 @@ def _fits(node) -> bool:
     xv, wv = getattr(x, "meta", {}).get("val"), getattr(w, "meta", {}).get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor):
         return False
-    return (xv.dim() == 2 and wv.dim() == 2 and xv.dtype == wv.dtype == torch.float32
+    return (xv.dim() == 2 and wv.dim() == 2 and xv.dtype == wv.dtype and xv.dtype in (torch.float32, torch.bfloat16)
             and wv.stride(0) == 1)
 
 

@@ -4,10 +4,11 @@ A decode step multiplies 1 to T*B rows by every weight. MKL's kernels for ``x @ 
 stored [out, in] row-major (``F.linear``'s layout) cost almost twice as much at 4 to 8 rows as
 with ``W^T`` stored contiguous (``docs/decisions/cpu.md``, "Weight layout"). So on the CPU each
 projection weight (and a tied embedding that serves as the LM head) is stored column-major: the
-same [out, in] tensor, strides (1, out). That is MKL's float32 kernels' preference: bfloat16
-weights (the draft's, ``gpu_worker/main.py: draft_dtype``) keep the row-major layout, which
-oneDNN's bf16 GEMMs run about as fast, and which torch's own one-row bf16 GEMV needs (~4x slower
-on column-major weights; ``docs/decisions/cpu.md``, "Draft dtype").
+same [out, in] tensor, strides (1, out). The compiled steps' own few-row GEMM
+(``graphs/cpu_gemm.cpp``) streams that layout, float32 (the target) and bfloat16 (the draft,
+``gpu_worker/main.py: draft_dtype``) alike; oneDNN's bf16 GEMMs (the draft past 4 rows) run either
+layout within ~15 %. Eager one-row bf16 GEMMs (torch's GEMV: the draft with the compiled steps
+off) are ~4x slower on it (``docs/decisions/cpu.md``, "Draft dtype").
 Every reader sees the same values; ``F.linear`` then runs the fast layout, eager or compiled.
 Call before anything holds the weights' storage (the compiled steps bind them at load).
 """
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 
-_LAID_OUT = (torch.float32,)  # MKL's dtype; see the module docstring
+_LAID_OUT = (torch.float32, torch.bfloat16)  # see the module docstring
 
 
 def _column_major(p: torch.Tensor) -> None:

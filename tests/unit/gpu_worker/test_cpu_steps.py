@@ -2,8 +2,9 @@
 in-process engine, MTP on: greedy tokens equal HF transformers' for batches of every size up to
 the slot count, a batch goes from the greedy tail to the eager token selection and back (a
 logprobs request joins and leaves) on one slot state, and ``--disable-cuda-graph`` turns the
-path off. The draft runs in bfloat16 under the float32 target (row-major weights, padded to a
-power of two from two rows, oneDNN off at one row) and the outputs stay the target's. The first
+path off. The draft runs in bfloat16 under the float32 target (column-major weights, padded to a
+power of two from two rows, oneDNN off at one row) and the outputs stay the target's; the
+programs' linears run their own few-row GEMM (``graphs/cpu_ops.py``). The first
 run on a machine builds the tiny pair's programs (a minute or two)."""
 
 from __future__ import annotations
@@ -80,15 +81,24 @@ def test_a_failed_build_is_recorded_and_skipped(ckpts, tmp_path, monkeypatch, ca
     assert "their build failed: NotImplementedError: softcap" in caplog.text
 
 
-def test_the_draft_runs_in_bfloat16_row_major_under_the_float32_target(engine):
+def test_the_draft_runs_in_bfloat16_under_the_float32_target_both_column_major(engine):
     target, draft = engine.runner.target, engine.runner.assistant
     assert {p.dtype for p in target.parameters()} == {torch.float32}
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
     assert engine.runner.state.hidden.dtype == torch.float32  # the slot state is the target's
-    w = draft.model.layers[0].mlp.gate_up_proj.weight
-    assert w.stride() == (w.shape[1], 1)  # bf16 keeps the row-major layout (models/cpu_layout.py)
-    t = target.model.layers[0].mlp.gate_up_proj.weight
-    assert t.stride() == (1, t.shape[0])  # float32: column-major, MKL's faster layout
+    for model in (draft, target):  # the layout the programs' GEMM streams (models/cpu_layout.py)
+        w = model.model.layers[0].mlp.gate_up_proj.weight
+        assert w.stride() == (1, w.shape[0])
+
+
+def test_the_programs_link_their_own_gemm_library(engine):
+    """The key's GEMM library (graphs/cpu_ops.py) is loaded before the packages that link it."""
+    from gpu_worker.graphs.cpu_ops import library_path
+
+    assert isinstance(engine.runner.graphs, CpuDecodeSteps)
+    with open("/proc/self/maps") as f:
+        assert "/libtandem_cpu_" in f.read()
+    assert library_path("/cache/abc") == "/cache/abc/libtandem_cpu_abc.so"  # named after its key
 
 
 def test_padded_draft_rows_are_lossless(engine, ckpts):
