@@ -205,7 +205,7 @@ def build(spec: BuildSpec, key_dir: str) -> None:
     attention = CpuDecodeAttention(pool, state.page_table)
     body = DecodeBody(target, assistant, attention, state, spec.tokens_per_step)
     rows = cpu_ops.build_library(key_dir)  # the few-row GEMM (cpu_gemm.cpp), linked by name:
-    os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [key_dir, os.environ.get("LIBRARY_PATH")]))
+    os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [rows, os.environ.get("LIBRARY_PATH")]))
     for name in spec.programs():
         t0 = time.perf_counter()
         inputs = example_inputs(name, body, attention)
@@ -214,7 +214,7 @@ def build(spec: BuildSpec, key_dir: str) -> None:
                                           dynamic_shapes=dynamic_shapes(name, 2 * len(pool.k), spec.tokens_per_step))
         configs = {"aot_inductor.package_constants_in_so": False}
         if rows and cpu_ops.use_rows_linear(program):
-            configs.update(cpu_ops.inductor_configs(key_dir))
+            configs.update(cpu_ops.inductor_configs())
         tmp = os.path.join(key_dir, f".{name}.{os.getpid()}.pt2")
         torch._inductor.aoti_compile_and_package(program, package_path=tmp, inductor_configs=configs)
         os.replace(tmp, os.path.join(key_dir, f"{name}.pt2"))

@@ -15,13 +15,15 @@ it is ``at::mm`` (MKL, oneDNN).
 - Worker side (``cpu_steps.py``): ``load_library`` before the packages, so that their code finds
   the library (matched by its soname: nothing searches the file system at load).
 
-The library's name carries the cache key, so programs of two builds in one process each bind
-their own (it is loaded with local symbols).
+The library's name carries a digest of its source, torch's version and the vector ISA, and it
+lives beside the builds' key directories: builds of several model shapes compile it once, and
+programs of two builds in one process bind the same library.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import subprocess
 import sys
@@ -33,18 +35,35 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_gemm.cpp"
 _lib: list[torch.library.Library] = []  # the op's registration, once per process
 
 
-def library_name(key_dir: str) -> str:
-    return f"tandem_cpu_{os.path.basename(os.path.normpath(key_dir))}"
+LINK = "gemm_library"  # in a key's directory: the path of the library its programs link
 
 
-def library_path(key_dir: str) -> str:
-    return os.path.join(key_dir, f"lib{library_name(key_dir)}.so")
+def library_name() -> str:
+    """``tandem_cpu_<digest>``: a digest of what the library's code depends on (its source, torch's
+    version and headers, the vector ISA Inductor picks here). Build side only (imports Inductor)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    h.update(f"{torch.__version__} {pick_vec_isa()}".encode())
+    return f"tandem_cpu_{h.hexdigest()[:16]}"
+
+
+def library_path(cache_root: str, name: str) -> str:
+    """Beside the builds' key directories (``cache_root``) and shared by them: builds of several
+    model shapes compile it once."""
+    return os.path.join(cache_root, name, f"lib{name}.so")
 
 
 def load_library(key_dir: str) -> ctypes.CDLL | None:
-    """The key's GEMM library, loaded (None where the build made none: the programs then use
-    MKL alone)."""
-    path = library_path(key_dir)
+    """The library the key's programs link, loaded (None where the build made none: the programs
+    then use MKL alone). Reads the path the build recorded: no Inductor import in the worker."""
+    link = os.path.join(key_dir, LINK)
+    if not os.path.exists(link):
+        return None
+    with open(link) as f:
+        path = f.read().strip()
     return ctypes.CDLL(path) if os.path.exists(path) else None
 
 
@@ -60,19 +79,26 @@ def define() -> None:
     _lib.append(lib)
 
 
-def build_library(key_dir: str) -> bool:
-    """Compile ``cpu_gemm.cpp`` with the flags Inductor uses for this CPU's vector ISA into
-    ``library_path(key_dir)``; False (nothing built) where Inductor finds no vector ISA."""
+def build_library(key_dir: str) -> str | None:
+    """Compile ``cpu_gemm.cpp`` with the flags Inductor uses for this CPU's vector ISA into the
+    shared ``library_path`` (unless a build of another key already did) and record that path in
+    ``key_dir``; returns the library's directory, or None (nothing built) where Inductor finds
+    no vector ISA."""
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()
     if not isa:
-        return False
+        return None
     torch_dir = os.path.dirname(torch.__file__)
     lib_dir = os.path.join(torch_dir, "lib")
-    out = library_path(key_dir)
-    tmp = f"{out}.{os.getpid()}.tmp"
+    out = library_path(os.path.dirname(os.path.normpath(key_dir)), library_name())
+    with open(os.path.join(key_dir, LINK), "w") as f:
+        f.write(out)
+    if os.path.exists(out):
+        return os.path.dirname(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"  # renamed into place whole: concurrent builds may both compile
     cmd = [get_cpp_compiler(), "-O3", "-shared", "-fPIC", "-std=c++20", "-w",
            *(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split(),
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
@@ -83,7 +109,7 @@ def build_library(key_dir: str) -> bool:
         sys.stderr.write(done.stderr[-4000:])
         raise RuntimeError(f"compiling {os.path.basename(SOURCE)} failed (exit {done.returncode})")
     os.replace(tmp, out)
-    return True
+    return os.path.dirname(out)
 
 
 def use_rows_linear(program: torch.export.ExportedProgram) -> int:
@@ -111,8 +137,8 @@ def _fits(node) -> bool:
             and wv.stride(0) == 1)
 
 
-def inductor_configs(key_dir: str) -> dict:
+def inductor_configs() -> dict:
     """AOTInductor settings for a program that calls ``rows_linear``: the shim's declaration and
-    the library to link (found in ``key_dir`` through ``LIBRARY_PATH``, set by the caller)."""
+    the library to link (found through ``LIBRARY_PATH``, set by the caller to its directory)."""
     return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.tandem_cpu.rows_linear.default: [SHIM]},
-            "aot_inductor.custom_op_libs": [library_name(key_dir)]}
+            "aot_inductor.custom_op_libs": [library_name()]}
