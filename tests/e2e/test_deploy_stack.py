@@ -233,6 +233,7 @@ def test_the_image_steps_install_and_its_default_command_serves(image):
     finally:
         rc = proc.stop(40)
     assert rc == 0, proc.output()
+    assert "compiled CPU steps off" not in proc.output()  # the image's decode steps run compiled
 
 
 def test_the_stack_is_up(stack):

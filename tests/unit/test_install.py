@@ -36,3 +36,26 @@ def test_package_metadata_builds_without_setuptools_warnings(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Warning" not in run.stderr
+
+
+def test_every_data_file_of_a_package_is_in_its_package_data():
+    """A wheel (non-editable install) carries only what ``package-data`` names beside the Python
+    modules: every other tracked file inside a package (the MoE launch shapes, the CPU steps'
+    GEMM source) must match a pattern there, or an installed engine misses it at run time."""
+    import fnmatch
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        cfg = tomllib.load(f)["tool"]["setuptools"]
+    data = cfg["package-data"]
+    roots = [p.rstrip("*") for p in cfg["packages"]["find"]["include"]]
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    inside = [f for f in files if f.split("/")[0] in roots and "/" in f and not f.endswith(".py")]
+    assert inside, "no data files found: the check would pass vacuously"
+
+    def listed(path: str) -> bool:
+        patterns = data.get(os.path.dirname(path).replace("/", "."), [])
+        return any(fnmatch.fnmatch(os.path.basename(path), pat) for pat in patterns)
+
+    missing = [f for f in inside if not listed(f)]
+    assert not missing, missing
