@@ -37,7 +37,7 @@ try:
     import triton.language as tl
 
     from gpu_worker.kernels.fp8_round import to_e4m3
-    from gpu_worker.kernels.gemv_kernels import _dot_rows, _finish, _reduce_row, _store_row, mma
+    from gpu_worker.kernels.gemv_kernels import _dot_rows, _reduce_row, _store_row, dot_tile_out, mma
 except ImportError:
     triton = None
 
@@ -198,30 +198,7 @@ if triton is not None:
         gdc_enter(PDL)
         acc = fp8_dot_sums(w_ptr + w_idx.to(tl.int64) * swn, (wc // SN) * ss, s_ptr, x_ptr, sxm, xs_ptr, k_lo, k_hi,
                            nm, M, MP, WS, A8, F32)
-        ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the GEMVs' partials layout: [split, m, 2N]
-        if ACT >= 0:
-            HALF: tl.constexpr = BLOCK_N // 2
-            g, u = tl.split(tl.permute(tl.reshape(acc, [2, HALF, MP]), [1, 2, 0]))
-            n = pid * HALF + tl.arange(0, HALF)
-            out_m = rm[None, :] & (n < N)[:, None]
-            if SPLITS == 1:
-                tl.store(y_ptr + r[None, :] * sym + n[:, None], _finish(g, u, ACT, y_ptr.dtype.element_ty), mask=out_m)
-            else:
-                tl.store(ws + r[None, :] * 2 * N + n[:, None], g, mask=out_m)
-                tl.store(ws + r[None, :] * 2 * N + N + n[:, None], u, mask=out_m)
-        else:
-            n = w_idx
-            out_m = rm[None, :] & nm[:, None]
-            if SPLITS == 1:
-                tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
-            else:
-                tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
-        if SPLITS > 1:
-            tl.debug_barrier()  # as gemv_kernels.py: every partial store precedes the ticket
-            if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                for m in tl.static_range(M):
-                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, n < N, N, M, SPLITS, ACT)
-                tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
+        dot_tile_out(acc, y_ptr, ws_ptr, tk_ptr, w_idx, nm, r, rm, N, sym, M, MP, BLOCK_N, ACT, SPLITS)
 
 def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, a8: int,
                  input_scale: torch.Tensor | None = None, splits: int | None = None, cfg: dict = ROW_CONFIG,

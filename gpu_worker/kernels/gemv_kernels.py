@@ -132,6 +132,38 @@ if triton is not None:
         n = pid * BLOCK_N + i
         return n, n < N
 
+    @triton.jit
+    def dot_tile_out(acc, y_ptr, ws_ptr, tk_ptr, w_idx, nm, r, rm, N, sym, M: tl.constexpr, MP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, ACT: tl.constexpr, SPLITS: tl.constexpr):
+        """A tensor-core GEMV program's epilogue: its [BLOCK_N, MP] sums (rows ``w_idx`` of W,
+        ``_dot_rows``) to y, gated (``ACT`` >= 0: ``act(gate) * up``) or not; with split-K, the
+        fp32 partials, then the ticket and the last taker's reduction in split order."""
+        pid = tl.program_id(0)
+        ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's partials layout: [split, m, 2N]
+        if ACT >= 0:
+            HALF: tl.constexpr = BLOCK_N // 2
+            g, u = tl.split(tl.permute(tl.reshape(acc, [2, HALF, MP]), [1, 2, 0]))
+            n = pid * HALF + tl.arange(0, HALF)
+            out_m = rm[None, :] & (n < N)[:, None]
+            if SPLITS == 1:
+                tl.store(y_ptr + r[None, :] * sym + n[:, None], _finish(g, u, ACT, y_ptr.dtype.element_ty), mask=out_m)
+            else:
+                tl.store(ws + r[None, :] * 2 * N + n[:, None], g, mask=out_m)
+                tl.store(ws + r[None, :] * 2 * N + N + n[:, None], u, mask=out_m)
+        else:
+            n = w_idx
+            out_m = rm[None, :] & nm[:, None]
+            if SPLITS == 1:
+                tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
+            else:
+                tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
+        if SPLITS > 1:
+            tl.debug_barrier()  # as in _gemv_kernel: partials before the ticket
+            if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                for m in tl.static_range(M):
+                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, n < N, N, M, SPLITS, ACT)
+                tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
+
     @triton.jit(do_not_specialize=["rows"])
     def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, tk_ptr, N, K, K_CHUNK, sxm, swn, sym, rows,
                          M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -167,27 +199,4 @@ if triton is not None:
             if F32:  # the interpreter's tl.dot on bf16 returns garbage (Triton 3.6): exact fp32 there
                 w, xt = w.to(tl.float32), xt.to(tl.float32)
             acc = mma(w, xt, acc, F32)
-        ws = ws_ptr + tl.program_id(1) * M * 2 * N  # the FMA kernel's layout: [split, m, 2N]
-        if ACT >= 0:
-            HALF: tl.constexpr = BLOCK_N // 2
-            g, u = tl.split(tl.permute(tl.reshape(acc, [2, HALF, MP]), [1, 2, 0]))
-            n = pid * HALF + tl.arange(0, HALF)
-            out_m = rm[None, :] & (n < N)[:, None]
-            if SPLITS == 1:
-                tl.store(y_ptr + r[None, :] * sym + n[:, None], _finish(g, u, ACT, y_ptr.dtype.element_ty), mask=out_m)
-            else:
-                tl.store(ws + r[None, :] * 2 * N + n[:, None], g, mask=out_m)
-                tl.store(ws + r[None, :] * 2 * N + N + n[:, None], u, mask=out_m)
-        else:
-            n = w_idx
-            out_m = rm[None, :] & nm[:, None]
-            if SPLITS == 1:
-                tl.store(y_ptr + r[None, :] * sym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_m)
-            else:
-                tl.store(ws + r[None, :] * 2 * N + n[:, None], acc, mask=out_m)
-        if SPLITS > 1:
-            tl.debug_barrier()  # as in _gemv_kernel: partials before the ticket
-            if tl.atomic_add(tk_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                for m in tl.static_range(M):
-                    _reduce_row(y_ptr + m * sym, ws_ptr, m, n, n < N, N, M, SPLITS, ACT)
-                tl.atomic_xchg(tk_ptr + pid, 0, sem="relaxed", scope="gpu")
+        dot_tile_out(acc, y_ptr, ws_ptr, tk_ptr, w_idx, nm, r, rm, N, sym, M, MP, BLOCK_N, ACT, SPLITS)

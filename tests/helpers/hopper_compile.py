@@ -307,11 +307,10 @@ def record_engine(root) -> set[str]:
 
 
 def record_fp8_kernels() -> None:
-    """Launch the FP8 GEMVs (split-K), the GEMM, activation quantization and one-row
-    qkv + RoPE in every weight layout (row scales; 128-column blocks, per row and per
-    128-row group) and activation scheme (weight-only, dynamic, static), at one and several rows,
-    and the tensor-core GEMV's tiles for big and long-K weights and its gated epilogue: the variants checkpoints in the
-    other formats compile."""
+    """Launch the FP8 GEMVs (split-K; the tensor-core one's big and long-K tiles and gated epilogue
+    too), the GEMM, activation quantization and one-row qkv + RoPE in every weight layout (row
+    scales; 128-column blocks, per row and per 128-row group) and activation scheme (weight-only,
+    dynamic, static), at one and several rows: the variants other checkpoint formats compile."""
     from gpu_worker.kernels import enable_cpu_kernels
     from gpu_worker.kernels.fp8_gemv import DOT_BIG, DOT_LONG_K, fp8_gemv_dot
     from gpu_worker.kernels.fp8_linear import A8, fp8_linear
@@ -327,10 +326,10 @@ def record_fp8_kernels() -> None:
         for acts in ("none", "dynamic", "static"):
             for x in xs:
                 fp8_linear(x, w, s, rows, acts, inp)
-            if acts == "dynamic" and rows == 1:
+            if acts == "dynamic" and rows == 1:  # the other tiles; gate_up + SiLU at 3 rows (split K)
                 for cfg in (DOT_BIG, DOT_LONG_K):
-                    fp8_gemv_dot(xs[0], w, s, rows, A8[acts], cfg=cfg)
-                fp8_gemv_dot(xs[1], w, s, rows, A8[acts], act="silu")  # gate_up + SiLU at 3 rows (split K)
+                    fp8_gemv_dot(xs[0], w, s, rows, 1, cfg=cfg)
+                fp8_gemv_dot(xs[1], w, s, rows, 1, act="silu")
             kv = torch.zeros(4, 2, 32, dtype=FP8)  # 4 query + 2 x 2 KV heads of 32 = the weight's 256 rows
             enable_cpu_kernels(True)
             try:
