@@ -9,17 +9,17 @@
   (docs/decisions/fp8.md).
 A merged gate_up at one to four rows with quantized activations takes the tensor-core GEMV with
 the activation in its epilogue (``fp8_gated_linear``); elsewhere the projection, then the
-activation kernel. Every launch
-shape depends on the weight and the row count only (CUDA graphs replay it).
+activation kernel. Every launch shape depends on the weight and the row count only (CUDA graphs
+replay it).
 """
 
 from __future__ import annotations
 
 import torch
 
+from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.fp8_gemm import fp8_gemm
 from gpu_worker.kernels.fp8_gemv import DOT_MAX_ROWS, fp8_gemv_dot, fp8_gemv_row
-from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.fp8_quant import quantize_acts
 
 A8 = {"none": 0, "dynamic": 1, "static": 2}
