@@ -111,22 +111,22 @@ void rows_kernel(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc, 
 }
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__)
-#define TANDEM_DPBF16 1
+#define HAVE_DPBF16 1
 // bfloat16 with AVX512-BF16: a dot-product instruction multiplies two k at once (pairs of rows
 // k, k + 1 of W^T interleaved), half the instructions of converting to float32 and multiplying:
 // at 8 rows the GEMMs are bound by instructions, not by the weights' bytes. Each 128-bit lane of
 // the interleaved pairs holds 4 columns of the low or the high half: the sums keep that order in
 // the scratch (a whole block of COLS) and are put back in column order at the last store.
-#define TANDEM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-TANDEM_BF16_TARGET inline __m512i load_pair_row(const BFloat16* p, int64_t cnt) {
+BF16_TARGET inline __m512i load_pair_row(const BFloat16* p, int64_t cnt) {
   const __mmask32 mask = cnt >= 32 ? ~__mmask32(0) : ((__mmask32(1) << cnt) - 1);
   return _mm512_maskz_loadu_epi16(mask, p);
 }
 
 // xp: x as (k, k + 1) pairs, [M, ldxp] 32-bit words (the broadcast operand of the dot products).
 template <int M>
-TANDEM_BF16_TARGET void dp_block(const int32_t* xp, int64_t ldxp, const BFloat16* wt, int64_t ldw, float* acc,
+BF16_TARGET void dp_block(const int32_t* xp, int64_t ldxp, const BFloat16* wt, int64_t ldw, float* acc,
                                  BFloat16* out, int64_t N, int64_t ldacc, int64_t k0, int64_t kc, bool last,
                                  int64_t n, int64_t cnt) {
   __m512 lo[M], hi[M];
@@ -163,7 +163,7 @@ TANDEM_BF16_TARGET void dp_block(const int32_t* xp, int64_t ldxp, const BFloat16
 }
 
 template <int M>
-TANDEM_BF16_TARGET void dp_kernel(const BFloat16* x, int64_t ldx, const BFloat16* wt, int64_t ldw, float* acc,
+BF16_TARGET void dp_kernel(const BFloat16* x, int64_t ldx, const BFloat16* wt, int64_t ldw, float* acc,
                                   BFloat16* out, int64_t K, int64_t N, int64_t ldacc) {
   const int64_t ldxp = (K + 1) / 2;
   std::vector<int32_t> pairs(M * ldxp);
@@ -196,20 +196,20 @@ void rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t ldx = x.stride(0), ldw = w.stride(1);
-#ifdef TANDEM_DPBF16
+#ifdef HAVE_DPBF16
   if constexpr (std::is_same_v<T, BFloat16>) {
     if (has_dpbf16()) {
       const int64_t ldacc = (N + 31) / 32 * 32;  // whole blocks: the sums are kept in lane order
       at::Tensor acc = at::empty({M, ldacc}, out.options().dtype(at::kFloat));
       float* ap = acc.data_ptr<float>();
       switch (M) {
-#define TANDEM_ROWS(R) \
+#define ROWS_CASE(R) \
   case R:              \
     dp_kernel<R>(xp, ldx, wp, ldw, ap, op, K, N, ldacc); \
     break;
-        TANDEM_ROWS(1) TANDEM_ROWS(2) TANDEM_ROWS(3) TANDEM_ROWS(4)
-        TANDEM_ROWS(5) TANDEM_ROWS(6) TANDEM_ROWS(7) TANDEM_ROWS(8)
-#undef TANDEM_ROWS
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+        ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
       }
       return;
     }
@@ -218,13 +218,13 @@ void rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   at::Tensor acc = out.scalar_type() == at::kFloat ? out : at::empty({M, N}, out.options().dtype(at::kFloat));
   float* ap = acc.data_ptr<float>();
   switch (M) {
-#define TANDEM_ROWS(R) \
+#define ROWS_CASE(R) \
   case R:              \
     rows_kernel<R>(xp, ldx, wp, ldw, ap, op, K, N); \
     break;
-    TANDEM_ROWS(1) TANDEM_ROWS(2) TANDEM_ROWS(3) TANDEM_ROWS(4)
-    TANDEM_ROWS(5) TANDEM_ROWS(6) TANDEM_ROWS(7) TANDEM_ROWS(8)
-#undef TANDEM_ROWS
+    ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+    ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
   }
 }
 

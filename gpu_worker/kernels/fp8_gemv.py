@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels import PDL_ON, TICKETS, pdl, tickets
+from gpu_worker.kernels import PDL_ON, pdl
 from gpu_worker.kernels.activation import ACTS
 from gpu_worker.kernels.fp8_round import BLOCK
 from gpu_worker.kernels.gdc import gdc_enter, prefetch_l2
-from gpu_worker.kernels.gemv import BIG_WEIGHT, LONG_K_SPLITS, SKINNY_MAX_K, prefetch_cols, short_k_splits
+from gpu_worker.kernels.gemv import BIG_WEIGHT, LONG_K_SPLITS, SKINNY_MAX_K, prefetch_cols, short_k_splits, split_k
 
 try:
     import triton
@@ -200,6 +200,16 @@ if triton is not None:
                            nm, M, MP, WS, A8, F32)
         dot_tile_out(acc, y_ptr, ws_ptr, tk_ptr, w_idx, nm, r, rm, N, sym, M, MP, BLOCK_N, ACT, SPLITS)
 
+def _pdl_prefetch(x: torch.Tensor, rows: int, splits: int, chunk: int, prefetch_k: int | None) -> tuple[int, int]:
+    """The launch's PDL level and the weight columns a program prefetches before its wait (one
+    prefetch per 32-byte sector of e4m3 weights: none below 32)."""
+    on = pdl(x)
+    if on != PDL_ON:
+        return on, 0
+    pre = prefetch_cols(rows, splits, chunk, elt=1) if prefetch_k is None else prefetch_k
+    return on, pre if pre >= 32 else 0
+
+
 def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, a8: int,
                  input_scale: torch.Tensor | None = None, splits: int | None = None, cfg: dict = ROW_CONFIG,
                  prefetch_k: int | None = None) -> torch.Tensor:
@@ -212,18 +222,8 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_ro
     bn, g = cfg["block_n"], cfg["groups"]
     tiles = triton.cdiv(n, bn)
     splits = row_splits(n, k, cfg, x.device) if splits is None else splits
-    chunk = triton.cdiv(triton.cdiv(k, max(1, splits)), g * BLOCK) * g * BLOCK
-    splits = triton.cdiv(k, chunk)  # no empty split
-    ws = tk = y
-    if splits > 1:
-        assert tiles <= TICKETS, (n, bn)
-        ws = torch.empty((splits, 1, 2 * n), dtype=torch.float32, device=x.device)
-        tk = tickets(x.device)
-    on = pdl(x)
-    pre = 0
-    if on == PDL_ON:
-        pre = prefetch_cols(n, splits, chunk, elt=1) if prefetch_k is None else prefetch_k
-        pre = pre if pre >= 32 else 0
+    chunk, splits, ws, tk = split_k(y, k, splits, g * BLOCK, tiles)
+    on, pre = _pdl_prefetch(x, n, splits, chunk, prefetch_k)
     _fp8_row_kernel[(tiles, splits)](
         x, w, y, ws, tk, scale, input_scale if input_scale is not None else scale, n, k, chunk, w.stride(0),
         scale.stride(0), BLOCK_N=bn, G=g, SPLITS=splits, PDL=on, PREFETCH_K=pre,
@@ -251,18 +251,8 @@ def fp8_gemv_dot(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_ro
     tiles = triton.cdiv(n, bn // 2 if act else bn)
     if splits is None:
         splits = LONG_K_SPLITS if k > SKINNY_MAX_K else short_k_splits(tiles, k, BLOCK, x.device)
-    chunk = triton.cdiv(triton.cdiv(k, max(1, splits)), BLOCK) * BLOCK
-    splits = triton.cdiv(k, chunk)  # no empty split
-    ws = tk = y
-    if splits > 1:
-        assert tiles <= TICKETS, (n, bn)
-        ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
-        tk = tickets(x.device)
-    on = pdl(x)
-    pre = 0
-    if on == PDL_ON:
-        pre = prefetch_cols(rows, splits, chunk, elt=1) if prefetch_k is None else prefetch_k
-        pre = pre if pre >= 32 else 0
+    chunk, splits, ws, tk = split_k(y, k, splits, BLOCK, tiles)
+    on, pre = _pdl_prefetch(x, rows, splits, chunk, prefetch_k)
     _fp8_dot_kernel[(tiles, splits)](
         x, w, y, ws, tk, scale, input_scale if input_scale is not None else scale, n, k, chunk, x.stride(0),
         w.stride(0), y.stride(0), scale.stride(0), M=m, MP=16, BLOCK_N=bn, ACT=ACTS[act] if act else -1,

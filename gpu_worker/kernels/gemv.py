@@ -120,6 +120,20 @@ def launch_tiles(rows: int, cfg: dict, gated: bool = False) -> int:
     return -(-rows // per)
 
 
+def split_k(y: torch.Tensor, k: int, splits: int, step: int, tiles: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """A split-K launch's K chunk (a multiple of ``step``), its split count (no empty split: every
+    program takes its ticket after real work), the fp32 partials [splits, M, 2N] for output ``y``
+    [M, N] and the device's tickets (``y`` itself stands in for both when unsplit)."""
+    splits = max(1, min(int(splits), triton.cdiv(k, step)))
+    chunk = triton.cdiv(triton.cdiv(k, splits), step) * step
+    splits = triton.cdiv(k, chunk)
+    if splits == 1:
+        return chunk, 1, y, y
+    assert tiles <= TICKETS, (y.shape, tiles)
+    m, n = y.shape
+    return chunk, splits, torch.empty((splits, m, 2 * n), dtype=torch.float32, device=y.device), tickets(y.device)
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: int = 1, block_n: int = 16,
          block_k: int = 512, num_warps: int = 4, num_stages: int = 3, prefetch_k: int | None = None,
          dot: bool = False) -> torch.Tensor:
@@ -140,14 +154,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None, splits: in
     if not m:
         return y
     tiles = triton.cdiv(n, block_n // 2 if act and dot else block_n)
-    splits = max(1, min(int(splits), triton.cdiv(k, block_k)))
-    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    splits = triton.cdiv(k, chunk)  # no empty split: every program takes its ticket after real work
-    ws = tk = y
-    if splits > 1:
-        assert tiles <= TICKETS, (n, block_n)
-        ws = torch.empty((splits, m, 2 * n), dtype=torch.float32, device=x.device)
-        tk = tickets(x.device)
+    chunk, splits, ws, tk = split_k(y, k, splits, block_k, tiles)
     on = pdl(x)
     if on != PDL_ON:
         pre = 0
