@@ -22,12 +22,12 @@ import torch
 import zmq
 
 from gpu_worker.attention import create_backend, resolve_backend
-from gpu_worker.graphs.cpu_build import BuildSpec, ensure_built
+from gpu_worker.graphs.cpu_build import BuildSpec, compiler_missing, ensure_built
 from gpu_worker.graphs.cpu_steps import CpuDecodeSteps
 from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool, kv_dtype
-from gpu_worker.models.cpu_layout import column_major_projections
+from gpu_worker.models.cpu_layout import amx_projections, amx_usable, bf16_exact, column_major_projections
 from gpu_worker.models.eos import read_eos_token_ids
 from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
@@ -96,10 +96,12 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     pool = KVPool(target.kv_shapes, cap.num_pages, args.page_size, kv, device, scales=target.kv_scales)
     _log_kv(pool, target)
     state = SlotState(cap.max_slots, cap.max_pages_per_slot, target.hidden_size, device, dtype)
+    amx = False
     if device.type == "cpu" and name == "torch" and tp_size() == 1:  # torch's ops on the CPU (no kernels):
+        amx = _amx_layout(args, settings.emulate_cuda_graphs, kv, target, assistant)
         for model in (target, assistant):  # before anything binds the weights' storage
             if model is not None:
-                column_major_projections(model)
+                (amx_projections if amx else column_major_projections)(model)
     backend = create_backend(name, pool=pool, page_table=state.page_table)
     # An EOS id outside the vocabulary (a broken config) could never be sampled; dropping it
     # keeps the min_tokens mask from indexing out of range.
@@ -111,7 +113,7 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
     if device.type == "cuda":  # the CPU has no lazy kernel loading to pay ahead (and CI starts many engines)
         sizes = prefill_sizes(args.chunked_prefill_size or 8192, state.page_table.shape[1] * args.page_size)
         log.info("prefill warm-up: %s tokens in %.2f s", sizes, warm_prefill(runner, sizes))
-    _setup_graphs(args, runner, name, device, cap.max_slots, settings.emulate_cuda_graphs)
+    _setup_graphs(args, runner, name, device, cap.max_slots, settings.emulate_cuda_graphs, amx)
     if settings.log_compiles:
         log_compiles(log)  # what start-up did not warm
     ready = WorkerReady(
@@ -146,14 +148,23 @@ def _log_kv(pool: KVPool, target) -> None:
     log.info("KV cache: fp8_e4m3, %d tokens (twice what the model dtype would hold); %s", tokens, source)
 
 
+def _amx_layout(args: ServerArgs, emulate: bool, kv: torch.dtype, target, assistant) -> bool:
+    """Whether the models' projections take the AMX layout (``models/cpu_layout.py``): where the
+    compiled CPU steps are to run (their library's GEMM is the one that reads it fast), the CPU
+    has AMX-BF16 and every projection weight is a bfloat16 value (docs/decisions/cpu.md, "AMX")."""
+    if emulate or args.disable_cuda_graph or kv.itemsize == 1 or compiler_missing():  # (FP8 KV: eager steps)
+        return False
+    return amx_usable() and all(m is None or bf16_exact(m) for m in (target, assistant))
+
+
 def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: torch.device, max_slots: int,
-                  emulate: bool):
+                  emulate: bool, amx: bool = False):
     """CUDA graphs for decode steps, then piecewise graphs for prefill steps of up to the step
     budget (at most ``PIECEWISE_MAX_TOKENS``): on by default on CUDA with a graph-capable backend.
     ``emulate`` (``DevSettings``) runs the same bucket/padding paths eagerly off CUDA (CPU tests).
     On the CPU decode steps run compiled programs instead (``graphs/cpu_steps.py``)."""
     if device.type == "cpu" and not emulate and not args.disable_cuda_graph:
-        runner.graphs = _cpu_steps(args, runner, backend, max_slots)
+        runner.graphs = _cpu_steps(args, runner, backend, max_slots, amx)
         return
     if args.disable_cuda_graph or (device.type != "cuda" and not emulate):
         return
@@ -170,7 +181,8 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
     runner.enable_prefill_graphs(budget, emulate)
 
 
-def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: int) -> CpuDecodeSteps | None:
+def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: int,
+               amx: bool) -> CpuDecodeSteps | None:
     """The compiled CPU decode steps, built on the first start for this model shape and code
     (``graphs/cpu_build.py``), or None: eager steps (another backend, TP, no compiler)."""
     if backend != "torch" or tp_size() > 1 or runner.backend.pool.fp8:
@@ -179,7 +191,7 @@ def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: i
     dtype = runner.state.hidden.dtype
     spec = BuildSpec(args.model_path, args.speculative_draft_model_path if args.spec_enabled else None,
                      _dtype_name(dtype), runner.t, args.page_size, args.load_format,
-                     _dtype_name(draft_dtype(dtype, runner.device, backend)))
+                     _dtype_name(draft_dtype(dtype, runner.device, backend)), amx)
     paths = ensure_built(spec)
     if paths is None:
         return None

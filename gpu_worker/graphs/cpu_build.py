@@ -41,7 +41,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpu_wo
 # What a traced program runs: the models and their layers, the kernels' torch paths, the
 # decode body and its CPU attention (paths under gpu_worker/).
 TRACED = ("models", "kernels", "parallel", "spec", "graphs/decode.py", "graphs/cpu_attention.py",
-          "graphs/cpu_programs.py", "graphs/cpu_ops.py", "graphs/cpu_gemm.cpp", "forward_batch.py", "kv_pool.py")
+          "graphs/cpu_programs.py", "graphs/cpu_ops.py", "graphs/cpu_gemm.cpp", "graphs/cpu_amx.cpp", "forward_batch.py", "kv_pool.py")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class BuildSpec:
     page_size: int
     load_format: str = "auto"
     draft_dtype: str = "float32"  # the draft model's (gpu_worker/main.py: draft_dtype)
+    amx: bool = False  # the projections' AMX layout (models/cpu_layout.py), else column-major
 
     def programs(self) -> tuple[str, ...]:
         return ("draft", "target", "tail") if self.draft_path else ("target", "tail")
@@ -108,7 +109,7 @@ def cache_key(spec: BuildSpec) -> str:
         "format": FORMAT, "torch": torch.__version__, "python": sys.version_info[:2],
         "cpu": torch.backends.cpu.get_cpu_capability(), "sources": _sources_digest(),
         "target": _config_text(spec.model_path), "draft": _config_text(spec.draft_path),
-        "dtype": spec.dtype, "draft_dtype": spec.draft_dtype, "t": spec.tokens_per_step, "page_size": spec.page_size,
+        "dtype": spec.dtype, "draft_dtype": spec.draft_dtype, "amx": spec.amx, "t": spec.tokens_per_step, "page_size": spec.page_size,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -187,7 +188,7 @@ def build(spec: BuildSpec, key_dir: str) -> None:
     from gpu_worker.graphs.cpu_programs import StepProgram, dynamic_shapes, example_inputs
     from gpu_worker.graphs.decode import DecodeBody
     from gpu_worker.kv_pool import KVPool
-    from gpu_worker.models.cpu_layout import column_major_projections
+    from gpu_worker.models.cpu_layout import amx_projections, column_major_projections
     from gpu_worker.models.loader import load_model
     from gpu_worker.step.slots import SlotState
 
@@ -199,7 +200,7 @@ def build(spec: BuildSpec, key_dir: str) -> None:
                  if spec.draft_path else None)
     for model in (target, assistant):  # the worker's weight layout: a program assumes its constants' strides
         if model is not None:
-            column_major_projections(model)
+            (amx_projections if spec.amx else column_major_projections)(model)
     pool = KVPool(target.kv_shapes, 6, spec.page_size, dtype, cpu)
     state = SlotState(3, 5, target.hidden_size, cpu, dtype)  # 4 slot rows, 5 pages: distinct sizes
     attention = CpuDecodeAttention(pool, state.page_table)

@@ -1,7 +1,8 @@
 // Few-row GEMM for the compiled CPU steps: out [M, N] = x [M, K] @ W^T, W [N, K] stored
 // column-major (W^T [K, N] contiguous rows, models/cpu_layout.py), M up to 8 (float32) or 4 (bfloat16) rows, float32 or
 // bfloat16 (x, W and out of one dtype; products and sums in float32, as MKL's float32 kernels and
-// oneDNN's bfloat16 ones do).
+// oneDNN's bfloat16 ones do). bfloat16 weights stored row-major (the layout where the CPU has AMX)
+// go to the AMX kernel (cpu_amx.cpp) at any row count, under a float32 or a bfloat16 x.
 //
 // Why: at 2 to 8 rows MKL's kernel walks a block of output columns down all K rows of W^T (K
 // streams at a stride of N elements), which the hardware prefetchers do not follow: with the
@@ -26,6 +27,10 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+
+// cpu_amx.cpp: whether this process may run AMX tiles; out = x @ w^T for row-major bf16 w.
+bool amx_ready();
+void amx_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
 
 namespace {
 
@@ -236,8 +241,23 @@ bool fits(const at::Tensor& x, const at::Tensor& w) {
          x.size(1) == w.size(1) && x.stride(1) == 1 && w.stride(0) == 1;
 }
 
+// bfloat16 weights in rows ([N, K], unit stride along K) under a float32 or bfloat16 x.
+bool row_major_bf16(const at::Tensor& x, const at::Tensor& w) {
+  const auto dtype = x.scalar_type();
+  return x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kBFloat16 &&
+         (dtype == at::kFloat || dtype == at::kBFloat16) && x.size(0) >= 1 && x.size(1) >= 1 &&
+         x.size(1) == w.size(1) && x.stride(1) == 1 && w.stride(1) == 1 && w.size(0) >= 1 &&
+         (w.size(0) == 1 || w.stride(0) >= w.size(1));
+}
+
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w) {
-  if (!fits(x, w)) return at::mm(x, w.t());
+  if (row_major_bf16(x, w)) {
+    if (!amx_ready()) return at::mm(x, w.t().to(x.scalar_type()));
+    at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+    amx_linear(x, w, out);
+    return out;
+  }
+  if (!fits(x, w)) return at::mm(x, w.scalar_type() == x.scalar_type() ? w.t() : w.t().to(x.scalar_type()));
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   if (x.scalar_type() == at::kFloat) {
     rows<float>(x, w, out);

@@ -1,11 +1,17 @@
 """The compiled CPU steps' own GEMM: ``tandem_cpu::rows_linear`` (``cpu_gemm.cpp``).
 
-``rows_linear(x, w)`` is ``F.linear(x, w)`` for ``x`` [M, K] and a column-major ``w`` [N, K] of
-one dtype, float32 or bfloat16 (``models/cpu_layout.py``). Up to 8 float32 rows (the target) or 4
-bfloat16 ones (the draft) its kernel streams the weights as a one-row GEMV does, where MKL's
-few-row kernel reads them in K strided streams that the prefetchers do not follow and torch's
-bf16 GEMV runs AVX2 dot products (``docs/decisions/cpu.md``, "The programs' own GEMM"); past that
-it is ``at::mm`` (MKL, oneDNN).
+``rows_linear(x, w)`` is ``F.linear(x, w)`` for ``x`` [M, K] and ``w`` [N, K] laid out by
+``models/cpu_layout.py``:
+
+- column-major, of x's dtype, float32 or bfloat16: up to 8 float32 rows (the target) or 4
+  bfloat16 ones (the draft) its kernel (``cpu_gemm.cpp``) streams the weights as a one-row GEMV
+  does, where MKL's few-row kernel reads them in K strided streams that the prefetchers do not
+  follow and torch's bf16 GEMV runs AVX2 dot products (``docs/decisions/cpu.md``, "The programs'
+  own GEMM"); past that it is ``at::mm`` (MKL, oneDNN);
+- bfloat16, row-major, under a float32 or bfloat16 x (where the CPU has AMX): AMX tiles at any
+  row count (``cpu_amx.cpp``; a float32 x as three bfloat16 terms: float32-accurate products).
+  Here x's and w's dtypes may differ, so model code calls the op itself (``linear``): an
+  ``aten.linear`` cannot take them.
 
 - Build side (``cpu_build.py``, its own process): ``build_library`` compiles ``cpu_gemm.cpp``
   into the key's directory, ``use_rows_linear`` rewrites an exported program's float32 and
@@ -13,7 +19,8 @@ it is ``at::mm`` (MKL, oneDNN).
   AOTInductor call the op's C shim directly (no dispatcher, no proxy executor) and link the
   library by name.
 - Worker side (``cpu_steps.py``): ``load_library`` before the packages, so that their code finds
-  the library (matched by its soname: nothing searches the file system at load).
+  the library (matched by its soname: nothing searches the file system at load); eager calls of
+  the op (prefill) then run the library's GEMM too, through its C shim.
 
 The library's name carries a digest of its source, torch's version and the vector ISA, and it
 lives beside the builds' key directories: builds of several model shapes compile it once, and
@@ -31,8 +38,13 @@ import sys
 import torch
 
 SHIM = "AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_gemm.cpp")
+SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("cpu_gemm.cpp", "cpu_amx.cpp"))
 _lib: list[torch.library.Library] = []  # the op's registration, once per process
+_loaded: list[ctypes.CDLL] = []  # the library, once loaded in this process (eager calls use it)
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer  # torch._C._aoti passes handles as capsules
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+_capsule = ctypes.pythonapi.PyCapsule_New
+_capsule.restype, _capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 
 LINK = "gemm_library"  # in a key's directory: the path of the library its programs link
@@ -44,8 +56,9 @@ def library_name() -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            h.update(f.read())
     h.update(f"{torch.__version__} {pick_vec_isa()}".encode())
     return f"tandem_cpu_{h.hexdigest()[:16]}"
 
@@ -64,7 +77,12 @@ def load_library(key_dir: str) -> ctypes.CDLL | None:
         return None
     with open(link) as f:
         path = f.read().strip()
-    return ctypes.CDLL(path) if os.path.exists(path) else None
+    if not os.path.exists(path):
+        return None
+    lib = ctypes.CDLL(path)
+    lib.aoti_torch_cpu_rows_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    _loaded[:] = [lib]
+    return lib
 
 
 def define() -> None:
@@ -73,14 +91,34 @@ def define() -> None:
         return
     lib = torch.library.Library("tandem_cpu", "DEF")
     lib.define("rows_linear(Tensor x, Tensor w) -> Tensor")
-    lib.impl("rows_linear", lambda x, w: torch.mm(x, w.t()), "CPU")
+    lib.impl("rows_linear", _eager, "CPU")
     torch.library.register_fake("tandem_cpu::rows_linear", lambda x, w: x.new_empty((x.shape[0], w.shape[0])),
                                 lib=lib)
     _lib.append(lib)
 
 
+def _eager(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The op outside a program: the library's GEMM where this process loaded it, else
+    ``torch.mm`` (the weight converted to x's dtype)."""
+    if not _loaded:
+        return torch.mm(x, w.t().to(x.dtype))
+    handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors([x, w])  # capsules of new at::Tensor handles
+    out = ctypes.c_void_p()
+    err = _loaded[0].aoti_torch_cpu_rows_linear(*(_capsule_pointer(h, None) for h in handles), ctypes.byref(out))
+    torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(handles)  # frees the handles
+    if err:
+        raise RuntimeError("tandem_cpu::rows_linear failed")
+    return torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(_capsule(out.value, None, None))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` for bfloat16 weights under a float32 ``x`` [..., K] (``models/cpu_layout.py``)."""
+    define()
+    return torch.ops.tandem_cpu.rows_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+
+
 def build_library(key_dir: str) -> str | None:
-    """Compile ``cpu_gemm.cpp`` with the flags Inductor uses for this CPU's vector ISA into the
+    """Compile ``cpu_gemm.cpp`` and ``cpu_amx.cpp`` with the flags Inductor uses for this CPU's vector ISA into the
     shared ``library_path`` (unless a build of another key already did) and record that path in
     ``key_dir``; returns the library's directory, or None (nothing built) where Inductor finds
     no vector ISA."""
@@ -102,26 +140,27 @@ def build_library(key_dir: str) -> str | None:
     cmd = [get_cpp_compiler(), "-O3", "-shared", "-fPIC", "-std=c++20", "-w",
            *(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split(),
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-           "-I", os.path.join(torch_dir, "include"), SOURCE, "-o", tmp,
+           "-I", os.path.join(torch_dir, "include"), *SOURCES, "-o", tmp,
            f"-Wl,-soname,{os.path.basename(out)}", "-L", lib_dir, "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib_dir}"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
-        raise RuntimeError(f"compiling {os.path.basename(SOURCE)} failed (exit {done.returncode})")
+        raise RuntimeError(f"compiling {', '.join(map(os.path.basename, SOURCES))} failed (exit {done.returncode})")
     os.replace(tmp, out)
     return os.path.dirname(out)
 
 
 def use_rows_linear(program: torch.export.ExportedProgram) -> int:
-    """Rewrite ``program``'s bias-free float32 or bfloat16 linears over a 2-D input and a
-    column-major weight of its dtype into ``rows_linear``, in place; returns how many."""
+    """Rewrite ``program``'s bias-free float32 or bfloat16 linears over a 2-D input and a weight
+    of its dtype, column-major or (bfloat16) row-major, into ``rows_linear``, in place; returns
+    how many (with the ``rows_linear`` calls the model code made itself)."""
     define()
     linear, rows = torch.ops.aten.linear.default, torch.ops.tandem_cpu.rows_linear.default
     n = 0
     for node in program.graph.nodes:
         if node.op == "call_function" and node.target is linear and _fits(node):
             node.target, node.args, node.kwargs = rows, tuple(node.args[:2]), {}
-            n += 1
+        n += node.op == "call_function" and node.target is rows
     program.graph_module.recompile()
     return n
 
@@ -133,8 +172,9 @@ def _fits(node) -> bool:
     xv, wv = getattr(x, "meta", {}).get("val"), getattr(w, "meta", {}).get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor):
         return False
+    row_major_bf16 = wv.dtype == torch.bfloat16 and wv.stride(1) == 1
     return (xv.dim() == 2 and wv.dim() == 2 and xv.dtype == wv.dtype and xv.dtype in (torch.float32, torch.bfloat16)
-            and wv.stride(0) == 1)
+            and (wv.stride(0) == 1 or row_major_bf16))
 
 
 def inductor_configs() -> dict:

@@ -188,13 +188,16 @@ class Gemma4Backbone(nn.Module):
         return {f"model.layers.{i}.layer_scalar": 1.0 for i in range(len(self.layers))}
 
     def embed_scale(self) -> float:
-        """sqrt(hidden), rounded to the embedding's dtype (HF's ``embed_scale``)."""
-        return dtype_rounded(self.spec.hidden_size**0.5, self.embed_tokens.weight.dtype)
+        """sqrt(hidden), rounded to the model's dtype (HF's ``embed_scale``)."""
+        return dtype_rounded(self.spec.hidden_size**0.5, self.norm.weight.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if tp_size() > 1:  # a vocabulary-parallel table: its gather reduces across ranks
             return self.embed_tokens(ids) * self.embed_scale()
-        return embed_scaled(ids, self.embed_tokens.weight, self.embed_scale())
+        table = self.embed_tokens.weight
+        if table.dtype != self.norm.weight.dtype:  # a bfloat16 table under a float32 model (models/cpu_layout.py)
+            return F.embedding(ids, table).to(self.norm.weight.dtype) * self.embed_scale()
+        return embed_scaled(ids, table, self.embed_scale())
 
     def per_layer_inputs(self, ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """PLE: (norm(proj(embeds) / sqrt(H)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2) -> [T, L, P]."""
@@ -279,9 +282,10 @@ class Gemma4ForCausalLM(CausalLM):
     def embed_cat(self, ids: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """``cat(embed(ids), tail)`` (the frozen-KV draft's input row) in one kernel where the
         embedding is whole (TP = 1); the gather, scale and cat otherwise."""
-        if tp_size() > 1:
+        table = self.model.embed_tokens.weight
+        if tp_size() > 1 or table.dtype != tail.dtype:
             return torch.cat([self.embed(ids), tail], dim=-1)
-        return embed_cat(ids, self.model.embed_tokens.weight, self.model.embed_scale(), tail)
+        return embed_cat(ids, table, self.model.embed_scale(), tail)
 
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
         x = self.model.embed(fb.input_ids)

@@ -122,7 +122,8 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if spec.tie_word_embeddings else factory.lm_head(spec.hidden_size, spec.vocab_size)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
+        # (to the norms' dtype: a bfloat16 table under a float32 model, models/cpu_layout.py)
+        return self.model.embed_tokens(ids).to(self.model.norm.weight.dtype)
 
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
         h, residual = self.embed(fb.input_ids), None

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.graphs import cpu_ops
 from gpu_worker.kernels.gemv import linear
 from gpu_worker.parallel.linear import Linear, MergedLinear
 from gpu_worker.parallel.comm import all_gather_last, all_reduce
@@ -102,7 +103,7 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> to
     """hidden [R, H] x vocabulary shard -> full logits [R, vocab_size] on every rank, gathered
     before softcap and sampling so every rank samples the same tokens from the same logits.
     Each logit is one rank's full-length dot product: no cross-rank sum, so no reordering."""
-    local = F.linear(hidden, weight)
+    local = F.linear(hidden, weight) if weight.dtype == hidden.dtype else cpu_ops.linear(hidden, weight)
     if tp_size() == 1:
         return local
     return all_gather_last(local)[..., :vocab_size]

@@ -12,13 +12,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpu_worker.graphs import cpu_ops
 from gpu_worker.kernels.gemv import linear
 
 
 class Linear(nn.Linear):
     """nn.Linear whose few-row (decode) GEMMs may take the skinny kernel (kernels/gemv.py).
     ``quant``: the quantized-linear method of an FP8 projection (``gpu_worker.quant``), which
-    then holds the weight and its scales and does the multiplication."""
+    then holds the weight and its scales and does the multiplication. A bfloat16 weight under a
+    float32 x (the CPU's AMX layout, ``models/cpu_layout.py``) goes to ``graphs/cpu_ops.linear``."""
 
     quantizable = True
     quant = None
@@ -26,6 +28,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x, self.bias)
+        if self.weight.dtype != x.dtype and self.bias is None:  # a bfloat16 weight (models/cpu_layout.py)
+            return cpu_ops.linear(x, self.weight)
         return linear(x, self.weight, self.bias)
 
 
