@@ -14,7 +14,7 @@ from tests.helpers.server import Server
 from tests.helpers.tp import ENGINE_CASES, engine_tokens, rank_tokens, run_ranks
 from tests.unit.gpu_worker.parallel.test_tp_parity import tp_checkpoints
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nvidia-h200-x2)")
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 
 @pytest.fixture(scope="module")
