@@ -255,6 +255,26 @@ bool request_tiles() {
   constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
+
+// The packed activation: 3 terms x K/32 steps x 2 row blocks x 1 KB (192 KB at K = 1024).
+thread_local std::vector<uint32_t> xb;
+
+AMX_TARGET void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  configure();
+  for (int64_t m = 0; m < M; m += ROWS_MAX) {
+    const int64_t mc = std::min(ROWS_MAX, M - m);
+    if (x.scalar_type() == at::kFloat) {
+      rows_block(x.data_ptr<float>() + m * x.stride(0), x.stride(0), wp, w.stride(0),
+                 out.data_ptr<float>() + m * N, N, mc, K, N, xb);
+    } else {
+      rows_block(x.data_ptr<at::BFloat16>() + m * x.stride(0), x.stride(0), wp, w.stride(0),
+                 out.data_ptr<at::BFloat16>() + m * N, N, mc, K, N, xb);
+    }
+  }
+  _tile_release();  // tiles back to their initial state: between calls a context switch saves none
+}
 #endif
 
 }  // namespace tandem_amx
@@ -274,22 +294,7 @@ bool amx_ready() {
 // along K); out [M, N] in x's dtype. Requires amx_ready().
 void amx_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
 #ifdef HAVE_AMX
-  using namespace tandem_amx;
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  static thread_local std::vector<uint32_t> xb;  // the packed activation: up to 192 KB a thread
-  configure();
-  for (int64_t m = 0; m < M; m += ROWS_MAX) {
-    const int64_t mc = std::min(ROWS_MAX, M - m);
-    if (x.scalar_type() == at::kFloat) {
-      rows_block(x.data_ptr<float>() + m * x.stride(0), x.stride(0), wp, w.stride(0),
-                 out.data_ptr<float>() + m * N, N, mc, K, N, xb);
-    } else {
-      rows_block(x.data_ptr<at::BFloat16>() + m * x.stride(0), x.stride(0), wp, w.stride(0),
-                 out.data_ptr<at::BFloat16>() + m * N, N, mc, K, N, xb);
-    }
-  }
-  _tile_release();
+  tandem_amx::linear(x, w, out);
 #endif
 }
 
