@@ -41,7 +41,8 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpu_wo
 # What a traced program runs: the models and their layers, the kernels' torch paths, the
 # decode body and its CPU attention (paths under gpu_worker/).
 TRACED = ("models", "kernels", "parallel", "spec", "graphs/decode.py", "graphs/cpu_attention.py",
-          "graphs/cpu_programs.py", "graphs/cpu_ops.py", "graphs/cpu_gemm.cpp", "graphs/cpu_amx.cpp", "forward_batch.py", "kv_pool.py")
+          "graphs/cpu_programs.py", "graphs/cpu_ops.py", "graphs/cpu_gemm.cpp", "graphs/cpu_amx.cpp",
+          "forward_batch.py", "kv_pool.py")
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def cache_key(spec: BuildSpec) -> str:
         "format": FORMAT, "torch": torch.__version__, "python": sys.version_info[:2],
         "cpu": torch.backends.cpu.get_cpu_capability(), "sources": _sources_digest(),
         "target": _config_text(spec.model_path), "draft": _config_text(spec.draft_path),
-        "dtype": spec.dtype, "draft_dtype": spec.draft_dtype, "amx": spec.amx, "t": spec.tokens_per_step, "page_size": spec.page_size,
+        "dtype": spec.dtype, "draft_dtype": spec.draft_dtype, "amx": spec.amx, "t": spec.tokens_per_step,
+        "page_size": spec.page_size,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 

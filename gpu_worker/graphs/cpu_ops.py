@@ -1,4 +1,4 @@
-"""The compiled CPU steps' own GEMM: ``tandem_cpu::rows_linear`` (``cpu_gemm.cpp``).
+"""The compiled CPU steps' own GEMM: ``tandem_cpu::rows_linear`` (``cpu_gemm.cpp``, ``cpu_amx.cpp``).
 
 ``rows_linear(x, w)`` is ``F.linear(x, w)`` for ``x`` [M, K] and ``w`` [N, K] laid out by
 ``models/cpu_layout.py``:
@@ -13,16 +13,16 @@
   Here x's and w's dtypes may differ, so model code calls the op itself (``linear``): an
   ``aten.linear`` cannot take them.
 
-- Build side (``cpu_build.py``, its own process): ``build_library`` compiles ``cpu_gemm.cpp``
+- Build side (``cpu_build.py``, its own process): ``build_library`` compiles the two sources
   into the key's directory, ``use_rows_linear`` rewrites an exported program's float32 and
-  bfloat16 linears over column-major weights into the op, and ``inductor_configs`` has
+  bfloat16 linears over column-major (or bfloat16 row-major) weights into the op, and ``inductor_configs`` has
   AOTInductor call the op's C shim directly (no dispatcher, no proxy executor) and link the
   library by name.
 - Worker side (``cpu_steps.py``): ``load_library`` before the packages, so that their code finds
   the library (matched by its soname: nothing searches the file system at load); eager calls of
   the op (prefill) then run the library's GEMM too, through its C shim.
 
-The library's name carries a digest of its source, torch's version and the vector ISA, and it
+The library's name carries a digest of its sources, torch's version and the vector ISA, and it
 lives beside the builds' key directories: builds of several model shapes compile it once, and
 programs of two builds in one process bind the same library.
 """
@@ -118,10 +118,10 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def build_library(key_dir: str) -> str | None:
-    """Compile ``cpu_gemm.cpp`` and ``cpu_amx.cpp`` with the flags Inductor uses for this CPU's vector ISA into the
-    shared ``library_path`` (unless a build of another key already did) and record that path in
-    ``key_dir``; returns the library's directory, or None (nothing built) where Inductor finds
-    no vector ISA."""
+    """Compile ``cpu_gemm.cpp`` and ``cpu_amx.cpp`` with the flags Inductor uses for this CPU's
+    vector ISA into the shared ``library_path`` (unless a build of another key already did) and
+    record that path in ``key_dir``; returns the library's directory, or None (nothing built)
+    where Inductor finds no vector ISA."""
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -155,10 +155,10 @@ def use_rows_linear(program: torch.export.ExportedProgram) -> int:
     of its dtype, column-major or (bfloat16) row-major, into ``rows_linear``, in place; returns
     how many (with the ``rows_linear`` calls the model code made itself)."""
     define()
-    linear, rows = torch.ops.aten.linear.default, torch.ops.tandem_cpu.rows_linear.default
+    aten_linear, rows = torch.ops.aten.linear.default, torch.ops.tandem_cpu.rows_linear.default
     n = 0
     for node in program.graph.nodes:
-        if node.op == "call_function" and node.target is linear and _fits(node):
+        if node.op == "call_function" and node.target is aten_linear and _fits(node):
             node.target, node.args, node.kwargs = rows, tuple(node.args[:2]), {}
         n += node.op == "call_function" and node.target is rows
     program.graph_module.recompile()
