@@ -27,7 +27,8 @@ from gpu_worker.graphs.cpu_steps import CpuDecodeSteps
 from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool, kv_dtype
-from gpu_worker.models.cpu_layout import amx_projections, amx_usable, bf16_exact, column_major_projections
+from gpu_worker.models.cpu_layout import (amx_projections, amx_usable, bf16_exact, column_major_projections,
+                                          float_projections)
 from gpu_worker.models.eos import read_eos_token_ids
 from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
@@ -165,6 +166,10 @@ def _setup_graphs(args: ServerArgs, runner: ModelRunner, backend: str, device: t
     On the CPU decode steps run compiled programs instead (``graphs/cpu_steps.py``)."""
     if device.type == "cpu" and not emulate and not args.disable_cuda_graph:
         runner.graphs = _cpu_steps(args, runner, backend, max_slots, amx)
+        if amx and runner.graphs is None:  # eager steps: the layout they read at full speed
+            float_projections(runner.target, runner.state.hidden.dtype)
+            if runner.assistant is not None:
+                float_projections(runner.assistant, draft_dtype(runner.state.hidden.dtype, device, backend))
         return
     if args.disable_cuda_graph or (device.type != "cuda" and not emulate):
         return

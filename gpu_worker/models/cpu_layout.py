@@ -100,3 +100,14 @@ def amx_projections(model: nn.Module) -> None:
                     w.data = w.data.to(torch.bfloat16).contiguous()
             else:
                 _column_major(w)
+
+
+def float_projections(model: nn.Module, dtype: torch.dtype) -> None:
+    """Undo ``amx_projections`` (the compiled steps did not load, and eager calls would convert
+    every bfloat16 weight on each call): every projection weight back in ``dtype`` (exact: they
+    are bfloat16 values), column-major."""
+    with torch.no_grad():
+        for w in _projections(model):
+            if w.dtype != dtype:
+                w.data = w.data.to(dtype)
+    column_major_projections(model)

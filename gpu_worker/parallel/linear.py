@@ -28,8 +28,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x, self.bias)
-        if self.weight.dtype != x.dtype and self.bias is None:  # a bfloat16 weight (models/cpu_layout.py)
-            return cpu_ops.linear(x, self.weight)
+        if self.weight.dtype != x.dtype:  # a bfloat16 weight under a float32 x (models/cpu_layout.py)
+            out = cpu_ops.linear(x, self.weight)
+            return out if self.bias is None else out + self.bias
         return linear(x, self.weight, self.bias)
 
 

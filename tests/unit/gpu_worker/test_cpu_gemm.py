@@ -13,8 +13,9 @@ Bounds: a float32 result within the dot product's rounding bound, ``n * 2^-24 * 
 with n the number of float32 additions a value takes (K, or 3K for three terms), and the three
 terms' mean error within 3x torch's float32 GEMM's; a bfloat16 result within the bound plus one
 bfloat16 rounding (``2^-8`` of the value). Also the AMX layout
-(``models/cpu_layout.py``): which weights it converts, and that a ``Linear`` over it returns the
-float32 model's products.
+(``models/cpu_layout.py``): which weights it converts, that a ``Linear`` over it (biased or not)
+returns the float32 model's products, and that a worker whose compiled steps do not load puts
+its weights back in float32.
 """
 
 from __future__ import annotations
@@ -149,3 +150,53 @@ def test_amx_layout(lib):
     with torch.no_grad():
         inexact.qkv.weight[0, 0] += 1e-4
     assert not cpu_layout.bf16_exact(inexact)
+
+
+def test_a_biased_linear_over_the_amx_layout_adds_its_float32_bias(lib):
+    """Qwen2's q/k/v (and Llama's with ``attention_bias``) carry a bias: it stays in the model's
+    float32 and is added to the library's product."""
+    torch.manual_seed(2)
+    lin = Linear(64, 48, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+    w32, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    model = torch.nn.Module()
+    model.qkv = lin
+    cpu_layout.amx_projections(model)
+    assert lin.weight.dtype == torch.bfloat16 and lin.bias.dtype == torch.float32
+    x = torch.randn(5, 64)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    _check(y - b, x, w32, 3 * 64 + 2)
+
+
+def test_the_float_layout_undoes_the_amx_layout(lib):
+    """Where the compiled steps do not load (``gpu_worker/main.py``), the weights go back to the
+    model's dtype, column-major, with their values unchanged (they were bfloat16 values)."""
+    model = _tiny(3)
+    w32 = model.qkv.weight.detach().clone()
+    cpu_layout.amx_projections(model)
+    cpu_layout.float_projections(model, torch.float32)
+    assert model.qkv.weight.dtype == torch.float32 and model.qkv.weight.stride() == (1, 96)
+    assert torch.equal(model.qkv.weight, w32)
+    assert model.plain.weight.dtype == torch.float32 and model.plain.weight.stride() == (1, 32)
+
+
+def test_an_engine_whose_steps_do_not_load_keeps_float32_weights(ckpts, monkeypatch):
+    """The worker takes the AMX layout before the compiled steps load; where they then do not
+    (a build that failed), its eager steps get the float32 column-major layout back."""
+    from gpu_worker import main
+    from tests.helpers.inproc import InProcEngine
+
+    monkeypatch.setattr(main, "amx_usable", lambda: True)
+    monkeypatch.setattr(main, "bf16_exact", lambda model: True)
+    monkeypatch.setattr(main, "compiler_missing", lambda: None)
+    monkeypatch.setattr(main, "ensure_built", lambda spec: None)
+    eng = InProcEngine(ckpts["llama"], compiled=True)
+    assert eng.runner.graphs is None
+    for mod in eng.runner.target.modules():
+        if isinstance(mod, Linear):
+            assert mod.weight.dtype == torch.float32 and mod.weight.stride() == (1, mod.weight.shape[0])
+    eng.submit("a", [5, 6, 7, 8], max_new_tokens=3, ignore_eos=True)
+    eng.run()
+    assert len(eng.tokens["a"]) == 3
