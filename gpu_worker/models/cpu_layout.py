@@ -39,23 +39,25 @@ def _column_major(p: torch.Tensor) -> None:
         p.data = p.data.t().contiguous().t()
 
 
-def _projections(model: nn.Module) -> list[torch.Tensor]:
-    """Every ``nn.Linear`` weight of ``model`` (an FP8 projection keeps its own) and its LM head's."""
-    out = [mod.weight for mod in model.modules() if isinstance(mod, nn.Linear) and getattr(mod, "quant", None) is None]
+def _weights(model: nn.Module, kind: type = nn.Linear) -> list[torch.Tensor]:
+    """Every ``kind`` module's weight in ``model`` (an FP8 projection keeps its own) and its LM
+    head's."""
+    out = [mod.weight for mod in model.modules() if isinstance(mod, kind) and getattr(mod, "quant", None) is None]
     head = getattr(model, "lm_head_weight", None)
     if head is not None and all(head() is not w for w in out):
         out.append(head())
     return out
+
+
+def _projections(model: nn.Module) -> list[torch.Tensor]:
+    """Every ``nn.Linear`` weight of ``model`` and its LM head's."""
+    return _weights(model)
 
 
 def _mixed_ok(model: nn.Module) -> list[torch.Tensor]:
     """The projection weights whose readers take a bfloat16 weight under a float32 x: ``Linear``'s
     (``parallel/linear.py``) and the LM head (``parallel/layers.py: lm_logits``)."""
-    out = [mod.weight for mod in model.modules() if isinstance(mod, Linear) and mod.quant is None]
-    head = getattr(model, "lm_head_weight", None)
-    if head is not None and all(head() is not w for w in out):
-        out.append(head())
-    return out
+    return _weights(model, Linear)
 
 
 def column_major_projections(model: nn.Module) -> None:
