@@ -339,40 +339,6 @@ def record_fp8_kernels() -> None:
                 enable_cpu_kernels(False)
 
 
-def record_shapes(root) -> set[str]:
-    """Like ``record_engine``, at the benchmark models' widths (``benchmarks/configs``: the
-    Llama-3.1-8B shape; the Gemma-4-shaped 9B with its assistant; each cut to two layers and an
-    8k vocabulary, dummy weights, bf16): the block sizes the GPU compiles. About 12 minutes of
-    interpreter on two cores."""
-    import os
-    import pathlib
-
-    from tests.helpers.inproc import InProcEngine
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-    import dummy_models
-
-    dirs = dummy_models.make(str(root))
-    for d in dirs.values():
-        path = os.path.join(d, "config.json")
-        cfg = json.load(open(path))
-        text = cfg.get("text_config", cfg)
-        text.update(vocab_size=8192, num_hidden_layers=2)
-        if "layer_types" in text:
-            text["layer_types"] = ["sliding_attention", "full_attention"]
-        json.dump(cfg, open(path, "w"))
-    os.environ["TANDEM_EMULATE_CUDA_GRAPHS"] = "1"
-    with cuda_launch_choices(H200_SMS), recording() as seen:
-        for model, draft, flags in (("llama-3.1-8b", None, {}), ("gemma4-dense-9b", "gemma4-dense-9b-assistant", {}),
-                                    ("llama-3.1-8b", None, FP8)):
-            eng = InProcEngine(dirs[model], draft=dirs[draft] if draft else None, attention_backend="triton",
-                               dtype="bfloat16", load_format="dummy", max_total_tokens=4096, cuda_graph_bs=(1, 2),
-                               **flags)
-            eng.submit("a", list(range(5, 305)), max_new_tokens=3, ignore_eos=True)
-            eng.run()
-    return seen
-
-
 def main(argv: list[str]) -> int:
     """``record[-shapes] OUT.json CKPT_DIR`` (under the interpreter) or ``compile IN.json OUT.json``
     (without it; exit status 1 when a variant failed)."""
@@ -381,7 +347,10 @@ def main(argv: list[str]) -> int:
         from gpu_worker.kernels import gemv
 
         gemv.SKINNY_MIN_WEIGHT = 1  # the tiny test weights take the GEMV too
-        record = record_engine if argv[0] == "record" else record_shapes
+        if argv[0] == "record":
+            record = record_engine
+        else:
+            from tests.helpers.hopper_shapes import record_shapes as record
         json.dump(sorted(record(argv[2])), open(argv[1], "w"))
     elif len(argv) == 3 and argv[0] == "compile":  # a file: ptxas prints a failing PTX to stdout
         rows = compile_launches(json.load(open(argv[1])))
