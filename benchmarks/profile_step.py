@@ -1,5 +1,5 @@
 """Where a decode step's time goes: torch.profiler over the in-process engine (scheduler core +
-worker runner, no sockets) on a dummy-weight model, ``--batch`` rows.
+worker runner, no sockets) on a model (dummy weights unless ``--load-format auto``), ``--batch`` rows.
 
     python benchmarks/profile_step.py --model-path DIR [--batch 64] [--steps 32] [--trace OUT.json.gz]
 
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="as tandem serve's flag (fp8: online FP8 weights)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--load-format", default="dummy", help="auto: the checkpoint's own weights (dummy: random)")
     ap.add_argument("--decode-only", action="store_true", help="profile decode steps only")
     ap.add_argument("--sync-debug", action="store_true", help="list host syncs in the profiled steps")
     ap.add_argument("--cprofile", action="store_true",
@@ -58,7 +59,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.cprofile:  # start-up lines too: prefill warm-up, graph capture (buckets, seconds, memory)
         logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    eng = InProcEngine(a.model_path, draft=a.draft, device=a.device, load_format="dummy",
+    eng = InProcEngine(a.model_path, draft=a.draft, device=a.device, load_format=a.load_format,
                        attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
                        disable_piecewise_cuda_graph=a.disable_piecewise_cuda_graph,
                        max_running_requests=max(8, a.batch), context_length=a.input_len + a.steps + 64,

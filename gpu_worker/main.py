@@ -28,7 +28,7 @@ from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
 from gpu_worker.kv_pool import KVPool, kv_dtype
 from gpu_worker.models.cpu_layout import (amx_projections, amx_usable, bf16_exact, column_major_projections,
-                                          float_projections)
+                                          float_projections, native_bf16)
 from gpu_worker.models.eos import read_eos_token_ids
 from gpu_worker.models.loader import load_model
 from gpu_worker.parallel.state import rank_device, tp_size
@@ -53,14 +53,17 @@ def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
 
 
 def draft_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> torch.dtype:
-    """The draft model's dtype: the target's, except for a float32 target on the CPU with the
-    torch backend at TP=1 (the compiled CPU steps' path), whose draft runs in bfloat16. The
-    draft only proposes: the target's verify decides every token, so outputs do not change,
-    only how many drafts it accepts. In bfloat16 its few-row GEMMs read half the bytes through
-    oneDNN's bf16 kernels, and its weights (bfloat16 in the checkpoint) take half the memory
-    (docs/decisions/cpu.md, "Draft dtype"). The Triton interpreter's bf16 dots are not exact,
-    and TP shards run eagerly: both keep the target's dtype."""
-    if device.type == "cpu" and dtype == torch.float32 and backend == "torch" and tp_size() == 1:
+    """The draft model's dtype: the target's, except for a float32 target on a CPU that
+    multiplies bfloat16 in hardware (``native_bf16``) with the torch backend at TP=1 (the
+    compiled CPU steps' path), whose draft runs in bfloat16. The draft only proposes: the
+    target's verify decides every token, so outputs do not change, only how many drafts it
+    accepts. In bfloat16 its few-row GEMMs read half the bytes through oneDNN's bf16 kernels,
+    and its weights (bfloat16 in the checkpoint) take half the memory; on a CPU without
+    bfloat16 instructions those kernels widen every operand in software and cost more than
+    float32's (docs/decisions/cpu.md, "Draft dtype"). The Triton interpreter's bf16 dots are
+    not exact, and TP shards run eagerly: both keep the target's dtype."""
+    if (device.type == "cpu" and dtype == torch.float32 and backend == "torch" and tp_size() == 1
+            and native_bf16()):
         return torch.bfloat16
     return dtype
 

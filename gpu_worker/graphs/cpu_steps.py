@@ -15,12 +15,13 @@ page), the one size that moves from step to step.
 The target's and the draft's linears up to 8 (float32) or 4 (bfloat16) rows run the programs' own
 GEMM (``cpu_ops.py``: a library built with the programs, loaded before them); where the models
 take the AMX layout (``models/cpu_layout.py``: bfloat16 weights, a CPU with AMX-BF16) every
-linear does, at any row count. Otherwise the draft (bfloat16 under a float32 target,
-``gpu_worker/main.py: draft_dtype``) past 4 rows runs its GEMMs through oneDNN, which keeps
-kernels and buffers per row count, ~4 MB each for the bundled pair's draft: so from two rows it
-runs at a power of two, the rows past the batch padding (slot 0, whose drafts nobody reads), and
-holds 2 row counts up to 16 rather than 12. oneDNN stays off at one row (the draft's other ops
-then take torch's own paths).
+linear does, at any row count. Otherwise the draft (bfloat16 under a float32 target where the
+CPU has bfloat16 instructions, ``gpu_worker/main.py: draft_dtype``) past 4 rows runs its GEMMs
+through oneDNN, which keeps kernels and buffers per row count, ~4 MB each for the bundled pair's
+draft: so from two rows it runs at a power of two, the rows past the batch padding (slot 0, whose
+drafts nobody reads), and holds 2 row counts up to 16 rather than 12. oneDNN stays off at one
+row (the draft's other ops then take torch's own paths). A float32 draft pads alike: its few-row
+GEMM streams the weights once whatever the row count, so the padding rows cost little.
 
 Invariants: a size's ``tokens`` / ``result`` buffers are rewritten by its next step; the CPU
 runs a step to completion in ``run`` / ``run_tail``, and the runner clones the result before

@@ -68,16 +68,29 @@ def column_major_projections(model: nn.Module) -> None:
             _column_major(w)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere, or where unreadable)."""
+    if not sys.platform.startswith("linux"):
+        return set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (AVX512-BF16's dot products; AMX-BF16
+    implies them). Without them oneDNN's bfloat16 GEMMs widen every operand in software."""
+    return "avx512_bf16" in cpu_flags()
+
+
 def amx_usable() -> bool:
     """Whether this process may run AMX-BF16 tiles: the CPU has them (and AVX512-BF16, which the
     kernel's packing uses) and Linux grants the tile state (``ARCH_REQ_XCOMP_PERM``)."""
-    if not sys.platform.startswith("linux"):
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags():
         return False
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-        if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags):
-            return False
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
     except (OSError, AttributeError):

@@ -2,8 +2,8 @@
 in-process engine, MTP on: greedy tokens equal HF transformers' for batches of every size up to
 the slot count, a batch goes from the greedy tail to the eager token selection and back (a
 logprobs request joins and leaves) on one slot state, and ``--disable-cuda-graph`` turns the
-path off. The draft runs in bfloat16 under the float32 target (column-major weights, padded to a
-power of two from two rows, oneDNN off at one row) and the outputs stay the target's; the
+path off. The draft runs in bfloat16 under the float32 target (as on a CPU with bfloat16
+instructions: column-major weights, padded to a power of two from two rows, oneDNN off at one row) and the outputs stay the target's; the
 programs' linears run their own few-row GEMM (``graphs/cpu_ops.py``). The first
 run on a machine builds the tiny pair's programs (a minute or two)."""
 
@@ -28,8 +28,12 @@ PROMPTS = [[(7 * j + 3 * i) % 370 + 6 for j in range(5 + 9 * i)] for i in range(
 
 @pytest.fixture(scope="module")
 def engine(ckpts):
-    return InProcEngine(ckpts["gemma4"], draft=ckpts["assistant"], compiled=True, page_size=4,
-                        chunked_prefill_size=24, max_running_requests=6)
+    from gpu_worker import main
+
+    with pytest.MonkeyPatch.context() as mp:  # the bfloat16 draft on every CPU (it is exact without the instructions)
+        mp.setattr(main, "native_bf16", lambda: True)
+        return InProcEngine(ckpts["gemma4"], draft=ckpts["assistant"], compiled=True, page_size=4,
+                            chunked_prefill_size=24, max_running_requests=6)
 
 
 def test_steps_are_compiled_and_the_flag_turns_them_off(engine, ckpts):
@@ -128,13 +132,28 @@ def test_draft_rows_are_one_or_a_power_of_two():
     assert [draft_rows(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
 
 
-def test_draft_dtype_is_bfloat16_only_under_a_float32_target_on_the_compiled_path():
+def test_draft_dtype_is_bfloat16_only_under_a_float32_target_on_the_compiled_path(monkeypatch):
+    from gpu_worker import main
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(main, "native_bf16", lambda: True)
     assert draft_dtype(torch.float32, cpu, "torch") == torch.bfloat16
     assert draft_dtype(torch.float32, cpu, "triton") == torch.float32  # the interpreter's bf16 dots are inexact
     assert draft_dtype(torch.bfloat16, cpu, "torch") == torch.bfloat16
     assert draft_dtype(torch.float32, cuda, "triton") == torch.float32
     assert draft_dtype(torch.bfloat16, cuda, "triton") == torch.bfloat16
+    monkeypatch.setattr(main, "native_bf16", lambda: False)  # oneDNN would widen bf16 in software
+    assert draft_dtype(torch.float32, cpu, "torch") == torch.float32
+    assert draft_dtype(torch.bfloat16, cpu, "torch") == torch.bfloat16
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch):
+    from gpu_worker.models import cpu_layout
+
+    monkeypatch.setattr(cpu_layout, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert cpu_layout.native_bf16()
+    monkeypatch.setattr(cpu_layout, "cpu_flags", lambda: {"avx512f", "avx2"})
+    assert not cpu_layout.native_bf16() and not cpu_layout.amx_usable()
 
 
 def test_a_bfloat16_query_attends_in_the_float32_pool_dtype():
