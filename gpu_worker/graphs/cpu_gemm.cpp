@@ -21,7 +21,9 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include <algorithm>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -44,14 +46,14 @@ constexpr int64_t ROWS_MAX_F32 = 8;
 constexpr int64_t ROWS_MAX_BF16 = 4;
 
 // Weights [p, p + cnt) as two float32 vectors (zeros past cnt).
-inline void load_cols(const float* p, int64_t cnt, Vec& lo, Vec& hi) {
-  lo = cnt >= V ? Vec::loadu(p) : Vec::loadu(p, cnt);
-  hi = cnt >= COLS ? Vec::loadu(p + V) : (cnt > V ? Vec::loadu(p + V, cnt - V) : Vec(0.f));
+inline std::tuple<Vec, Vec> load_cols(const float* p, int64_t cnt) {
+  if (cnt >= COLS) return {Vec::loadu(p), Vec::loadu(p + V)};
+  return {cnt >= V ? Vec::loadu(p) : Vec::loadu(p, cnt), cnt > V ? Vec::loadu(p + V, cnt - V) : Vec(0.f)};
 }
 
-inline void load_cols(const BFloat16* p, int64_t cnt, Vec& lo, Vec& hi) {
+inline std::tuple<Vec, Vec> load_cols(const BFloat16* p, int64_t cnt) {
   using VecB = at::vec::Vectorized<BFloat16>;
-  std::tie(lo, hi) = at::vec::convert_to_float<BFloat16>(cnt >= COLS ? VecB::loadu(p) : VecB::loadu(p, cnt));
+  return at::vec::convert_to_float<BFloat16>(cnt >= COLS ? VecB::loadu(p) : VecB::loadu(p, cnt));
 }
 
 inline void store_cols(float* p, int64_t cnt, const Vec& lo, const Vec& hi) {
@@ -73,33 +75,56 @@ inline void store_cols(BFloat16* p, int64_t cnt, const Vec& lo, const Vec& hi) {
   }
 }
 
+// The block's 2 * M sums, unrolled so that they stay in vector registers: an array of them that
+// the compiler keeps in memory turns every multiply-add into a load and a store.
+template <int M>
+struct Sums {
+  Vec lo[M], hi[M];
+};
+
 // Rows [0, M) of the float32 sums `acc` (ldc N) for columns [n, n + cnt) += x @ W^T rows
 // [k0, k0 + kc); the last pass writes the result into `out` (which may be `acc` itself).
 template <int M, typename T>
 inline void block(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc, T* out, int64_t N,
                   int64_t k0, int64_t kc, bool last, int64_t n, int64_t cnt) {
-  Vec lo[M], hi[M];
+  Sums<M> s;
+#pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
     if (k0 == 0) {
-      lo[m] = hi[m] = Vec(0.f);
+      s.lo[m] = s.hi[m] = Vec(0.f);
     } else {
-      load_cols(acc + m * N + n, cnt, lo[m], hi[m]);
+      std::tie(s.lo[m], s.hi[m]) = load_cols(acc + m * N + n, cnt);
     }
   }
-  for (int64_t j = 0; j < kc; ++j) {
-    Vec wlo, whi;
-    load_cols(wt + (k0 + j) * ldw + n, cnt, wlo, whi);
-    for (int m = 0; m < M; ++m) {
-      const Vec xv(static_cast<float>(x[m * ldx + k0 + j]));
-      lo[m] = at::vec::fmadd(wlo, xv, lo[m]);
-      hi[m] = at::vec::fmadd(whi, xv, hi[m]);
+  const T* xk = x + k0;
+  const T* wk = wt + k0 * ldw + n;
+  if (cnt == COLS) {  // the common case: no masks in the loop
+    for (int64_t j = 0; j < kc; ++j, wk += ldw) {
+      const auto [wlo, whi] = load_cols(wk, COLS);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const Vec xv(static_cast<float>(xk[m * ldx + j]));
+        s.lo[m] = at::vec::fmadd(wlo, xv, s.lo[m]);
+        s.hi[m] = at::vec::fmadd(whi, xv, s.hi[m]);
+      }
+    }
+  } else {
+    for (int64_t j = 0; j < kc; ++j, wk += ldw) {
+      const auto [wlo, whi] = load_cols(wk, cnt);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const Vec xv(static_cast<float>(xk[m * ldx + j]));
+        s.lo[m] = at::vec::fmadd(wlo, xv, s.lo[m]);
+        s.hi[m] = at::vec::fmadd(whi, xv, s.hi[m]);
+      }
     }
   }
+#pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
     if (last) {
-      store_cols(out + m * N + n, cnt, lo[m], hi[m]);
+      store_cols(out + m * N + n, cnt, s.lo[m], s.hi[m]);
     } else {
-      store_cols(acc + m * N + n, cnt, lo[m], hi[m]);
+      store_cols(acc + m * N + n, cnt, s.lo[m], s.hi[m]);
     }
   }
 }
