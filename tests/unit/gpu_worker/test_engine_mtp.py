@@ -69,9 +69,13 @@ def test_mtp_lossless(pair, depth, draft):
 
 
 @pytest.mark.parametrize("draft", ["none", "random"])
-def test_mtp_lossless_with_compiled_cpu_steps(pair, draft):
+def test_mtp_lossless_with_compiled_cpu_steps(pair, draft, monkeypatch):
     """The same, as `tandem serve` runs on the CPU by default: decode steps through the compiled
-    programs (``graphs/cpu_steps.py``; the first run on a machine builds them)."""
+    programs (``graphs/cpu_steps.py``; the first run on a machine builds them), the draft in
+    bfloat16 as on a CPU with bfloat16 instructions (the build ``test_cpu_steps.py`` makes)."""
+    from gpu_worker import main
+
+    monkeypatch.setattr(main, "native_bf16", lambda: True)
     g, a, prompts, refs = pair
     eng = InProcEngine(g, draft=None if draft == "none" else a, steps=3, compiled=True, chunked_prefill_size=24,
                        page_size=4)
