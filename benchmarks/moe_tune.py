@@ -4,7 +4,7 @@ best as a ``gpu_worker/kernels/moe_configs.json`` entry.
     python benchmarks/moe_tune.py --config benchmarks/configs/gemma4-26b-a4b.json --out OUT \
         [--tokens 1,2,4,8,64,256,1024,4096] [--budget-s 480]
 
-For each token count: the decode path's two passes (1-4 tokens: a bucket each) or, past 4 tokens, the
+For each token count: the decode path's two passes (1-4 tokens) or, past 4 tokens, the
 grouped path's alignment block and each pass's tiles, each candidate timed in a CUDA graph of
 ``--reps`` launches that rotates over ``--copies`` copies of the expert weights (together past
 L2, so every launch streams its weights from HBM), with random top-k routing. Reports each
@@ -34,8 +34,8 @@ from gpu_worker.kernels.moe_decode import DECODE_MAX_TOKENS, expert_gemv  # noqa
 from gpu_worker.kernels.moe_gemm import grouped_gemm  # noqa: E402
 from gpu_worker.models.config import parse_config  # noqa: E402
 
-DECODE = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
-          for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5))]
+DECODE = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=s)
+          for bn, bk, s in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5))]
 GEMM = [dict(block_n=bn, block_k=bk, group_m=8, num_warps=w, num_stages=s)
         for bn, bk, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
 BLOCK_M = (16, 32, 64)
@@ -84,7 +84,7 @@ def main() -> None:
     down = [torch.randn(e, h, i, device=dev, dtype=dt) * i**-0.5 for _ in range(a.copies)]
     expert_bytes = (2 * i * h + h * i) * 2
     t_end = time.perf_counter() + a.budget_s
-    log, entry = [], {"decode": [], "gemm": []}
+    log, entry = [], {"decode": {}, "gemm": []}
     tokens = [int(x) for x in a.tokens.split(",")]
 
     def inputs(t):
@@ -116,7 +116,6 @@ def main() -> None:
         ids, x, w, inter, out = inputs(t)
         union = len(torch.unique(ids))
         if t <= DECODE_MAX_TOKENS:
-            bucket = {"max_tokens": t}
             for name in ("gate_up", "down"):
                 if name == "gate_up":
                     def run(c, cfg):
@@ -125,10 +124,8 @@ def main() -> None:
                     def run(c, cfg):
                         expert_gemv(inter, down[c % a.copies], out, ids, cfg, topk_weights=w)
                 top = best(name, DECODE, run, t, union)
-                if top:
-                    bucket[name] = top[1]
-            if len(bucket) == 3:  # one bucket per measured token count (moe_configs.decode_shape)
-                entry["decode"].append(bucket)
+                if top and t == max(x for x in tokens if x <= DECODE_MAX_TOKENS):
+                    entry["decode"][name] = top[1]  # the largest decode count decides (MTP's verify)
             continue
         bucket_best = None
         for bm in BLOCK_M:
@@ -140,8 +137,6 @@ def main() -> None:
                 bucket_best = (g[0] + d[0], {"max_tokens": t, "block_m": bm, "gate_up": g[1], "down": d[1]})
         if bucket_best:
             entry["gemm"].append(bucket_best[1])
-    if entry["decode"]:
-        entry["decode"][-1]["max_tokens"] = DECODE_MAX_TOKENS  # the last bucket serves the rest of the path
     if entry["gemm"]:
         entry["gemm"][-1]["max_tokens"] = 1000000000  # the last bucket serves every larger step
     key = shape_key(e, h, i, k)

@@ -41,8 +41,8 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     if t == 0:
         return torch.empty_like(x) if sum_slots else pairs
     if t <= DECODE_MAX_TOKENS:
-        expert_gemv(x, gate_up, inter, ids, decode_config(num_experts, h, i, top_k, "gate_up", t), act=ACTS[act])
-        expert_gemv(inter, down, pairs, ids, decode_config(num_experts, h, i, top_k, "down", t), topk_weights=flat_w)
+        expert_gemv(x, gate_up, inter, ids, decode_config(num_experts, h, i, top_k, "gate_up"), act=ACTS[act])
+        expert_gemv(inter, down, pairs, ids, decode_config(num_experts, h, i, top_k, "down"), topk_weights=flat_w)
     else:
         cfg = gemm_config(num_experts, h, i, top_k, t)
         align = align_block(ids, num_experts, cfg["block_m"])

@@ -5,8 +5,7 @@ per token K) and a ``default``. Its numbers are reasoned from a Hopper card's re
 ~3 TB/s of HBM, 227 KiB of shared memory a block); ``benchmarks/moe_tune.py`` measures candidates
 and writes entries in the same form. The reasoning behind the defaults:
 
-- decode (1-4 tokens, ``moe_decode.py``, one shape or one per token bucket): each selected
-  expert's weights are streamed once, so
+- decode (1-4 tokens, ``moe_decode.py``): each selected expert's weights are streamed once, so
   the launch must keep HBM busy with few experts: at one token, top-8 of 128 experts with
   I = 704 and 16 outputs per gate_up tile gives 8 x 44 = 352 programs (about three per SM, all
   resident with 4 stages of a 32 x 128 tile); down tiles of 64 rows give 8 x 44 = 352 too.
@@ -42,21 +41,9 @@ def _entry(num_experts: int, hidden: int, intermediate: int, top_k: int) -> dict
     return table.get(shape_key(num_experts, hidden, intermediate, top_k), table["default"])
 
 
-def decode_config(num_experts: int, hidden: int, intermediate: int, top_k: int, pass_name: str,
-                  tokens: int = 1) -> dict:
-    """The decode path's launch shape for ``pass_name`` (``gate_up`` or ``down``) at ``tokens``.
-    An entry's ``decode`` is one shape per pass for every token count, or buckets like the
-    grouped path's (the first whose ``max_tokens`` >= ``tokens``): one token streams 8 experts
-    with 8x fewer programs than the verify's 4 tokens may, so the two can want other tiles."""
-    return decode_shape(_entry(num_experts, hidden, intermediate, top_k), pass_name, tokens)
-
-
-def decode_shape(entry: dict, pass_name: str, tokens: int) -> dict:
-    """``decode_config`` of one entry of the file."""
-    decode = entry["decode"]
-    if isinstance(decode, list):
-        decode = next((b for b in decode if tokens <= b["max_tokens"]), decode[-1])
-    return decode[pass_name]
+def decode_config(num_experts: int, hidden: int, intermediate: int, top_k: int, pass_name: str) -> dict:
+    """The decode path's launch shape for ``pass_name`` (``gate_up`` or ``down``)."""
+    return _entry(num_experts, hidden, intermediate, top_k)["decode"][pass_name]
 
 
 def gemm_config(num_experts: int, hidden: int, intermediate: int, top_k: int, tokens: int) -> dict:

@@ -22,7 +22,7 @@ def record_moe_configs() -> None:
 
     entries = json.load(open(moe_configs.PATH))["shapes"]
     e, h, i = 8, 32, 16
-    for key in entries:
+    for key, entry in entries.items():
         # a model shape's own K, in bf16; the default also in fp32 (the exact-dot variants)
         k = int(key.rsplit("K=", 1)[1]) if "K=" in key else 2
         for dtype in (torch.bfloat16,) if "K=" in key else (torch.bfloat16, torch.float32):
@@ -30,12 +30,11 @@ def record_moe_configs() -> None:
             for t in range(1, DECODE_MAX_TOKENS + 1):
                 ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int()
                 inter = torch.empty(t * k, i, dtype=dtype)
-                expert_gemv(torch.randn(t, h).to(dtype), gate_up, inter, ids,
-                            moe_configs.decode_shape(entries[key], "gate_up", t), act=0)
-                expert_gemv(inter, down, torch.empty(t * k, h, dtype=dtype), ids,
-                            moe_configs.decode_shape(entries[key], "down", t), topk_weights=torch.rand(t * k))
+                expert_gemv(torch.randn(t, h).to(dtype), gate_up, inter, ids, entry["decode"]["gate_up"], act=0)
+                expert_gemv(inter, down, torch.empty(t * k, h, dtype=dtype), ids, entry["decode"]["down"],
+                            topk_weights=torch.rand(t * k))
             ids = torch.stack([torch.randperm(e)[:k] for _ in range(5)]).int()
-            for bucket in entries[key]["gemm"]:
+            for bucket in entry["gemm"]:
                 align = align_block(ids, e, bucket["block_m"])
                 inter = torch.empty(5 * k, i, dtype=dtype)
                 grouped_gemm(torch.randn(5, h).to(dtype), gate_up, inter, align, 5 * k, k, bucket["gate_up"], act=0)

@@ -117,38 +117,6 @@ def test_fused_experts_match_reference(tokens, dtype, act):
         _close_bf16(got, ref)
 
 
-def test_decode_shapes_are_one_for_all_token_counts_or_buckets():
-    from gpu_worker.kernels.moe_configs import decode_shape
-
-    one, four = {"block_n": 16}, {"block_n": 32}
-    assert decode_shape({"decode": {"gate_up": one}}, "gate_up", 3) == one
-    buckets = {"decode": [{"max_tokens": 1, "gate_up": one}, {"max_tokens": 4, "gate_up": four}]}
-    assert [decode_shape(buckets, "gate_up", t)["block_n"] for t in (1, 2, 4, 9)] == [16, 32, 32, 32]
-
-
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_fused_experts_take_their_token_buckets_decode_shape(tokens, monkeypatch):
-    """A bucketed entry: each token count launches its bucket's tiles, with the same values."""
-    from gpu_worker.kernels import moe_configs
-
-    num_experts, hidden, inter, top_k = 8, 48, 40, 3
-    small = {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
-    big = {"block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2}
-    entry = {**moe_configs._table()["default"], "decode": [{"max_tokens": 1, "gate_up": small, "down": small},
-                                                            {"max_tokens": 4, "gate_up": big, "down": big}]}
-    monkeypatch.setattr(moe_configs, "_table", lambda: {"default": entry})
-    seen = []
-    real = moe_configs.decode_shape
-    monkeypatch.setattr(moe_configs, "decode_shape", lambda e, name, t: seen.append(real(e, name, t)) or seen[-1])
-    gate_up, down = _experts(num_experts, hidden, inter, torch.float32)
-    x = torch.randn(tokens, hidden)
-    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]).int()
-    w = torch.rand(tokens, top_k)
-    got = fused_experts(x.to(DEV), gate_up.to(DEV), down.to(DEV), ids.to(DEV), w.to(DEV), "silu").cpu()
-    assert seen == [small, small] if tokens == 1 else seen == [big, big]
-    torch.testing.assert_close(got.double(), ref_experts(x, gate_up, down, ids, w, "silu"), rtol=1e-5, atol=1e-5)
-
-
 def test_moe_sum_adds_each_tokens_slots():
     pairs = torch.randn(5 * 3, 40).to(DEV)
     torch.testing.assert_close(moe_sum(pairs, 3).cpu(), pairs.cpu().view(5, 3, 40).sum(1), rtol=1e-6, atol=1e-6)
