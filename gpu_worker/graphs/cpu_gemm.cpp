@@ -82,6 +82,22 @@ struct Sums {
   Vec lo[M], hi[M];
 };
 
+// s += x[:, j] * W^T[j, n : n + cnt] for the kc rows of W^T from wk; WHOLE: cnt == COLS, so
+// the loads need no mask.
+template <int M, bool WHOLE, typename T>
+__attribute__((always_inline)) inline void multiply_add(Sums<M>& s, const T* xk, int64_t ldx, const T* wk,
+                                                        int64_t ldw, int64_t kc, int64_t cnt) {
+  for (int64_t j = 0; j < kc; ++j, wk += ldw) {
+    const auto [wlo, whi] = load_cols(wk, WHOLE ? COLS : cnt);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const Vec xv(static_cast<float>(xk[m * ldx + j]));
+      s.lo[m] = at::vec::fmadd(wlo, xv, s.lo[m]);
+      s.hi[m] = at::vec::fmadd(whi, xv, s.hi[m]);
+    }
+  }
+}
+
 // Rows [0, M) of the float32 sums `acc` (ldc N) for columns [n, n + cnt) += x @ W^T rows
 // [k0, k0 + kc); the last pass writes the result into `out` (which may be `acc` itself).
 template <int M, typename T>
@@ -96,28 +112,10 @@ inline void block(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc,
       std::tie(s.lo[m], s.hi[m]) = load_cols(acc + m * N + n, cnt);
     }
   }
-  const T* xk = x + k0;
-  const T* wk = wt + k0 * ldw + n;
-  if (cnt == COLS) {  // the common case: no masks in the loop
-    for (int64_t j = 0; j < kc; ++j, wk += ldw) {
-      const auto [wlo, whi] = load_cols(wk, COLS);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const Vec xv(static_cast<float>(xk[m * ldx + j]));
-        s.lo[m] = at::vec::fmadd(wlo, xv, s.lo[m]);
-        s.hi[m] = at::vec::fmadd(whi, xv, s.hi[m]);
-      }
-    }
+  if (cnt == COLS) {  // the common case
+    multiply_add<M, true>(s, x + k0, ldx, wt + k0 * ldw + n, ldw, kc, cnt);
   } else {
-    for (int64_t j = 0; j < kc; ++j, wk += ldw) {
-      const auto [wlo, whi] = load_cols(wk, cnt);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const Vec xv(static_cast<float>(xk[m * ldx + j]));
-        s.lo[m] = at::vec::fmadd(wlo, xv, s.lo[m]);
-        s.hi[m] = at::vec::fmadd(whi, xv, s.hi[m]);
-      }
-    }
+    multiply_add<M, false>(s, x + k0, ldx, wt + k0 * ldw + n, ldw, kc, cnt);
   }
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
