@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <tuple>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)

@@ -3,9 +3,10 @@ in-process engine, MTP on: greedy tokens equal HF transformers' for batches of e
 the slot count, a batch goes from the greedy tail to the eager token selection and back (a
 logprobs request joins and leaves) on one slot state, and ``--disable-cuda-graph`` turns the
 path off. The draft runs in bfloat16 under the float32 target (as on a CPU with bfloat16
-instructions: column-major weights, padded to a power of two from two rows, oneDNN off at one row) and the outputs stay the target's; the
-programs' linears run their own few-row GEMM (``graphs/cpu_ops.py``). The first
-run on a machine builds the tiny pair's programs (a minute or two)."""
+instructions: column-major weights, padded to a power of two from two rows, oneDNN off at one
+row) and the outputs stay the target's; the programs' linears run their own few-row GEMM
+(``graphs/cpu_ops.py``). The first run on a machine builds the tiny pair's programs (a minute
+or two)."""
 
 from __future__ import annotations
 
