@@ -121,25 +121,80 @@ def pdl_level(tokens: int) -> int:
 # --------------------------------------------------------------------------- tickets
 # Split kernels that finish in one launch (split-K GEMV, split-KV decode attention) count their
 # finished programs per output tile on a ticket; the last one to take it sums the partials and
-# puts the ticket back to 0. Invariant: the buffer is all zeros between kernels, and launches
-# sharing it never run concurrently (the worker issues every forward on one stream; PDL lets a
+# puts the ticket back to 0. Invariant: a buffer is all zeros between kernels, and launches
+# sharing it never run concurrently: each stream a forward issues on has its own buffer (the
+# forward's stream, and ``Beside``'s), and one stream runs its kernels one at a time (PDL lets a
 # kernel run only its prologue, reads, before the previous one completed: tickets come after).
 TICKETS = 1 << 16
-_TICKETS: dict[torch.device, torch.Tensor] = {}
+_TICKETS: dict[tuple[torch.device, bool], torch.Tensor] = {}
+_BESIDE = [False]  # inside a ``Beside`` block: launches take the second stream's buffer
 
 
 def tickets(device: torch.device) -> torch.Tensor:
-    """The device's zeroed int32 ticket buffer (TICKETS entries), made on first use: an eager
-    warm-up forward, before any graph capture."""
-    t = _TICKETS.get(device)
+    """The zeroed int32 ticket buffer (TICKETS entries) of the device's stream that launches now,
+    made on first use: an eager warm-up forward, before any graph capture."""
+    key = (device, _BESIDE[0])
+    t = _TICKETS.get(key)
     if t is None:
-        t = _TICKETS[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+        t = _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
     return t
 
 
 def tickets_clear() -> bool:
     """Every ticket back at 0 (tests)."""
     return all(int(t.abs().sum()) == 0 for t in _TICKETS.values())
+
+
+# --------------------------------------------------------------------------- a second stream
+_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+class Beside:
+    """A block of launches on the device's second stream, concurrent with what the caller issues
+    after the block until ``join`` (in a CUDA graph: a fork and a join of two branches). At one to
+    a few tokens a layer's small kernels are bound by launch latency, not bytes: beside another
+    branch's weight streams they cost little. ``on`` False (or a CPU tensor) runs the block in
+    place; the block's split kernels take the second buffer of tickets either way, so the CPU
+    twin runs that path too.
+
+    Invariants: the block reads only tensors the caller does not write before ``join``; its
+    inputs (``keep``) stay referenced until ``join``, so the allocator cannot hand their memory
+    to the caller's stream while the block may still read them; its outputs are made on the
+    second stream, whose later blocks start after the caller's stream (``wait_stream``), so they
+    are read before that memory is reused. No collective runs in a block (ranks must issue them
+    in one order)."""
+
+    def __init__(self, *keep: torch.Tensor, on: bool):
+        self.keep, self.out = keep, None
+        dev = keep[0].device
+        self.stream = None
+        if on and dev.type == "cuda":
+            self.stream = _STREAMS.get(dev)
+            if self.stream is None:
+                self.stream = _STREAMS[dev] = torch.cuda.Stream(dev)
+        self._ctx = None
+
+    def __enter__(self) -> "Beside":
+        _BESIDE[0] = True
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self._ctx = torch.cuda.stream(self.stream)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _BESIDE[0] = False
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+            self._ctx = None
+
+    def join(self):
+        """The caller's stream waits for the block; returns what the block left in ``out``."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.stream = None
+        self.keep = ()
+        return self.out
 
 
 def next_pow2(n: int) -> int:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
-from gpu_worker.kernels import use_triton
+from gpu_worker.kernels import Beside, use_triton
 from gpu_worker.kernels.embed import embed_cat, embed_scaled
 from gpu_worker.kernels.moe_norm import gemma_moe_combine, gemma_moe_inputs, gemma_moe_tail
 from gpu_worker.kernels.softcap import softcap_float
@@ -34,6 +34,9 @@ from gpu_worker.parallel import factory, shard
 from gpu_worker.parallel.state import tp_size
 
 _SCALE_CACHE: dict[tuple[float, torch.dtype], float] = {}
+# Token counts at which a MoE layer's dense MLP runs beside its router and experts: decode and
+# verify batches, where launches rather than bytes or FLOPs bound the layer.
+BESIDE_MAX_TOKENS = 64
 
 
 def dtype_rounded(value: float, dtype: torch.dtype) -> float:
@@ -116,19 +119,23 @@ class Gemma4DecoderLayer(nn.Module):
         in place."""
         h = self.self_attn(h, rotary, fb, backend)
         h, x = self.post_attention_layernorm.norm_add(h, x, next_norm=self.pre_feedforward_layernorm)
-        h = self.mlp(h)
-        if self.moe:
-            ended = None if self.ple_dim else self._moe_to_layer_end(h, x, next_norm)
+        if not self.moe:
+            h = self.mlp(h)
+        else:  # the dense MLP beside the router and the experts (on a second stream where it pays)
+            dense = Beside(h, on=self.experts.gives_slots(x) and x.shape[0] <= BESIDE_MAX_TOKENS)
+            with dense:
+                dense.out = self.mlp(h)
+            ended = None if self.ple_dim else self._moe_to_layer_end(dense, x, next_norm)
             if ended is not None:
                 return ended, x
-            h = self._moe(h, x)
+            h = self._moe(dense, x)
         if not self.ple_dim:
             return self.post_feedforward_layernorm.norm_add(h, x, next_norm=next_norm, scale=self.layer_scalar)
         _, x = self.post_feedforward_layernorm.norm_add(h, x)
         h = self.per_layer_projection(gated(self.act_name, self.per_layer_input_gate(x), per_layer_input))
         return self.post_per_layer_input_norm.norm_add(h, x, next_norm=next_norm, scale=self.layer_scalar)
 
-    def _moe(self, dense: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, dense: Beside, x: torch.Tensor) -> torch.Tensor:
         """HF: ``post_feedforward_layernorm_1(dense) + post_feedforward_layernorm_2(experts(
         pre_feedforward_layernorm_2(x)))``, the experts routed on x, the residual stream the MLP's
         input was normed from. On the kernel path the router's and the experts' inputs come from
@@ -136,17 +143,17 @@ class Gemma4DecoderLayer(nn.Module):
         if use_triton(x):
             r, e = self._moe_router_and_experts_inputs(x)
             m = self.experts(e, *self.router.route(r))
-            return gemma_moe_combine(dense, m, self.post_feedforward_layernorm_1.weight,
+            return gemma_moe_combine(dense.join(), m, self.post_feedforward_layernorm_1.weight,
                                      self.post_feedforward_layernorm_2.weight, self.eps)
         m = self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
-        return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(m)
+        return self.post_feedforward_layernorm_1(dense.join()) + self.post_feedforward_layernorm_2(m)
 
 
     def _moe_router_and_experts_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return gemma_moe_inputs(x, self.router.scale, self.pre_feedforward_layernorm_2.weight, self.eps,
                                 self.router.root)
 
-    def _moe_to_layer_end(self, dense: torch.Tensor, x: torch.Tensor, next_norm: GemmaRMSNorm) -> torch.Tensor | None:
+    def _moe_to_layer_end(self, dense: Beside, x: torch.Tensor, next_norm: GemmaRMSNorm) -> torch.Tensor | None:
         """The MoE block and the layer's end (``post_feedforward_layernorm``'s residual add, the
         layer scalar, ``next_norm``) with the experts' slot sum in one kernel (``gemma_moe_tail``);
         None where the experts give no per-slot outputs (torch path, TP > 1): the caller runs
@@ -156,7 +163,7 @@ class Gemma4DecoderLayer(nn.Module):
         r, e = self._moe_router_and_experts_inputs(x)
         ids, weights = self.router.route(r)
         slots = self.experts.slots(e, ids, weights)
-        return gemma_moe_tail(dense, slots, x, self.post_feedforward_layernorm_1.weight,
+        return gemma_moe_tail(dense.join(), slots, x, self.post_feedforward_layernorm_1.weight,
                               self.post_feedforward_layernorm_2.weight, self.post_feedforward_layernorm.weight,
                               next_norm.weight, self.layer_scalar, self.eps, ids.shape[1])
 
