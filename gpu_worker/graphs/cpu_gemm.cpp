@@ -126,13 +126,24 @@ inline void block(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc,
   }
 }
 
+// Vector registers: 32 with AVX-512 (16 floats a vector), 16 with AVX2. A block keeps 2 * M
+// sums, two weight vectors and x's broadcast in them.
+constexpr int VREGS = V >= 16 ? 32 : 16;
+
 template <int M, typename T>
 void rows_kernel(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc, T* out, int64_t K, int64_t N) {
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool last = k0 + kc == K;
     for (int64_t n = 0; n < N; n += COLS) {
-      block<M>(x, ldx, wt, ldw, acc, out, N, k0, kc, last, n, std::min(COLS, N - n));
+      const int64_t cnt = std::min(COLS, N - n);
+      if constexpr (2 * M + 3 <= VREGS) {
+        block<M>(x, ldx, wt, ldw, acc, out, N, k0, kc, last, n, cnt);
+      } else {  // the rows in two halves, each in registers; the second reads the weights from L1
+        constexpr int H = M / 2;
+        block<H>(x, ldx, wt, ldw, acc, out, N, k0, kc, last, n, cnt);
+        block<M - H>(x + H * ldx, ldx, wt, ldw, acc + H * N, out + H * N, N, k0, kc, last, n, cnt);
+      }
     }
   }
 }
