@@ -10,9 +10,9 @@ import torch
 from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
-from tests.unit.gpu_worker.grammar_cases import ENDS, PROMPTS
-from tests.unit.gpu_worker.test_engine_grammar import _submit_all
-from tests.unit.gpu_worker.test_engine_grammar_after import _submit as _submit_after
+from tests.unit.gpu_worker.structured.grammar_cases import ENDS, PROMPTS
+from tests.unit.gpu_worker.structured.test_engine_grammar import _submit_all
+from tests.unit.gpu_worker.structured.test_engine_grammar_after import _submit as _submit_after
 
 
 @pytest.fixture(scope="module")

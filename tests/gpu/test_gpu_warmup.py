@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu.test_gpu_parity import hf_greedy_cuda
-from tests.unit.gpu_worker.test_worker_warmup import check_warmup
+from tests.unit.gpu_worker.graphs.test_worker_warmup import check_warmup
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma4"])

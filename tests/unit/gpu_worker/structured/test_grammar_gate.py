@@ -15,7 +15,7 @@ from proto.messages import AbortReq, GenerateReq, GrammarCompile, GrammarDone, G
 from scheduler_proc.request import Phase
 from tests.helpers.checkpoints import hf_greedy, hf_model
 from tests.helpers.inproc import InProcEngine
-from tests.unit.gpu_worker.grammar_cases import PROMPTS, SPECS, grammar_compiler, models, reference  # noqa: F401 - fixture
+from tests.unit.gpu_worker.structured.grammar_cases import PROMPTS, SPECS, grammar_compiler, models, reference  # noqa: F401 - fixture
 from tests.unit.scheduler_proc.driver import make
 
 BAD = GrammarSpec("ebnf", "root ::= nothing")

@@ -15,7 +15,7 @@ from scheduler_proc.pages import page_hashes
 from tests.helpers.checkpoints import hf_greedy, hf_model
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
-from tests.unit.gpu_worker.grammar_cases import ENDS, PROMPTS, SCHEMA, SPECS, grammar_compiler, models, reference  # noqa: F401 - fixture
+from tests.unit.gpu_worker.structured.grammar_cases import ENDS, PROMPTS, SCHEMA, SPECS, grammar_compiler, models, reference  # noqa: F401 - fixture
 
 
 def _submit_all(eng, model_dir, n=24, prompts=3, model=None):

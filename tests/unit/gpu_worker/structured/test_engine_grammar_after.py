@@ -12,7 +12,7 @@ import pytest
 from tests.helpers.checkpoints import VOCAB, hf_greedy, hf_model
 from tests.helpers.inproc import InProcEngine
 from tests.helpers.oracle_draft import BigramDraft, bigram_table
-from tests.unit.gpu_worker.grammar_cases import ENDS, PROMPTS, SPECS, grammar_compiler, models, reference  # noqa: F401 - fixture
+from tests.unit.gpu_worker.structured.grammar_cases import ENDS, PROMPTS, SPECS, grammar_compiler, models, reference  # noqa: F401 - fixture
 
 
 def start_token(free: list[int], at: int) -> int:
