@@ -58,7 +58,8 @@ def _budget_tokens(args, device: torch.device, bpt: int, want: int, vocab: int, 
         budget = total * args.mem_fraction_static - (total - free) - reserve
         return max(int(budget // bpt), 0)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return min(int(ram * CPU_RAM_SHARE / tp_size() // bpt), (args.max_running_requests or CPU_DEFAULT_SLOTS) * want)
+    whole = _cdiv(want, args.page_size) * args.page_size  # a request holds whole pages
+    return min(int(ram * CPU_RAM_SHARE / tp_size() // bpt), (args.max_running_requests or CPU_DEFAULT_SLOTS) * whole)
 
 
 def plan_capacity(args, target, device: torch.device, dtype, t: int, model_max_pos: int) -> Capacity:

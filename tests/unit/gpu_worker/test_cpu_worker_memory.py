@@ -39,6 +39,9 @@ def test_the_cpu_pool_holds_every_running_request_at_full_context():
     default = plan_capacity(_args(context_length=200), target, torch.device("cpu"), torch.float32, t, 1000)
     assert default.max_slots == CPU_DEFAULT_SLOTS
     assert (default.num_pages - 1) * ps >= CPU_DEFAULT_SLOTS * (200 + slack)
+    # a context plus slack that is not a whole number of pages: the pool rounds up, never caps
+    one = plan_capacity(_args(max_running_requests=1), target, torch.device("cpu"), torch.float32, 1, 4096)
+    assert one.max_context == 4096 and one.num_pages - 1 == -(-(4096 + 2 + ps) // ps)
 
 
 def test_the_cpu_pool_is_resident_only_where_written():
