@@ -199,7 +199,8 @@ def build(spec: BuildSpec, key_dir: str) -> None:
     inductor_config.compile_threads = 1  # no compile worker pool: the machine may have two cores
     # torch's export warns about its own internal use of a deprecated pytree class; nothing a
     # user of the build can act on, so it stays out of the worker's log.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
     cpu, dtype = torch.device("cpu"), getattr(torch, spec.dtype)
     target = load_model(spec.model_path, dtype, cpu, spec.load_format)
     assistant = (load_model(spec.draft_path, getattr(torch, spec.draft_dtype), cpu, spec.load_format, target=target)
