@@ -8,18 +8,11 @@ import pytest
 import torch
 
 from gpu_worker import kernels
-from gpu_worker.kernels import Beside, enable_cpu_kernels, tickets, tickets_clear
+from gpu_worker.kernels import Beside, tickets, tickets_clear
 from gpu_worker.kernels import gemv as G
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _kernels_on_cpu():
-    enable_cpu_kernels(True)
-    yield
-    enable_cpu_kernels(False)
 
 
 def test_beside_takes_its_own_tickets():
