@@ -14,9 +14,13 @@
 // The compiled programs call it through its AOTInductor C shim (aoti_torch_cpu_rows_linear:
 // graphs/cpu_ops.py); other shapes, dtypes and layouts fall back to at::mm.
 
-#include <ATen/ATen.h>
+// The tensor type and the two operators used, not <ATen/ATen.h> (every operator: ~10 s of a
+// first build's compile).
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 

@@ -30,6 +30,7 @@ programs of two builds in one process bind the same library.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -121,33 +122,61 @@ def build_library(key_dir: str) -> str | None:
     """Compile ``cpu_gemm.cpp`` and ``cpu_amx.cpp`` with the flags Inductor uses for this CPU's
     vector ISA into the shared ``library_path`` (unless a build of another key already did) and
     record that path in ``key_dir``; returns the library's directory, or None (nothing built)
-    where Inductor finds no vector ISA."""
-    from torch._inductor.cpp_builder import get_cpp_compiler
+    where Inductor finds no vector ISA. Concurrent builds take a file lock: one compiles, the
+    others wait and use its library."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()
     if not isa:
         return None
-    torch_dir = os.path.dirname(torch.__file__)
-    lib_dir = os.path.join(torch_dir, "lib")
     out = library_path(os.path.dirname(os.path.normpath(key_dir)), library_name())
     with open(os.path.join(key_dir, LINK), "w") as f:
         f.write(out)
     if os.path.exists(out):
         return os.path.dirname(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.{os.getpid()}.tmp"  # renamed into place whole: concurrent builds may both compile
-    cmd = [get_cpp_compiler(), "-O3", "-shared", "-fPIC", "-std=c++20", "-w",
-           *(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split(),
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-           "-I", os.path.join(torch_dir, "include"), *SOURCES, "-o", tmp,
-           f"-Wl,-soname,{os.path.basename(out)}", "-L", lib_dir, "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib_dir}"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.stderr.write(done.stderr[-4000:])
-        raise RuntimeError(f"compiling {', '.join(map(os.path.basename, SOURCES))} failed (exit {done.returncode})")
-    os.replace(tmp, out)
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(out):
+            _compile_library(out, isa)
     return os.path.dirname(out)
+
+
+def _compile_library(out: str, isa) -> None:
+    """The sources compiled side by side (one compiler process each), then linked; the library
+    is renamed into place whole."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    torch_dir = os.path.dirname(torch.__file__)
+    lib_dir = os.path.join(torch_dir, "lib")
+    cxx = get_cpp_compiler()
+    flags = ["-O3", "-fPIC", "-std=c++20", "-w", *(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split(),
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", "-I", os.path.join(torch_dir, "include")]
+    objects = [f"{out}.{os.path.basename(src)}.o" for src in SOURCES]
+    compiles = [subprocess.Popen([cxx, *flags, "-c", src, "-o", obj], stderr=subprocess.PIPE, text=True)
+                for src, obj in zip(SOURCES, objects)]
+    tmp = f"{out}.{os.getpid()}.tmp"
+    link = [cxx, "-shared", *objects, "-o", tmp, f"-Wl,-soname,{os.path.basename(out)}", "-L", lib_dir, "-ltorch_cpu",
+            "-lc10", f"-Wl,-rpath,{lib_dir}"]
+    try:
+        for src, proc in zip(SOURCES, compiles):
+            err = proc.communicate()[1]
+            if proc.returncode != 0:
+                sys.stderr.write(err[-4000:])
+                raise RuntimeError(f"compiling {os.path.basename(src)} failed (exit {proc.returncode})")
+        done = subprocess.run(link, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.stderr.write(done.stderr[-4000:])
+            raise RuntimeError(f"linking {os.path.basename(out)} failed (exit {done.returncode})")
+        os.replace(tmp, out)
+    finally:
+        for proc in compiles:  # one failed: do not leave the other running
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for path in (*objects, tmp):
+            if os.path.exists(path):
+                os.remove(path)
 
 
 def use_rows_linear(program: torch.export.ExportedProgram) -> int:

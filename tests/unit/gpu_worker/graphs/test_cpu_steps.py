@@ -78,7 +78,7 @@ def test_a_failed_build_is_recorded_and_skipped(ckpts, tmp_path, monkeypatch, ca
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     spec = cpu_build.BuildSpec(ckpts["gemma4"], None, "float32", 1, 4)
     key_dir = tmp_path / "tandem-cpu-steps" / cpu_build.cache_key(spec)
-    monkeypatch.setattr(cpu_build, "build", lambda spec, key_dir: (_ for _ in ()).throw(NotImplementedError("softcap")))
+    monkeypatch.setattr(cpu_build, "build", lambda *a: (_ for _ in ()).throw(NotImplementedError("softcap")))
     key_dir.mkdir(parents=True)
     with pytest.raises(SystemExit):
         cpu_build.build_or_record(spec, str(key_dir))
@@ -127,6 +127,17 @@ def test_padded_draft_rows_are_lossless(engine, ckpts):
     assert {4, 8} <= set(engine.runner.graphs._draft_pad)
     assert torch._C._get_mkldnn_enabled()  # the one-row draft turns oneDNN back on
     engine.core.alloc.check_all_free()
+
+
+def test_a_build_spreads_its_programs_over_the_cores_for_small_models_only():
+    from gpu_worker.graphs.cpu_build import build_groups
+
+    mtp, plain = ("draft", "target", "tail"), ("target", "tail")
+    assert build_groups(mtp, 1, small=True) == [mtp]
+    assert build_groups(mtp, 2, small=True) == [("target",), ("draft", "tail")]
+    assert build_groups(mtp, 4, small=True) == [("draft",), ("target",), ("tail",)]
+    assert build_groups(plain, 2, small=True) == [("target",), ("tail",)]
+    assert build_groups(mtp, 8, small=False) == [mtp]  # each process would load the models
 
 
 def test_draft_rows_are_one_or_a_power_of_two():
