@@ -206,9 +206,9 @@ def _cores() -> int:
 def _run_build(spec: BuildSpec, key_dir: str) -> None:
     size = _checkpoint_bytes(spec)
     groups = build_groups(spec.programs(), _cores(), size is not None and size <= PARALLEL_MAX_BYTES)
-    log.warning("compiling the CPU decode steps (%s) for %s in %d process%s: once per model shape and code version, "
-                "cached in %s", "/".join(spec.programs()), spec.model_path, len(groups), "es" if len(groups) > 1 else "",
-                key_dir)
+    log.warning("compiling the CPU decode steps (%s) for %s in %d process%s: once per model shape and code "
+                "version, cached in %s", "/".join(spec.programs()), spec.model_path, len(groups),
+                "es" if len(groups) > 1 else "", key_dir)
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "gpu_worker.graphs.cpu_build", json.dumps(dataclasses.asdict(spec)), key_dir]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(_PACKAGE),

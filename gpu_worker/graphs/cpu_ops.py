@@ -150,8 +150,9 @@ def _compile_library(out: str, isa) -> None:
     torch_dir = os.path.dirname(torch.__file__)
     lib_dir = os.path.join(torch_dir, "lib")
     cxx = get_cpp_compiler()
-    flags = ["-O3", "-fPIC", "-std=c++20", "-w", *(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split(),
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", "-I", os.path.join(torch_dir, "include")]
+    flags = ["-O3", "-fPIC", "-std=c++20", "-w", *(f"-D{m}" for m in isa.build_macro()),
+             *isa.build_arch_flags().split(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+             "-I", os.path.join(torch_dir, "include")]
     objects = [f"{out}.{os.path.basename(src)}.o" for src in SOURCES]
     compiles = [subprocess.Popen([cxx, *flags, "-c", src, "-o", obj], stderr=subprocess.PIPE, text=True)
                 for src, obj in zip(SOURCES, objects)]
