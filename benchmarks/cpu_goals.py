@@ -41,7 +41,7 @@ def main(out: str) -> None:
     for name, got, need, eager in rows:
         mark = "ok" if got >= need else "MISSED"
         print(f"| {name} | {got:.2f} {mark} | >= {need} | {'' if eager is None else f'{eager:.2f}'} |")
-    for tag, name in (("compiled", "serve"), ("eager", "serve_eager")):
+    for tag, name in (("compiled", "serve"), ("eager", "serve_eager"), ("compiled, first start", "serve_cold")):
         s = _load(out, name)
         if s is None:
             continue

@@ -6,7 +6,8 @@
 #   issue 2: HF transformers generate on the same target and prompts (concurrency 1)
 #   issue 42: the same with decode steps eager (--disable-cuda-graph: the path before the
 #     compiled CPU steps), and `tandem serve` as a user starts it: time to ready, first-token
-#     latency, each process's RSS / PSS idle and under 8 streams (serve_footprint.py)
+#     latency, each process's RSS / PSS idle and under 8 streams (serve_footprint.py), and once
+#     from an empty compile cache (a machine's first start: the build included)
 # Decode steps run compiled (the default); a machine's first run builds them before its rounds.
 # Usage: bash benchmarks/cpu_suite.sh [OUT_DIR]
 set -uo pipefail
@@ -36,5 +37,6 @@ run c8_mtp_eager --num-prompts 16 --max-running-requests 8 "${MTP[@]}" --disable
 $PY benchmarks/serve_footprint.py --json "$OUT/serve.json" > "$OUT/serve.log" 2>&1 || echo "serve failed"
 $PY benchmarks/serve_footprint.py --json "$OUT/serve_eager.json" -- --disable-cuda-graph > "$OUT/serve_eager.log" 2>&1 \
   || echo "serve_eager failed"
+$PY benchmarks/serve_footprint.py --cold --json "$OUT/serve_cold.json" > "$OUT/serve_cold.log" 2>&1 || echo "serve_cold failed"
 $PY benchmarks/summarize.py "$OUT"
 $PY benchmarks/cpu_goals.py "$OUT"

@@ -2,7 +2,8 @@
 
 Starts ``tandem serve`` with the given flags (default: the bundled pair), then reports
 
-- ``ready_s``: from the spawn to the first ``/health`` 200;
+- ``ready_s``: from the spawn to the first ``/health`` 200 (``--cold``: with an empty compile
+  cache, so a CPU start includes building its decode programs, as a machine's first start does);
 - ``ttft_first_ms``: a 1-token completion sent right after ready; ``ttft_ms``: the median of
   the next five;
 - per process (``tandem-worker``, ``tandem-scheduler``, ``tandem-tokenizer``, the supervisor):
@@ -10,7 +11,7 @@ Starts ``tandem serve`` with the given flags (default: the bundled pair), then r
   the tree's real footprint) once idle, and the peak of each under ``--streams`` concurrent
   streaming requests.
 
-    python benchmarks/serve_footprint.py [--streams 8] [--json OUT] -- [tandem serve flags]
+    python benchmarks/serve_footprint.py [--cold] [--streams 8] [--json OUT] -- [tandem serve flags]
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -117,15 +120,18 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--json", default=None)
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--cold", action="store_true", help="start with an empty TORCHINDUCTOR_CACHE_DIR (removed after)")
     a, serve_flags = ap.parse_known_args()
     serve_flags = [f for f in serve_flags if f != "--"]
     port = free_port()
     log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tandem-footprint-{port}.log"), "w")
+    cache = tempfile.mkdtemp(prefix="tandem-cold-") if a.cold else None
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache} if cache else None
     t0 = time.perf_counter()
     proc = subprocess.Popen([a.python, "-m", "tandem", "serve", "--port", str(port), "--log-level", "info",
-                             *serve_flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                             *serve_flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
-    result: dict = {"flags": serve_flags, "log": log.name}
+    result: dict = {"flags": serve_flags, "log": log.name, "cold": a.cold}
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
             while True:
@@ -152,6 +158,8 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
     print(json.dumps(result, indent=2))
     if a.json:
         with open(a.json, "w") as f:
