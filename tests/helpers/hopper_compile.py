@@ -16,9 +16,11 @@ options: one record per variant.
 compiled-mode kernels), point Triton at a stand-in CUDA driver that names an sm_90 target and
 ``warmup`` each recorded launch: Triton's own binder specialises it as on the GPU (alignment,
 ``do_not_specialize``) and its compiler goes all the way to a cubin through ``ptxas``, with
-nothing launched. The constexprs the host sets by device take their CUDA values, a kernel with
-a ``PDL`` constexpr is built at every level, and a record with a pointer the CPU had unaligned
-is built aligned too (CUDA staging aligns). Shared memory is checked against sm_90's per-block
+nothing launched. The constexprs the host sets by device take their CUDA values, and a record
+with a pointer the CPU had unaligned is built aligned too (CUDA staging aligns). A launch's
+``PDL`` level follows its token count (on at <= 4), so each record is built at the level it was
+recorded at, and one record of each kernel at every level besides: each kernel's PDL-on and
+PDL-off code is built without doubling every variant. Shared memory is checked against sm_90's per-block
 limit -- meaningful at real widths (``record-shapes``), less so at the tiny test models'.
 
 Run as ``python -m tests.helpers.hopper_compile record|compile ...`` with any Triton on the path
@@ -159,14 +161,14 @@ class _Sm90Driver:
         return True
 
 
-def _variants(kwargs: dict, first_dtype: str | None) -> list[dict]:
+def _variants(kwargs: dict, first_dtype: str | None, every_pdl: bool) -> list[dict]:
     """The launch as the GPU would make it: the constexprs the host sets by device at their CUDA
     values (the GEMVs' and the FP8 GEMM's ``F32`` and attention's ``IEEE``: exact dots for float32
-    operands only, always under the interpreter; softcap.py ``LIBDEVICE``: tanh); a kernel with a ``PDL`` constexpr also
-    at the level its recorded one is not (every kernel runs both off and on, by token count)."""
+    operands only, always under the interpreter; softcap.py ``LIBDEVICE``: tanh); with
+    ``every_pdl``, a kernel with a ``PDL`` constexpr also at the levels its recorded one is not."""
     cuda = {"F32": first_dtype == "float32", "LIBDEVICE": True, "IEEE": first_dtype == "float32"}
     kw = {**kwargs, **{k: v for k, v in cuda.items() if k in kwargs}}
-    if "PDL" not in kw:
+    if "PDL" not in kw or not every_pdl:
         return [kw]
     out = [kw]
     for level in PDL_LEVELS:
@@ -182,7 +184,8 @@ def _aligned(args: list) -> list:
     return [{**a, "aligned16": True} if isinstance(a, dict) else a for a in args]
 
 
-def _compile_one(rec: str) -> list[dict]:
+def _compile_one(job: tuple[str, bool]) -> list[dict]:
+    rec, every_pdl = job
     r = json.loads(rec)
     fn = getattr(importlib.import_module(r["module"]), r["name"])
     first = next((a["tensor"] for a in r["args"] if isinstance(a, dict)), None)
@@ -191,7 +194,7 @@ def _compile_one(rec: str) -> list[dict]:
     for raw_args in arg_sets:
         args = [_decode(a) for a in raw_args]
         aligned = all(a["aligned16"] for a in raw_args if isinstance(a, dict))
-        for kw in _variants({k: _decode(v) for k, v in r["kwargs"].items()}, first):
+        for kw in _variants({k: _decode(v) for k, v in r["kwargs"].items()}, first, every_pdl):
             row = {"kernel": f"{r['module']}.{r['name']}", "pdl": kw.get("PDL"), "aligned": aligned, "shared": None,
                    "error": None}
             try:
@@ -212,9 +215,9 @@ def _use_sm90_driver() -> None:
 
 
 def compile_launches(records: list[str], workers: int | None = None) -> list[dict]:
-    """Compile each recorded launch (at each PDL level) for sm_90 in ``workers`` processes; one
-    row per variant with ``error`` (None when it built) and the shared memory it needs, and a
-    last row naming the Triton."""
+    """Compile each recorded launch for sm_90 (the first of each kernel at every PDL level) in
+    ``workers`` processes; one row per variant with ``error`` (None when it built) and the shared
+    memory it needs, and a last row naming the Triton."""
     import concurrent.futures
     import multiprocessing
     import os
@@ -224,7 +227,14 @@ def compile_launches(records: list[str], workers: int | None = None) -> list[dic
     workers = workers or min(4, os.cpu_count() or 1)  # each imports torch and Triton
     ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no driver or JIT state
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_use_sm90_driver) as pool:
-        rows = [row for rows in pool.map(_compile_one, sorted(set(records))) for row in rows]
+        seen: set[tuple[str, str]] = set()
+        jobs = []
+        for rec in sorted(set(records)):
+            r = json.loads(rec)
+            kernel = (r["module"], r["name"])
+            jobs.append((rec, kernel not in seen))
+            seen.add(kernel)
+        rows = [row for rows in pool.map(_compile_one, jobs) for row in rows]
     return rows + [{"triton": triton.__version__}]
 
 

@@ -1,8 +1,8 @@
 """Every Triton kernel variant the engine launches builds for the H200 (sm_90) -- checked in CI,
 which has no GPU (``tests/helpers/hopper_compile.py``): the engine runs its triton-backend paths
 under the interpreter while each launch is recorded, then a process without the interpreter
-compiles each recorded variant, with the constexprs the host sets by device at their CUDA values
-and PDL both off and on, down to a cubin. ``make hopper-check`` repeats the compile with the
+compiles each recorded variant, with the constexprs the host sets by device at their CUDA values,
+down to a cubin (each kernel with PDL both off and on). ``make hopper-check`` repeats the compile with the
 GPU machine's Triton (3.6) as well."""
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ def test_every_launched_kernel_is_covered(compiled):
     kernels = {r["kernel"] for r in rows}
     assert launchable_kernels() <= kernels, sorted(launchable_kernels() - kernels)
     assert "gpu_worker.kernels.gemv_kernels._gemv_kernel" in {r["kernel"] for r in rows if r["pdl"] == 2}
+    with_pdl = {r["kernel"] for r in rows if r["pdl"] is not None}
+    for level in (0, 2):  # each kernel's PDL-off and PDL-on code is built
+        assert with_pdl <= {r["kernel"] for r in rows if r["pdl"] == level}, level
 
 
 def test_the_check_fails_on_what_an_h200_rejects(tmp_path):
