@@ -14,7 +14,7 @@
 // right operand B (16 k pairs x 16 rows of x); C [16 columns, 16 rows] is stored transposed.
 // Each pass takes 32 output columns down all of K (two A tiles; each B tile serves both).
 
-#include <ATen/core/Tensor.h>  // the tensor type only (<ATen/ATen.h>: every operator, ~10 s to compile)
+#include <ATen/core/Tensor.h>  // the tensor type only: <ATen/ATen.h> declares every operator (slow to compile)
 
 #include <algorithm>
 #include <cstdint>

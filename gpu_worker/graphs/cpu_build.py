@@ -176,7 +176,7 @@ def _failed(key_dir: str) -> bool:
 def build_groups(programs: tuple[str, ...], cores: int, small: bool) -> list[tuple[str, ...]]:
     """The programs each build process compiles: all in one where there is one core or the
     models are large, else up to one process a core; on two cores the target (the longest
-    build) alone and the draft with the tail (the bundled pair: 62 s against 44 + 13 s)."""
+    build) alone and the draft with the tail (``docs/decisions/cpu.md``)."""
     if cores < 2 or not small or len(programs) < 2:
         return [programs]
     if cores >= len(programs):
