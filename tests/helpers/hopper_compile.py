@@ -20,8 +20,8 @@ nothing launched. The constexprs the host sets by device take their CUDA values,
 with a pointer the CPU had unaligned is built aligned too (CUDA staging aligns). A launch's
 ``PDL`` level follows its token count (on at <= 4), so each record is built at the level it was
 recorded at, and one record of each kernel at every level besides: each kernel's PDL-on and
-PDL-off code is built without doubling every variant. Shared memory is checked against sm_90's per-block
-limit -- meaningful at real widths (``record-shapes``), less so at the tiny test models'.
+PDL-off code is built without doubling every variant. Shared memory is checked against sm_90's
+per-block limit -- meaningful at real widths (``record-shapes``), less so at the tiny test models'.
 
 Run as ``python -m tests.helpers.hopper_compile record|compile ...`` with any Triton on the path
 (``make hopper-check`` does both, with CI's Triton and the GPU machine's).
