@@ -187,10 +187,12 @@ def build_groups(programs: tuple[str, ...], cores: int, small: bool) -> list[tup
 def _checkpoint_bytes(spec: BuildSpec) -> int | None:
     """The weight files' size of both models, or None where there are none to measure (dummy
     weights, a layout without safetensors or .bin files)."""
+    if spec.load_format == "dummy":
+        return None
     total = 0
     for d in filter(None, (spec.model_path, spec.draft_path)):
         files = [f for f in os.listdir(d) if f.endswith((".safetensors", ".bin"))] if os.path.isdir(d) else []
-        if not files or spec.load_format == "dummy":
+        if not files:
             return None
         total += sum(os.path.getsize(os.path.join(d, f)) for f in files)
     return total
