@@ -10,7 +10,9 @@ This closes that gap in two halves:
 the H200 (``cuda_launch_choices``: PDL levels, prefetch depths, split-KV by SM count), note
 every kernel launch as its module, name, argument kinds (a tensor's dtype and 16-byte
 alignment; a scalar by what the JIT specialises it on) and keyword constexprs and launch
-options: one record per variant.
+options: one record per variant. A launch the GPU spreads over its SMs (a KV split, one head a
+program) is recorded as the GPU makes it and run as the CPU makes it (same outputs, fewer
+interpreted programs), and launches whose outputs nothing reads are only recorded.
 
 ``compile_launches()``: in a process *without* the interpreter (so the modules define their
 compiled-mode kernels), point Triton at a stand-in CUDA driver that names an sm_90 target and
@@ -85,16 +87,28 @@ def launch_record(fn, args: tuple, kwargs: dict) -> str:
                        "kwargs": {k: _encode(v) for k, v in sorted(kwargs.items())}}, sort_keys=True)
 
 
+class _Mode:
+    """What an interpreted launch does while recording: ``note`` only records it (the GPU's launch
+    choice, whose outputs the same call recomputes more cheaply), ``quiet`` only runs it (that
+    cheaper recomputation, which the GPU would not launch)."""
+    note = False
+    quiet = False
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[set[str]]:
-    """Record every interpreted kernel launch (they still run) into the yielded set."""
+    """Record every interpreted kernel launch (they still run, unless noted only) into the
+    yielded set."""
     from triton.runtime.interpreter import InterpretedFunction
 
     seen: set[str] = set()
     real = InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        seen.add(launch_record(self.fn, args, kwargs))
+        if not _Mode.quiet:
+            seen.add(launch_record(self.fn, args, kwargs))
+        if _Mode.note:
+            return None
         return real(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
@@ -102,6 +116,30 @@ def recording() -> Iterator[set[str]]:
         yield seen
     finally:
         InterpretedFunction.run = real
+
+
+@contextlib.contextmanager
+def _mode(note: bool = False, quiet: bool = False) -> Iterator[None]:
+    before = _Mode.note, _Mode.quiet
+    _Mode.note, _Mode.quiet = note, quiet
+    try:
+        yield
+    finally:
+        _Mode.note, _Mode.quiet = before
+
+
+def _noted_then_run(fn, gpu: dict, cpu: dict, patch_gpu=contextlib.nullcontext, patch_cpu=contextlib.nullcontext):
+    """``fn`` called twice: its launches as the GPU makes them (keyword overrides ``gpu``, under
+    ``patch_gpu``) recorded and not run, then as the CPU makes them (``cpu``, ``patch_cpu``) run
+    and not recorded -- the same outputs from fewer interpreted programs (the GPU's choices spread
+    a small batch over its SMs, one program a head or a KV split, which the interpreter runs one
+    after another)."""
+    def call(*args, **kwargs):
+        with _mode(note=True), patch_gpu():
+            fn(*args, **{**kwargs, **gpu})
+        with _mode(quiet=True), patch_cpu():
+            return fn(*args, **{**kwargs, **cpu})
+    return call
 
 
 H200_SMS = 132
@@ -112,13 +150,15 @@ def cuda_launch_choices(sms: int) -> Iterator[None]:
     """While recording, let the host make its launch choices as on a GPU with ``sms`` SMs: each
     kernel module's ``pdl`` applies the device-free rule (``kernels.pdl_level``: PDL levels and
     the GEMV's L2 prefetch depth come out as on the H200; the interpreter's ``gdc`` helpers stay
-    no-ops), the attention backend splits the KV for ``sms`` and RoPE groups heads by the GPU's
-    rule."""
+    no-ops), the attention backend splits the KV for ``sms`` and RoPE takes one head a program
+    (the GPU's rule at the test sizes). Those last two launches are recorded as the GPU makes
+    them and run as the CPU does (``_noted_then_run``): one split and heads grouped."""
     import pkgutil
 
     import gpu_worker.kernels as kernels
     from gpu_worker.attention import triton_backend
     from gpu_worker.kernels import rope
+    from gpu_worker.models import layers
 
     def cuda_pdl(x) -> int:
         return kernels.pdl_level(x.shape[0])
@@ -127,16 +167,36 @@ def cuda_launch_choices(sms: int) -> Iterator[None]:
     patched = [(m, attr) for m in map(importlib.import_module, names)
                for attr, v in vars(m).items() if v is kernels.pdl]
     assert patched, "no kernel module imports kernels.pdl: the recorder's patch point moved"
+    assert triton_backend.paged_decode is attention_decode_fn() and layers.rope_store is rope.rope_store, \
+        "the recorder's patch points moved"
     sms_before, heads_before = triton_backend.CPU_SMS, rope.heads_per_program
+
+    @contextlib.contextmanager
+    def gpu_heads():
+        rope.heads_per_program = lambda t, h, cpu=False: heads_before(t, h)
+        try:
+            yield
+        finally:
+            rope.heads_per_program = heads_before
+
     for m, attr in patched:
         setattr(m, attr, cuda_pdl)
-    triton_backend.CPU_SMS, rope.heads_per_program = sms, lambda t, h, cpu=False: heads_before(t, h)
+    triton_backend.CPU_SMS = sms
+    triton_backend.paged_decode = _noted_then_run(attention_decode_fn(), {}, {"num_splits": 1, "order": None})
+    layers.rope_store = _noted_then_run(rope.rope_store, {}, {}, patch_gpu=gpu_heads)
     try:
         yield
     finally:
         for m, attr in patched:
             setattr(m, attr, kernels.pdl)
-        triton_backend.CPU_SMS, rope.heads_per_program = sms_before, heads_before
+        triton_backend.CPU_SMS = sms_before
+        triton_backend.paged_decode, layers.rope_store = attention_decode_fn(), rope.rope_store
+
+
+def attention_decode_fn():
+    from gpu_worker.kernels.attention_decode import paged_decode
+
+    return paged_decode
 
 
 class _Sm90Driver:
@@ -310,7 +370,7 @@ def record_engine(root) -> set[str]:
                 _run_engine(InProcEngine(ck[model], draft=ck[draft] if draft else None, attention_backend="triton",
                                          dtype=dtype, page_size=4, chunked_prefill_size=16, cuda_graph_bs=(1, 2, 4),
                                          **flags))
-        with cuda_launch_choices(H200_SMS):
+        with cuda_launch_choices(H200_SMS), _mode(note=True):  # launches whose outputs nothing reads
             record_fp8_kernels()
             record_moe_configs()
     return seen
