@@ -45,7 +45,7 @@ def outputs(tmp_path_factory):
     # The target alone, named by a Hub id served from a pre-populated cache with no network
     # (`tandem serve ORG/NAME` as a vLLM user types it), decoding eagerly: the reference the
     # compiled MTP steps must equal. (The compiled plain steps have their own lossless test:
-    # tests/unit/gpu_worker/spec/test_engine_mtp.py, draft "none".)
+    # tests/unit/gpu_worker/spec/test_engine_mtp.py, draft "none", and tests/e2e/test_llm.py.)
     hf_home = str(tmp_path_factory.mktemp("hf_home"))
     add_to_cache(hf_home, "tandem-test/tiny-shakespeare", os.path.join(PAIR, "target"))
     with Server(None, "tandem-test/tiny-shakespeare", env={"HF_HOME": hf_home, "HF_HUB_OFFLINE": "1"}) as srv:

@@ -69,16 +69,22 @@ def test_mtp_lossless(pair, depth, draft):
 
 
 @pytest.mark.parametrize("draft", ["none", "random"])
-def test_mtp_lossless_with_compiled_cpu_steps(pair, draft, monkeypatch):
+def test_mtp_lossless_with_compiled_cpu_steps(pair, ckpts, draft, monkeypatch):
     """The same, as `tandem serve` runs on the CPU by default: decode steps through the compiled
-    programs (``graphs/cpu_steps.py``; the first run on a machine builds them), the draft in
-    bfloat16 as on a CPU with bfloat16 instructions (the build ``test_cpu_steps.py`` makes)."""
-    from gpu_worker import main
-
-    monkeypatch.setattr(main, "native_bf16", lambda: True)
+    programs (``graphs/cpu_steps.py``; the first run on a machine builds them). With the draft,
+    in bfloat16 as on a CPU with bfloat16 instructions (the build ``test_cpu_steps.py`` makes);
+    without one, the plain steps on Llama at the default page size (the build ``LLM`` makes in
+    ``tests/e2e/test_llm.py``), against HF's tokens: one build each serves both tests."""
     g, a, prompts, refs = pair
-    eng = InProcEngine(g, draft=None if draft == "none" else a, steps=3, compiled=True, chunked_prefill_size=24,
-                       page_size=4)
+    if draft == "none":
+        g, prompts = ckpts["llama"], prompts[:16]
+        refs = [hf_greedy(g, p, 40, ignore_eos=True) for p in prompts]
+        eng = InProcEngine(g, compiled=True, chunked_prefill_size=24)
+    else:
+        from gpu_worker import main
+
+        monkeypatch.setattr(main, "native_bf16", lambda: True)
+        eng = InProcEngine(g, draft=a, steps=3, compiled=True, chunked_prefill_size=24, page_size=4)
     assert eng.runner.graphs is not None
     _check_requests(eng, prompts, refs)
 
