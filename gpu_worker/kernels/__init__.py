@@ -114,7 +114,7 @@ def pdl(x: torch.Tensor) -> int:
 
 def pdl_level(tokens: int) -> int:
     """``pdl``'s rule on a device that supports PDL (the sm_90 compile check,
-    tests/helpers/hopper_compile.py, records launches with it)."""
+    tests/helpers/hopper_record.py, records launches with it)."""
     return PDL_ON if tokens <= PDL_MAX_TOKENS else PDL_OFF
 
 

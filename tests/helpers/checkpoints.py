@@ -264,7 +264,7 @@ def build_engine_set(root) -> dict[str, str]:
 def build_kernel_set(root) -> dict[str, str]:
     """Every architecture the triton backend serves, dense and MoE, each Gemma 4 with an assistant,
     at two layers (one sliding, one full): the kernel variants of the engine tests' deeper
-    checkpoints in less interpreter time (``hopper_compile.record_engine``)."""
+    checkpoints in less interpreter time (``hopper_record.record_engine``)."""
     two = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
     g, g_moe = build_gemma4(str(root / "g"), **two), build_gemma4_moe(str(root / "g_moe"), **two)
     return {"llama": build_llama(str(root / "l"), num_hidden_layers=2), "qwen3": build_qwen3(str(root / "q")),

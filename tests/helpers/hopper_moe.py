@@ -1,4 +1,4 @@
-"""The MoE part of the sm_90 compile check (``hopper_compile.record_engine`` calls it): launches of
+"""The MoE part of the sm_90 compile check (``hopper_record.record_engine`` calls it): launches of
 the MoE kernels at every launch shape ``gpu_worker/kernels/moe_configs.json`` holds."""
 
 from __future__ import annotations

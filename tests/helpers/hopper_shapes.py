@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.helpers.hopper_compile import FP8, H200_SMS, cuda_launch_choices, recording
+from tests.helpers.hopper_record import FP8, H200_SMS, cuda_launch_choices, recording
 
 
 def record_shapes(root) -> set[str]:
