@@ -94,16 +94,16 @@ def _mode(note: bool = False, quiet: bool = False) -> Iterator[None]:
         _Mode.note, _Mode.quiet = before
 
 
-def _noted_then_run(fn, gpu: dict, cpu: dict, patch_gpu=contextlib.nullcontext, patch_cpu=contextlib.nullcontext):
-    """``fn`` called twice: its launches as the GPU makes them (keyword overrides ``gpu``, under
-    ``patch_gpu``) recorded and not run, then as the CPU makes them (``cpu``, ``patch_cpu``) run
-    and not recorded -- the same outputs from fewer interpreted programs (the GPU's choices spread
-    a small batch over its SMs, one program a head or a KV split, which the interpreter runs one
-    after another)."""
+def _noted_then_run(fn, cpu: dict, gpu_choices=contextlib.nullcontext):
+    """``fn`` called twice: its launches as the GPU makes them (its arguments, under
+    ``gpu_choices``) recorded and not run, then as the CPU makes them (keyword overrides ``cpu``)
+    run and not recorded -- the same outputs from fewer interpreted programs (the GPU's choices
+    spread a small batch over its SMs, one program a head or a KV split, which the interpreter
+    runs one after another)."""
     def call(*args, **kwargs):
-        with _mode(note=True), patch_gpu():
-            fn(*args, **{**kwargs, **gpu})
-        with _mode(quiet=True), patch_cpu():
+        with _mode(note=True), gpu_choices():
+            fn(*args, **kwargs)
+        with _mode(quiet=True):
             return fn(*args, **{**kwargs, **cpu})
     return call
 
@@ -148,8 +148,8 @@ def cuda_launch_choices(sms: int) -> Iterator[None]:
     for m, attr in patched:
         setattr(m, attr, cuda_pdl)
     triton_backend.CPU_SMS = sms
-    triton_backend.paged_decode = _noted_then_run(attention_decode_fn(), {}, {"num_splits": 1, "order": None})
-    layers.rope_store = _noted_then_run(rope.rope_store, {}, {}, patch_gpu=gpu_heads)
+    triton_backend.paged_decode = _noted_then_run(attention_decode_fn(), {"num_splits": 1, "order": None})
+    layers.rope_store = _noted_then_run(rope.rope_store, {}, gpu_choices=gpu_heads)
     try:
         yield
     finally:
