@@ -9,9 +9,12 @@ shape), each timed inside a CUDA graph with its weights rotated over more than L
   (its quantization kernel included) and weight-only, and ``torch._scaled_mm`` (per-token
   activation and per-row weight scales; its torch quantization included, and alone): TFLOP/s.
   This decides the GEMM: ``decision`` names the fastest FP8 path per row count, and the ratio to
-  bf16 (prefill in FP8 must not be slower than bf16).
+  bf16 (prefill in FP8 must not be slower than bf16);
+- the FP8 GEMM's split-K (``--only splits``): every split count 1-6 at 16-256 rows, the fastest
+  per shape, and the time the launch rule (``fp8_gemm.gemm_splits``) would take summed over the
+  shapes for each SPLIT_FILL / SPLIT_MIN_TILES pair: what sets those constants.
 
-    python benchmarks/fp8_gemm_bench.py [--json OUT] [--only gemv,gemm]
+    python benchmarks/fp8_gemm_bench.py [--json OUT] [--only gemv,gemm,splits]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.hbm_bandwidth import copy_bandwidth  # noqa: E402
 from gpu_worker.kernels import gemv as G  # noqa: E402
 from gpu_worker.kernels import fp8_linear as L  # noqa: E402
+from gpu_worker.kernels import fp8_gemm as GM  # noqa: E402
 from gpu_worker.kernels.fp8_gemm import fp8_gemm  # noqa: E402
 from gpu_worker.kernels.fp8_gemv import fp8_gemv_dot, fp8_gemv_row  # noqa: E402
 from gpu_worker.kernels.fp8_quant import quantize_acts  # noqa: E402
@@ -47,7 +51,10 @@ def graph_time(fn, reps: int) -> float:
 SHAPES = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 4096), ("8B down", 4096, 14336),
           ("9B qkv", 8192, 3840), ("9B gate_up", 30720, 3840), ("9B down", 3840, 15360)]
 GEMV_ROWS = (1, 2, 4)
-GEMM_ROWS = (16, 64, 256, 1024, 4096, 8192)
+GEMM_ROWS = (16, 32, 64, 128, 256, 1024, 4096, 8192)
+SPLIT_ROWS = (16, 32, 64, 128, 256)
+MAX_SPLITS = 6
+SPLIT_RULES = [(fill, tiles) for fill in (1, 2, 3, 4) for tiles in (2, 4, 8)]
 # one-row kernel tiles: (block_n, groups, num_warps, num_stages)
 ROW_TRIES = [dict(block_n=8, groups=4, num_warps=2, num_stages=4), dict(block_n=16, groups=2, num_warps=2, num_stages=4)]
 # tensor-core GEMV tiles: (block_n, num_warps, num_stages)
@@ -142,6 +149,47 @@ def gemm_rows() -> list[dict]:
     return rows
 
 
+def split_rows() -> list[dict]:
+    """The engine's GEMM (dynamic activations, its tile for the row count) at every split count."""
+    rows = []
+    for label, n, k in SHAPES:
+        w8 = _weights(n, k, True)
+        for m in SPLIT_ROWS:
+            xq, xs = quantize_acts(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            cfg = GM.gemm_config(m)
+            tiles = -(-m // cfg["block_m"]) * -(-n // cfg["block_n"])
+            for sp in range(1, MAX_SPLITS + 1):
+                sec = graph_time(lambda sp=sp: [fp8_gemm(xq, xs, w, s, 1, torch.bfloat16, splits=sp) for w, s in w8], len(w8))
+                rows.append({"shape": label, "m": m, "n": n, "k": k, "tiles": tiles, "splits": sp, "us": sec * 1e6})
+                print(f"split {label:11} m={m:4} tiles={tiles:4} splits={sp} {sec * 1e6:8.1f} us", flush=True)
+        del w8
+        torch.cuda.empty_cache()
+    return rows
+
+
+def split_rules(rows: list[dict]) -> list[dict]:
+    """Per row count and SPLIT_FILL / SPLIT_MIN_TILES pair: the sweep's time of the split each
+    shape's launch would take under that rule, summed over the shapes, beside the best per shape."""
+    out = []
+    dev = torch.device("cuda")
+    saved = GM.SPLIT_FILL, GM.SPLIT_MIN_TILES
+    try:
+        for m in SPLIT_ROWS:
+            here = [r for r in rows if r["m"] == m]
+            shapes = sorted({r["shape"] for r in here})
+            t = {(r["shape"], r["splits"]): r["us"] for r in here}
+            meta = {r["shape"]: r for r in here}
+            best = sum(min(t[(sh, sp)] for sp in range(1, MAX_SPLITS + 1)) for sh in shapes)
+            for fill, min_tiles in SPLIT_RULES:
+                GM.SPLIT_FILL, GM.SPLIT_MIN_TILES = fill, min_tiles
+                pick = {sh: min(MAX_SPLITS, GM.gemm_splits(meta[sh]["tiles"], meta[sh]["k"], dev)) for sh in shapes}
+                out.append({"m": m, "fill": fill, "min_tiles": min_tiles, "us": sum(t[(sh, pick[sh])] for sh in shapes),
+                            "unsplit_us": sum(t[(sh, 1)] for sh in shapes), "best_us": best, "picks": pick})
+    finally:
+        GM.SPLIT_FILL, GM.SPLIT_MIN_TILES = saved
+    return out
+
+
 def decision(rows: list[dict]) -> list[dict]:
     """Per row count, summed over the shapes: each path's time, the fastest FP8 path, and its
     ratio to bf16 (> 1: FP8 is faster)."""
@@ -170,7 +218,7 @@ def main() -> None:
     bw = copy_bandwidth()
     out: dict = {"copy_bandwidth": bw, "device": torch.cuda.get_device_name()}
     parts = a.only.split(",")
-    for part, fn in (("gemv", lambda: gemv_rows(bw)), ("gemm", gemm_rows)):
+    for part, fn in (("gemv", lambda: gemv_rows(bw)), ("gemm", gemm_rows), ("splits", split_rows)):
         if part not in parts:
             continue
         try:
@@ -179,6 +227,8 @@ def main() -> None:
             out[part] = [{"error": traceback.format_exc()[-1500:]}]
     if "gemm" in out:
         out["decision"] = decision(out["gemm"])
+    if "splits" in out and "error" not in out["splits"][0]:
+        out["split_rules"] = split_rules(out["splits"])
     for r in out.get("gemv", []):
         if "us" in r:
             cfg = r.get("config", {})
@@ -188,6 +238,12 @@ def main() -> None:
     for r in out.get("gemm", []):
         if "us" in r:
             print(f"gemm {r['shape']:11} m={r['m']:5} {r['impl']:24} {r['us']:9.1f} us {r['tflops']:7.1f} TFLOP/s")
+    for r in out.get("splits", []):
+        if "us" in r:
+            r["frac_of_copy_bw"] = r["n"] * r["k"] / (r["us"] * 1e-6) / bw
+    for d in out.get("split_rules", []):
+        print(f"split rule m={d['m']:4} fill={d['fill']} min_tiles={d['min_tiles']}: {d['us']:8.1f} us "
+              f"(unsplit {d['unsplit_us']:.1f}, best per shape {d['best_us']:.1f}) {d['picks']}")
     for d in out.get("decision", []):
         print(f"decision m={d['m']:5}: fastest FP8 {d['fastest_fp8']} = {d['speedup_vs_bf16']:.2f}x bf16 "
               f"(triton dynamic {d['triton_dynamic_vs_bf16']:.2f}x)")

@@ -134,6 +134,40 @@ def test_fp8_gemm(m, layout, rows, acts):
 
 
 @pytest.mark.parametrize("acts", ACTS)
+@pytest.mark.parametrize("layout,rows", [("channel", 1), ("block", BLOCK)])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_fp8_gemm_split_k(splits, layout, rows, acts):
+    """K in uneven chunks (5 K tiles: 3 + 2, 2 + 2 + 1), partial tiles on both edges: the last
+    program of each tile sums the partials, and every ticket is back at 0 after."""
+    m, n, k = 21, 80, 5 * BLOCK - 40
+    w8, s, sr = fp8_weight(n, k, layout, seed=splits, rows=rows)
+    x = _x(m, k, seed=splits)
+    inp = INPUT_SCALE.to(DEV) if acts == "static" else None
+    cfg = dict(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    if acts == "none":
+        y = fp8_gemm(x, None, w8, s, sr, x.dtype, cfg=cfg, splits=splits)
+    else:
+        xq, xs = quantize_acts(x, inp)
+        y = fp8_gemm(xq, xs, w8, s, sr, x.dtype, static=acts == "static", cfg=cfg, splits=splits)
+    _close(y, _ref(x, w8, s, sr, acts))
+    assert tickets_clear()
+
+
+def test_fp8_gemm_splits_narrow_launches_only():
+    """The launch rule: as many tiles as SMs, no split; a narrow launch splits K until it fills the
+    SMs, each chunk at least SPLIT_MIN_TILES K tiles."""
+    from gpu_worker.kernels.fp8_gemm import SPLIT_FILL, SPLIT_MIN_TILES, gemm_splits
+    from gpu_worker.kernels.gemv import sm_count
+
+    cpu = torch.device("cpu")
+    sms = sm_count(cpu)
+    assert gemm_splits(sms, 1 << 16, cpu) == 1
+    assert gemm_splits(sms // 2, 1 << 16, cpu) == 2 * SPLIT_FILL
+    assert gemm_splits(1, SPLIT_MIN_TILES * BLOCK, cpu) == 1
+    assert gemm_splits(1, 3 * SPLIT_MIN_TILES * BLOCK, cpu) == 3
+
+
+@pytest.mark.parametrize("acts", ACTS)
 @pytest.mark.parametrize("m", [1, 3, 9])
 def test_dispatch_agrees_with_the_cpu_twin(m, acts):
     """``fp8_linear`` (whichever kernel the row count takes) and ``fp8_linear_ref`` (the CPU
