@@ -16,6 +16,11 @@ programs exit at once. Passes as in ``moe_gemm.py``:
 Weight bytes read = the union of the experts the step's tokens selected; the grid depends only
 on T (capturable, no host sync), and T is a runtime argument: one compiled variant serves 1-4
 tokens.
+
+FP8 experts (``WS`` > 0: W e4m3 with float32 scales [E, ceil(rows / SR), KB], ``fp8_math``'s
+layout per expert; ``SR`` a runtime argument): each weight tile is dequantized in registers and
+rounded to x's dtype, so the products are those of the experts dequantized at load, from half
+the bytes.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ MP = 16  # x rows padded to tl.dot's smallest tile
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["T"])
-    def _moe_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, tw_ptr, N, K, sa, sw_e, sw_n, so, T, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, ACT: tl.constexpr, MP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["T", "SR"])
+    def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, tw_ptr, N, K, sa, sw_e, sw_n, ss_e, ss_r, so, T, SR,
+                         TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, ACT: tl.constexpr, MP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                         WS: tl.constexpr):
         gdc_enter(PDL)
         p = tl.program_id(0)
         expert = tl.load(ids_ptr + p)
@@ -65,12 +72,18 @@ if triton is not None:
             w_row = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             wm = w_row < N
         w_rows = w_ptr + expert.to(tl.int64) * sw_e + w_row.to(tl.int64)[:, None] * sw_n
+        s_rows = s_ptr + expert.to(tl.int64) * ss_e + (tl.where(wm, w_row, 0) // SR).to(tl.int64)[:, None] * ss_r
         acc = tl.zeros([BLOCK_N, MP], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
             w = tl.load(w_rows + k[None, :], mask=wm[:, None] & km[None, :], other=0.0)
             xt = tl.load(a_cols + k[:, None], mask=km[:, None] & has[None, :], other=0.0)
+            if WS == 1:  # e4m3 -> x's dtype through its float32 value times the scale (the load-time dequantization)
+                w = (w.to(tl.float32) * tl.load(s_rows, mask=wm[:, None], other=0.0)).to(xt.dtype)
+            elif WS == 2:
+                sc = tl.load(s_rows + k[None, :] // 128, mask=wm[:, None] & km[None, :], other=0.0)
+                w = (w.to(tl.float32) * sc).to(xt.dtype)
             if IEEE:
                 acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
             else:
@@ -88,20 +101,25 @@ if triton is not None:
 
 
 def expert_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, cfg: dict, act: int = -1,
-                topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                topk_weights: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                scale_rows: int = 1) -> torch.Tensor:
     """The decode pass over T = ids.shape[0] <= DECODE_MAX_TOKENS tokens (module docstring):
     gate_up (``act`` >= 0, a = x [T, H]) or down (a = intermediate [T*K, I], ``topk_weights``
-    [T*K] float32). ``cfg``: block_n, block_k, num_warps, num_stages (``moe_configs.py``)."""
+    [T*K] float32). ``cfg``: block_n, block_k, num_warps, num_stages (``moe_configs.py``).
+    FP8 experts: w e4m3 with ``w_scale`` [E, ceil(rows / scale_rows), 1 or ceil(K / 128)]."""
     t, top_k = ids.shape
     if t > DECODE_MAX_TOKENS:
         raise ValueError(f"the MoE decode path takes at most {DECODE_MAX_TOKENS} tokens, got {t}")
     n, k = out.shape[1], w.shape[2]
     tiles = triton.cdiv(n, cfg["block_n"] // 2 if act >= 0 else cfg["block_n"])  # a gated tile: BLOCK_N / 2 outputs
     on = pdl(ids)  # by the token count (the down pass reads T*K rows)
+    ws = 0 if w_scale is None else (1 if w_scale.shape[2] == 1 else 2)
+    s = w_scale if w_scale is not None else w
     _moe_gemv_kernel[(t * top_k, tiles)](
-        a, w, out, ids, topk_weights if topk_weights is not None else out, n, k, a.stride(0), w.stride(0),
-        w.stride(1), out.stride(0), T=t, TOP_K=top_k, BLOCK_TK=next_pow2(top_k), ACT=act, MP=MP,
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], IEEE=a.dtype == torch.float32 or interpreting(), PDL=on,
+        a, w, s, out, ids, topk_weights if topk_weights is not None else out, n, k, a.stride(0), w.stride(0),
+        w.stride(1), s.stride(0) if ws else 0, s.stride(1) if ws else 0, out.stride(0), T=t, SR=scale_rows,
+        TOP_K=top_k, BLOCK_TK=next_pow2(top_k), ACT=act, MP=MP, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        IEEE=a.dtype == torch.float32 or interpreting(), PDL=on, WS=ws,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=on == PDL_ON,
     )
     return out

@@ -19,7 +19,9 @@ alignment can use; programs past ``n_padded`` exit, so a CUDA graph replays one 
 token count; that count and the grid's size are runtime arguments the JIT does not specialise
 on, so a step of a new size compiles nothing. It runs only in forwards of more than DECODE_MAX_TOKENS tokens, which launch
 without PDL (``kernels/__init__.py``). ``IEEE``: float32 operands with exact products (fp32
-models, the interpreter).
+models, the interpreter). FP8 experts (``WS`` > 0) as in ``moe_decode.py``: each weight tile
+dequantized in registers (scale rows ``SR`` weight rows each, a runtime argument) and rounded to
+the activations' dtype.
 """
 
 from __future__ import annotations
@@ -45,11 +47,19 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         return tl.dot(a, b, acc)
 
-    @triton.jit(do_not_specialize=["n_pairs", "max_blocks"])
-    def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, tw_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, N, K, n_pairs,
-                         max_blocks, sa, sw_e, sw_n, so, TOP_K: tl.constexpr, ACT: tl.constexpr,
-                         WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+    @triton.jit
+    def _deq(b, s_cols, k, km, nm, WS: tl.constexpr):
+        """A [BLOCK_K, BLOCK_N] e4m3 weight tile -> its float32 value times its scales (``s_cols``
+        [1, BLOCK_N]: the scale row of each weight row; the caller rounds to its dtype)."""
+        if WS == 1:
+            return b.to(tl.float32) * tl.load(s_cols, mask=nm[None, :], other=0.0)
+        return b.to(tl.float32) * tl.load(s_cols + k[:, None] // 128, mask=km[:, None] & nm[None, :], other=0.0)
+
+    @triton.jit(do_not_specialize=["n_pairs", "max_blocks", "SR"])
+    def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, N, K,
+                         n_pairs, max_blocks, sa, sw_e, sw_n, ss_e, ss_r, so, SR, TOP_K: tl.constexpr,
+                         ACT: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr):
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * tiles_n
@@ -69,6 +79,9 @@ if triton is not None:
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
         w_cols = w_ptr + expert * sw_e + n.to(tl.int64)[None, :] * sw_n
+        nc = tl.where(nm, n, 0)
+        s_cols = s_ptr + expert * ss_e + (nc // SR).to(tl.int64)[None, :] * ss_r
+        s_cols_u = s_ptr + expert * ss_e + ((N + nc) // SR).to(tl.int64)[None, :] * ss_r
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -76,9 +89,13 @@ if triton is not None:
             km = k < K
             a = tl.load(a_rows + k[None, :], mask=pm[:, None] & km[None, :], other=0.0)
             b = tl.load(w_cols + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+            if WS > 0:
+                b = _deq(b, s_cols, k, km, nm, WS).to(a.dtype)
             acc = _mma(a, b, acc, IEEE)
             if ACT >= 0:
                 b = tl.load(w_cols + N * sw_n + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+                if WS > 0:
+                    b = _deq(b, s_cols_u, k, km, nm, WS).to(a.dtype)
                 acc_u = _mma(a, b, acc_u, IEEE)
         DT = out_ptr.dtype.element_ty
         if ACT >= 0:
@@ -91,20 +108,25 @@ if triton is not None:
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: AlignBuffers, n_pairs: int, top_k: int,
-                 cfg: dict, act: int = -1, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                 cfg: dict, act: int = -1, topk_weights: torch.Tensor | None = None,
+                 w_scale: torch.Tensor | None = None, scale_rows: int = 1) -> torch.Tensor:
     """out[pair] = (gate_up pass, ``act`` >= 0) act(a[pair // top_k] @ gate_e^T) * (... @ up_e^T),
     or (down pass) (a[pair] @ W_e^T) * topk_weights[pair], e = the pair's expert; W [E, rows, K]
     (gate_up: rows = 2 * out.shape[1]). ``cfg``: block_n, block_k, group_m, num_warps, num_stages
-    (``moe_configs.py``); BLOCK_M is the alignment's."""
+    (``moe_configs.py``); BLOCK_M is the alignment's. FP8 experts: W e4m3 with ``w_scale``
+    [E, ceil(rows / scale_rows), 1 or ceil(K / 128)]."""
     n, k = out.shape[1], w.shape[2]
     if act >= 0 and w.shape[1] != 2 * n:
         raise ValueError(f"gate_up weight rows {w.shape[1]} != 2 x intermediate {n}")
     grid = (align.max_blocks * triton.cdiv(n, cfg["block_n"]),)
+    ws = 0 if w_scale is None else (1 if w_scale.shape[2] == 1 else 2)
+    s = w_scale if w_scale is not None else w
     _moe_gemm_kernel[grid](
-        a, w, out, topk_weights if topk_weights is not None else out, align.sorted_ids, align.block_expert,
-        align.n_padded, n, k, n_pairs, align.max_blocks, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        TOP_K=top_k, ACT=act, WEIGHTED=topk_weights is not None, BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], IEEE=a.dtype == torch.float32 or interpreting(),
+        a, w, s, out, topk_weights if topk_weights is not None else out, align.sorted_ids, align.block_expert,
+        align.n_padded, n, k, n_pairs, align.max_blocks, a.stride(0), w.stride(0), w.stride(1),
+        s.stride(0) if ws else 0, s.stride(1) if ws else 0, out.stride(0), scale_rows, TOP_K=top_k, ACT=act,
+        WEIGHTED=topk_weights is not None, BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        GROUP_M=cfg["group_m"], IEEE=a.dtype == torch.float32 or interpreting(), WS=ws,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

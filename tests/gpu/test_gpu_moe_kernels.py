@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kernels.moe import fused_experts
+from gpu_worker.kernels.moe import ExpertScales, fused_experts
 from gpu_worker.kernels.moe_align import align_block
 from gpu_worker.kernels.moe_route import route_topk
+from gpu_worker.quant.fp8_math import dequantize, expand_scale, quantize_rows
 from tests.unit.kernel_refs import ref_route
 
 SHAPES = {"gemma4-26b-a4b": (128, 2816, 704, 8, "gelu_pytorch_tanh"), "qwen3-30b-a3b": (128, 2048, 768, 8, "silu")}
@@ -59,6 +60,39 @@ def test_experts_at_real_shapes(model, tokens):
     err, hf_err = (got - truth).abs().mean(), (hf - truth).abs().mean()
     assert err <= 1.25 * hf_err + 1e-6, (float(err), float(hf_err))
     assert (got - truth).abs().max() <= 4 * (hf - truth).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 128])
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+def test_fp8_experts_are_the_experts_dequantized_at_real_shapes(model, tokens, rows):
+    """FP8 experts (row scales; 128 x 128 block scales) against the experts dequantized to bf16 at
+    load: as close to the float64 truth as HF's bf16 loop and as the bf16 kernels (the tensor
+    cores may sum a dequantized register tile in another order than a loaded one)."""
+    gate_up, down, k, act = model
+    e, h = gate_up.shape[0], gate_up.shape[2]
+    q = [[_quantize(w[x], rows) for x in range(e)] for w in (gate_up, down)]
+    w8 = [torch.stack([p[0] for p in parts]) for parts in q]
+    sc = [torch.stack([p[1] for p in parts]) for parts in q]
+    deq = [torch.stack([dequantize(p[0], p[1], rows) for p in parts]).bfloat16() for parts in q]
+    x = torch.randn(tokens, h, device="cuda").bfloat16()
+    ids, w = _routing(tokens, e, k, tokens)
+    got = fused_experts(x, w8[0], w8[1], ids, w, act, scales=ExpertScales(sc[0], sc[1], rows)).double()
+    plain = fused_experts(x, deq[0], deq[1], ids, w, act).double()
+    truth = _reference(x, deq[0], deq[1], ids, w, act, torch.float64)
+    hf = _reference(x, deq[0], deq[1], ids, w, act, torch.bfloat16).double()
+    err, ref_err = (got - truth).abs().mean(), max((hf - truth).abs().mean(), (plain - truth).abs().mean())
+    assert err <= 1.25 * ref_err + 1e-6, (float(err), float(ref_err))
+    assert (got - truth).abs().max() <= 4 * (hf - truth).abs().max() + 1e-3
+
+
+def _quantize(w: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, K] -> e4m3 and scales: one a row (``rows`` 1), or one per 128 x 128 block."""
+    if rows == 1:
+        return quantize_rows(w)
+    r, k = w.shape
+    blocks = F.pad(w.float(), (0, -k % 128, 0, -r % 128)).unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+    s = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    return (w.float() / expand_scale(s, rows, r, k)).clamp(-448, 448).to(torch.float8_e4m3fn), s
 
 
 def test_route_at_real_shape():

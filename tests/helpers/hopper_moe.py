@@ -1,5 +1,6 @@
 """The MoE part of the sm_90 compile check (``hopper_record.record_engine`` calls it): launches of
-the MoE kernels at every launch shape ``gpu_worker/kernels/moe_configs.json`` holds."""
+the MoE kernels at every launch shape ``gpu_worker/kernels/moe_configs.json`` holds, and the FP8
+experts' variants at the default shapes."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def record_moe_configs() -> None:
                 grouped_gemm(torch.randn(5, h).to(dtype), gate_up, inter, align, 5 * k, k, bucket["gate_up"], act=0)
                 grouped_gemm(inter, down, torch.empty(5 * k, h, dtype=dtype), align, 5 * k, k, bucket["down"],
                              topk_weights=torch.rand(5 * k))
+    record_fp8_experts(entries["default"], e, h, i)
     from gpu_worker.kernels.moe_norm import gemma_moe_combine, moe_sum
 
     rows = torch.randn(3, h).bfloat16()  # at 3 tokens (PDL on): the separate sum and Gemma 4's combine
@@ -48,3 +50,19 @@ def record_moe_configs() -> None:
     many = PLACE_IN_COUNT // 2 + 1  # tokens of two slots past one program's placing
     fused_experts(torch.randn(many, h).bfloat16(), torch.randn(e, 2 * i, h).bfloat16(), torch.randn(e, h, i).bfloat16(),
                   torch.randint(0, e, (many, 2)).int(), torch.rand(many, 2), "gelu_pytorch_tanh")
+
+
+def record_fp8_experts(entry: dict, e: int, h: int, i: int) -> None:
+    """FP8 experts, with one scale a row and with a scale per row and 128 columns, through the
+    default launch shapes in bf16: the decode passes and every grouped bucket (one token count
+    each)."""
+    from gpu_worker.kernels.moe import ExpertScales, fused_experts
+    from gpu_worker.quant.fp8_math import FP8
+
+    gate_up, down = torch.randn(e, 2 * i, h).to(FP8), torch.randn(e, h, i).to(FP8)
+    tokens = [1] + [b["max_tokens"] + 1 for b in entry["gemm"][:-1]] + [5]
+    for kb in (1, 2):
+        scales = ExpertScales(torch.rand(e, 2 * i, kb), torch.rand(e, h, kb), 1)
+        for t in tokens:
+            ids = torch.randint(0, e, (t, 2)).int()
+            fused_experts(torch.randn(t, h).bfloat16(), gate_up, down, ids, torch.rand(t, 2), "silu", scales=scales)

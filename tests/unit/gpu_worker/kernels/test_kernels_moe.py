@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from gpu_worker.kernels import interpreting
-from gpu_worker.kernels.moe import fused_experts
+from gpu_worker.kernels.moe import ExpertScales, fused_experts
 from gpu_worker.kernels.moe_align import align_block, max_padded_rows
 from gpu_worker.kernels.moe_decode import DECODE_MAX_TOKENS
 from gpu_worker.kernels.moe_norm import gemma_moe_combine, gemma_moe_inputs, gemma_moe_tail, moe_sum
 from gpu_worker.kernels.moe_route import route_topk
-from tests.unit.kernel_refs import ref_experts, ref_rms_norm, ref_route
+from gpu_worker.quant.fp8_math import dequantize
+from tests.unit.kernel_refs import fp8_weight, ref_experts, ref_rms_norm, ref_route
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,6 +116,44 @@ def test_fused_experts_match_reference(tokens, dtype, act):
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     else:
         _close_bf16(got, ref)
+
+
+def _fp8_experts(num_experts, rows, k, layout, group):
+    """e4m3 experts [E, rows, k] and their scales [E, ceil(rows / group), KB], each expert its own."""
+    parts = [fp8_weight(rows, k, layout, seed=e, rows=group) for e in range(num_experts)]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def _cast_as_the_kernels(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 -> ``dtype`` as a kernel's cast does: rounded to nearest when compiled; Triton's
+    interpreter truncates to bfloat16."""
+    if dtype == torch.bfloat16 and interpreting():
+        return (t.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, DECODE_MAX_TOKENS, 37])
+@pytest.mark.parametrize("layout,group", [("channel", 1), ("block", 1), ("block", 128)])
+def test_fp8_experts_are_the_experts_dequantized(tokens, dtype, layout, group):
+    """FP8 experts through both paths equal the same kernels over the experts dequantized at load
+    (each tile's float32 value times its scale, rounded to the model dtype): K past one 128-column
+    scale group and partial tiles on every edge. Bit for bit under the interpreter; on a GPU the
+    tensor cores may sum a dequantized register tile in another order than a loaded one."""
+    num_experts, hidden, inter, top_k = 6, 200, 136, 2
+    gate_up, gs = _fp8_experts(num_experts, 2 * inter, hidden, layout, group)
+    down, ds = _fp8_experts(num_experts, hidden, inter, layout, group)
+    deq = [_cast_as_the_kernels(torch.stack([dequantize(w[e], s[e], group) for e in range(num_experts)]), dtype)
+           for w, s in ((gate_up, gs), (down, ds))]
+    x = torch.randn(tokens, hidden).to(dtype).to(DEV)
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]).int().to(DEV)
+    w = torch.rand(tokens, top_k).to(DEV)
+    got = fused_experts(x, gate_up, down, ids, w, "silu", scales=ExpertScales(gs, ds, group))
+    want = fused_experts(x, deq[0], deq[1], ids, w, "silu")
+    if interpreting():
+        assert torch.equal(got, want)
+    else:
+        _close_bf16(got.float().cpu(), want.float().cpu())
 
 
 def test_moe_sum_adds_each_tokens_slots():
