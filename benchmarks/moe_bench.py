@@ -18,7 +18,12 @@ Per model, each in its own process (one model's weights on the GPU at a time):
 
 Gemma 4 26B-A4B also runs with its assistant (FROZEN-KV-MTP, S=3) at one request: the MTP decode
 step (three draft forwards and a verify of 4 tokens, whose experts are the union of 4 tokens')
-against the plain one, beside the same ratio of their byte floors. Writes ``OUT/moe.json`` and
+against the plain one, beside the same ratio of their byte floors.
+
+``--configs bf16,fp8`` runs steps 2-3 and the MTP run once per configuration (``fp8``:
+``--quantization fp8``, the experts and projections in e4m3, the roofline counting their bytes
+and scales); the union of step 1 is measured once, in bf16 (dummy weights: quantizing them moves
+a routing decision rarely, and the union is a statistic over many). Writes ``OUT/moe.json`` and
 prints one table with the goals of issue 38.
 """
 
@@ -38,6 +43,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 MODELS = {"gemma4-26b-a4b": "gemma4-26b-a4b-assistant", "qwen3-30b-a3b": None}
 MTP = ["--speculative-algorithm", "FROZEN-KV-MTP", "--speculative-num-steps", "3"]
+CONFIGS = {"bf16": ([], None), "fp8": (["--quantization", "fp8"], "fp8")}  # name -> (engine flags, quantization)
 
 
 def measure_union(model_dir: str, rows: int, steps: int, out: str, device: str = "cuda",
@@ -129,7 +135,8 @@ def offline(model_dir: str, prompts: str, out_json: str, log: str, extra: list[s
     return json.load(open(out_json)) if _run(cmd, log, timeout) else None
 
 
-def report_rows(name: str, shapes: dict, ids: np.ndarray | None, runs: dict | None, bw: float) -> list[dict]:
+def report_rows(name: str, shapes: dict, ids: np.ndarray | None, runs: dict | None, bw: float,
+                config: str = "bf16") -> list[dict]:
     from benchmarks.roofline import moe_step_bytes
 
     rows = []
@@ -141,7 +148,7 @@ def report_rows(name: str, shapes: dict, ids: np.ndarray | None, runs: dict | No
         need = moe_step_bytes(shapes, unions, w["decode_ctx_tokens_per_step"], b)
         floor_ms = 1e3 * need["total"] / bw
         ceiling = w["decode_tokens_per_step"] * 1e3 / floor_ms
-        rows.append({"model": name, "requests": w["num_prompts"], "decode_rows": w["decode_tokens_per_step"],
+        rows.append({"model": name, "config": config, "requests": w["num_prompts"], "decode_rows": w["decode_tokens_per_step"],
                      "decode_tok_s": w["decode_tok_s"], "decode_ms_step": w["decode_busy_ms_per_step"],
                      "roofline_ms_step": floor_ms, "roofline_tok_s": ceiling,
                      "of_roofline": w["decode_tok_s"] / ceiling, "gpu_idle": w.get("gpu_idle_frac"),
@@ -162,6 +169,7 @@ def main() -> None:
     ap.add_argument("--no-mtp", action="store_true", help="skip the 26B-A4B MTP run")
     ap.add_argument("--step-timeout", type=int, default=240, help="seconds for each process (union, engine runs)")
     ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds of each engine workload first")
+    ap.add_argument("--configs", default="bf16", help=f"comma list of {', '.join(CONFIGS)}")
     a = ap.parse_args()
     if a.union:
         measure_union(a.union[0], a.union_rows, a.union_steps, a.union[1])
@@ -173,59 +181,66 @@ def main() -> None:
         from benchmarks.hbm_bandwidth import copy_bandwidth
 
         bw = copy_bandwidth()
-    from benchmarks.roofline import moe_shapes, moe_step_bytes
+    from benchmarks.roofline import moe_shapes
 
-    result = {"bandwidth_bytes_s": bw, "rows": [], "mtp": None}
+    result = {"bandwidth_bytes_s": bw, "rows": [], "mtp": []}
     for name in a.models.split(","):
         d = os.path.join(a.dummy_dir, name)
-        shapes = moe_shapes(d)
         npy = os.path.join(a.out, f"moe_union_{name}.npy")
         ok = _run([sys.executable, __file__, "--dummy-dir", a.dummy_dir, "--out", a.out, "--union-rows",
                    str(a.union_rows), "--union-steps", str(a.union_steps), "--union", d, npy],
                   os.path.join(a.out, f"moe_union_{name}.log"), a.step_timeout)
         ids = np.load(npy) if ok else None
-        runs = offline(d, a.prompts, os.path.join(a.out, f"moe_{name}.json"), os.path.join(a.out, f"moe_{name}.log"),
-                       [], a.step_timeout, a.warmup_rounds)
-        result["rows"] += report_rows(name, shapes, ids, runs, bw)
-        draft = MODELS.get(name)
-        if draft and not a.no_mtp:
-            mtp = offline(d, "1", os.path.join(a.out, f"moe_{name}_mtp.json"),
-                          os.path.join(a.out, f"moe_{name}_mtp.log"),
-                          MTP + ["--speculative-draft-model-path", os.path.join(a.dummy_dir, draft)], a.step_timeout,
-                          a.warmup_rounds)
-            plain = next((r for r in result["rows"] if r["model"] == name and r["requests"] == 1), None)
-            if mtp and plain and mtp["workloads"][0].get("decode_steps"):
-                w = mtp["workloads"][0]
-                u4 = union_curve(ids, 4) if ids is not None else None
-                verify = moe_step_bytes(shapes, u4, w["decode_ctx_tokens_per_step"], 1)["total"] if u4 else None
-                result["mtp"] = {"model": name, "mtp_ms_step": w["decode_busy_ms_per_step"],
-                                 "plain_ms_step": plain["decode_ms_step"],
-                                 "ratio": w["decode_busy_ms_per_step"] / plain["decode_ms_step"],
-                                 "accept_length": w.get("accept_length"), "gpu_idle": w.get("gpu_idle_frac"),
-                                 "verify_experts_per_layer": float(np.mean(u4)) if u4 else None,
-                                 "verify_over_plain_bytes": verify / plain["bytes"]["total"] if verify else None}
+        for config in a.configs.split(","):
+            flags, quantization = CONFIGS[config]
+            shapes = moe_shapes(d, quantization=quantization)
+            tag = name if config == "bf16" else f"{name}_{config}"
+            runs = offline(d, a.prompts, os.path.join(a.out, f"moe_{tag}.json"), os.path.join(a.out, f"moe_{tag}.log"),
+                           flags, a.step_timeout, a.warmup_rounds)
+            rows = report_rows(name, shapes, ids, runs, bw, config)
+            result["rows"] += rows
+            draft = MODELS.get(name)
+            if draft and not a.no_mtp:
+                mtp = offline(d, "1", os.path.join(a.out, f"moe_{tag}_mtp.json"), os.path.join(a.out, f"moe_{tag}_mtp.log"),
+                              flags + MTP + ["--speculative-draft-model-path", os.path.join(a.dummy_dir, draft)],
+                              a.step_timeout, a.warmup_rounds)
+                plain = next((r for r in rows if r["requests"] == 1), None)
+                if mtp and plain and mtp["workloads"][0].get("decode_steps"):
+                    result["mtp"].append(mtp_row(name, config, shapes, ids, mtp["workloads"][0], plain))
     with open(os.path.join(a.out, "moe.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(table(result))
 
 
+def mtp_row(name: str, config: str, shapes: dict, ids: np.ndarray | None, w: dict, plain: dict) -> dict:
+    """The MTP step against the plain one (``plain``: its 1-request row), beside their byte floors."""
+    from benchmarks.roofline import moe_step_bytes
+
+    u4 = union_curve(ids, 4) if ids is not None else None
+    verify = moe_step_bytes(shapes, u4, w["decode_ctx_tokens_per_step"], 1)["total"] if u4 else None
+    return {"model": name, "config": config, "mtp_ms_step": w["decode_busy_ms_per_step"],
+            "plain_ms_step": plain["decode_ms_step"], "ratio": w["decode_busy_ms_per_step"] / plain["decode_ms_step"],
+            "accept_length": w.get("accept_length"), "gpu_idle": w.get("gpu_idle_frac"),
+            "verify_experts_per_layer": float(np.mean(u4)) if u4 else None,
+            "verify_over_plain_bytes": verify / plain["bytes"]["total"] if verify else None}
+
+
 def table(result: dict) -> str:
     bw = result["bandwidth_bytes_s"]
     lines = [f"MoE decode, dummy weights, 512 in / 256 out; copy bandwidth {bw / 1e12:.2f} TB/s",
-             f"{'model':16} {'req':>4} {'rows':>6} {'tok/s':>8} {'ms/step':>8} {'roof ms':>8} {'of roof':>8} "
+             f"{'model':16} {'cfg':>4} {'req':>4} {'rows':>6} {'tok/s':>8} {'ms/step':>8} {'roof ms':>8} {'of roof':>8} "
              f"{'goal':>5} {'idle':>6} {'experts/layer':>13}"]
     for r in result["rows"]:
         goal = 0.75 if r["requests"] == 1 else 0.65 if r["requests"] == 64 else None
         mark = "" if goal is None else ("ok" if r["of_roofline"] >= goal else "MISS")
         idle = f"{r['gpu_idle']:.1%}" if r["gpu_idle"] is not None else "-"
-        lines.append(f"{r['model']:16} {r['requests']:>4} {r['decode_rows']:>6.1f} {r['decode_tok_s']:>8.1f} "
-                     f"{r['decode_ms_step']:>8.3f} {r['roofline_ms_step']:>8.3f} {r['of_roofline']:>8.1%} {mark:>5} "
+        lines.append(f"{r['model']:16} {r.get('config', 'bf16'):>4} {r['requests']:>4} {r['decode_rows']:>6.1f} "
+                     f"{r['decode_tok_s']:>8.1f} {r['decode_ms_step']:>8.3f} {r['roofline_ms_step']:>8.3f} {r['of_roofline']:>8.1%} {mark:>5} "
                      f"{idle:>6} {r['experts_per_layer']:>13.1f}")
-    m = result["mtp"]
-    if m:
+    for m in result["mtp"]:
         floor = f", byte floors {m['verify_over_plain_bytes']:.2f}x" if m["verify_over_plain_bytes"] else ""
-        lines.append(f"{m['model']} MTP S=3, 1 request: {m['mtp_ms_step']:.3f} vs plain {m['plain_ms_step']:.3f} "
-                     f"ms/step = {m['ratio']:.2f}x (goal <= 1.3x: {'ok' if m['ratio'] <= 1.3 else 'MISS'}); verify "
+        lines.append(f"{m['model']} {m['config']} MTP S=3, 1 request: {m['mtp_ms_step']:.3f} vs plain "
+                     f"{m['plain_ms_step']:.3f} ms/step = {m['ratio']:.2f}x (goal <= 1.3x: {'ok' if m['ratio'] <= 1.3 else 'MISS'}); verify "
                      f"reads {m['verify_experts_per_layer']:.1f} experts/layer{floor}; accept length "
                      f"{m['accept_length']}; idle {m['gpu_idle']:.1%}")
     lines.append("goals (issue 38): 1 request >= 75 % of the roofline, 64 requests >= 65 %, idle < 2 %")

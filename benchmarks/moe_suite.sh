@@ -6,6 +6,8 @@
 #   the device), GPU idle between steps; the 26B-A4B MTP step (S=3, its assistant) vs the plain
 #   step at one request (benchmarks/moe_bench.py: table in moe.log, figures in moe.json).
 # MOE_MODELS: a subset (comma list; one model per call if both do not fit one 10-minute call);
+# MOE_CONFIGS: bf16 (default), fp8 (--quantization fp8: e4m3 experts and projections), or both
+# ("bf16,fp8": side by side in one run); MOE_PROMPTS: the request counts (default 1,64,256);
 # MOE_WARMUP: untimed rounds of each workload first (default 1; 0 saves time).
 # MOE_TUNE=1 first sweeps the MoE kernels' launch shapes at each model's shape (moe_tune.py;
 # MOE_TUNE_ONLY=1: only that); the entries it prints go into gpu_worker/kernels/moe_configs.json.
@@ -22,5 +24,6 @@ if [ "${MOE_TUNE:-0}" = 1 ]; then
 fi
 echo "== MoE: $MOE_MODELS decode vs the step roofline; the 26B-A4B MTP step vs the plain step"
 timeout ${MOE_TIMEOUT:-570} python3 benchmarks/moe_bench.py --dummy-dir "$DM" --out "$OUT" --hbm-json "$OUT/hbm.json" \
-  --models "$MOE_MODELS" --warmup-rounds ${MOE_WARMUP:-1} > "$OUT/moe.log" 2>&1 || echo "moe bench failed"
-tail -14 "$OUT/moe.log"
+  --models "$MOE_MODELS" --configs "${MOE_CONFIGS:-bf16}" --prompts "${MOE_PROMPTS:-1,64,256}" \
+  --warmup-rounds ${MOE_WARMUP:-1} > "$OUT/moe.log" 2>&1 || echo "moe bench failed"
+tail -20 "$OUT/moe.log"

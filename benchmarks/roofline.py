@@ -29,16 +29,30 @@ from gpu_worker.models.config import architecture_of, load_config, parse_config 
 from gpu_worker.quant import prepare_quant, resolve_format  # noqa: E402
 
 
-def model_shapes(model_dir: str, dtype_bytes: int = 2, quantization: str | None = None,
-                 kv_dtype_bytes: int | None = None) -> dict:
+SCALE_BUFFERS = ("weight_scale", "gate_up_scale", "down_scale")  # FP8 scales (float32), projections and experts
+
+
+def meta_model(model_dir: str, quantization: str | None = None):
+    """(spec, the model on the meta device as the engine builds it: FP8 where it would be)."""
     cfg = load_config(model_dir)
     spec = parse_config(cfg)
     with torch.device("meta"):
         model = model_class(architecture_of(cfg))(spec)
-    if quantization is not None:  # the engine's FP8 projections, on the meta model
+    if quantization is not None:  # the engine's FP8 projections and experts, on the meta model
         prepare_quant(model, resolve_format(cfg, quantization), set())
-    nbytes = sum(p.numel() * (1 if p.dtype == torch.float8_e4m3fn else dtype_bytes) for p in model.parameters())
-    nbytes += sum(4 * b.numel() for n, b in model.named_buffers() if n.endswith("weight_scale"))  # float32
+    return spec, model
+
+
+def _weight_bytes(t: torch.Tensor, dtype_bytes: int) -> int:
+    """A weight's bytes in the engine: e4m3 or the model dtype (the meta model is not cast)."""
+    return t.numel() * (1 if t.dtype == torch.float8_e4m3fn else dtype_bytes)
+
+
+def model_shapes(model_dir: str, dtype_bytes: int = 2, quantization: str | None = None,
+                 kv_dtype_bytes: int | None = None) -> dict:
+    spec, model = meta_model(model_dir, quantization)
+    nbytes = sum(_weight_bytes(p, dtype_bytes) for p in model.parameters())
+    nbytes += sum(4 * b.numel() for n, b in model.named_buffers() if n.endswith(SCALE_BUFFERS))
     total = sum(p.numel() for p in model.parameters())
     embed = model.model.embed_tokens.weight.numel()
     read = nbytes - (embed * dtype_bytes if not model.tie_word_embeddings else 0)
@@ -89,20 +103,20 @@ def decode_phase_ceiling_tok_s(shapes: dict, w: dict, bandwidth: float, rows: in
     return w["decode_tokens_per_step"] * bandwidth / (shapes["weight_bytes_read"] + kv)
 
 
-def moe_shapes(model_dir: str, dtype_bytes: int = 2) -> dict:
+def moe_shapes(model_dir: str, dtype_bytes: int = 2, quantization: str | None = None) -> dict:
     """``model_shapes`` split for a mixture-of-experts model: ``fixed_bytes`` is what every decode
     step reads whatever it routes (attention, dense MLPs, routers, norms, the LM head; an untied
     input table not), ``expert_bytes`` one expert's weights in each MoE layer (gate, up, down),
-    in layer order. A step then reads ``fixed_bytes + sum(union_l * expert_bytes[l])``, union_l
-    the experts its tokens selected in layer l."""
+    in layer order (FP8 experts: e4m3 plus their float32 scales). A step then reads ``fixed_bytes +
+    sum(union_l * expert_bytes[l])``, union_l the experts its tokens selected in layer l."""
     from gpu_worker.models.moe import Experts
 
-    shapes = model_shapes(model_dir, dtype_bytes)
-    cfg = load_config(model_dir)
-    with torch.device("meta"):
-        model = model_class(architecture_of(cfg))(parse_config(cfg))
+    shapes = model_shapes(model_dir, dtype_bytes, quantization)
+    model = meta_model(model_dir, quantization)[1]
     experts = [m for m in model.modules() if isinstance(m, Experts)]
-    per = [(m.gate_up_proj[0].numel() + m.down_proj[0].numel()) * dtype_bytes for m in experts]
+    per = [_weight_bytes(m.gate_up_proj[0], dtype_bytes) + _weight_bytes(m.down_proj[0], dtype_bytes)
+           + (4 * (m.gate_up_scale[0].numel() + m.down_scale[0].numel()) if m.quant is not None else 0)
+           for m in experts]
     total = sum(p * m.num_experts for p, m in zip(per, experts))
     return {**shapes, "fixed_bytes": shapes["weight_bytes_read"] - total, "expert_bytes": per,
             "num_experts": experts[0].num_experts if experts else 0}

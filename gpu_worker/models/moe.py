@@ -1,6 +1,6 @@
 """Mixture-of-experts blocks: the routers and the experts' weights, as HF names them.
 
-The interface every MoE model uses (and an FP8 experts class would implement alike):
+The interface every MoE model uses:
 - a router maps the hidden states [T, H] to ``(ids [T, K] int32, weights [T, K] float32)``:
   ``SoftmaxRouter`` (Qwen3-MoE's ``mlp.gate``) and ``Gemma4Router`` (Gemma 4's ``router``);
 - ``Experts`` (``experts``) maps ``(x [T, H], ids, weights)`` to
@@ -17,7 +17,9 @@ torch path sums the slots as HF does (expert by expert, in DT); the kernel path
 Checkpoints hold the experts in either of two layouts, both loaded (``models/loader.py``): HF's
 fused 3-D tensors (``experts.gate_up_proj [E, 2I, H]``, gate rows first, and
 ``experts.down_proj [E, H, I]``) and per-expert modules (``experts.N.gate_proj.weight [I, H]``,
-``up_proj``, ``down_proj [H, I]``).
+``up_proj``, ``down_proj [H, I]``). FP8 experts (a quantized checkpoint's, or ``--quantization
+fp8``) keep both stacks in e4m3 with their scales (``quant/fp8_experts.py``); the kernels
+dequantize them tile by tile, the torch path expert by expert.
 """
 
 from __future__ import annotations
@@ -111,7 +113,11 @@ class Gemma4Router(nn.Module):
 
 class Experts(nn.Module):
     """Every expert's gated MLP, this rank's slice of the intermediate dimension:
-    ``gate_up_proj [E, 2i, H]`` (gate rows, then up rows) and ``down_proj [E, H, i]``."""
+    ``gate_up_proj [E, 2i, H]`` (gate rows, then up rows) and ``down_proj [E, H, i]``; with
+    ``quant`` (FP8) both in e4m3 beside their scales."""
+
+    quantizable_experts = True
+    quant = None  # Fp8ExpertsMethod once made FP8
 
     def __init__(self, hidden: int, spec: MoESpec, act: str):
         super().__init__()
@@ -125,7 +131,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
-            out = fused_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.act_name)
+            out = fused_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.act_name,
+                                scales=self._scales())
         else:
             out = self._reference(x, ids, weights)
         return all_reduce(out)
@@ -139,7 +146,17 @@ class Experts(nn.Module):
         """Each slot's weighted expert output [T*K, H] unsummed (slot k of token t at row t*K + k),
         for a caller that fuses the sum into its next kernel (where ``gives_slots``)."""
         assert self.gives_slots(x)
-        return fused_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.act_name, sum_slots=False)
+        return fused_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.act_name, sum_slots=False,
+                             scales=self._scales())
+
+    def _scales(self):
+        return None if self.quant is None else self.quant.scales(self)
+
+    def _expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s (gate_up [2i, H], down [H, i]) weights in ``dtype``."""
+        if self.quant is None:
+            return self.gate_up_proj[e], self.down_proj[e]
+        return self.quant.dequantized(self, e, dtype)
 
     def _reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """HF's eager loop: expert by expert in id order, each slot's output added in the model
@@ -149,8 +166,9 @@ class Experts(nn.Module):
         ids = ids.long()
         for e in torch.unique(ids).tolist():
             token, slot = torch.where(ids == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            gate_up, down = self._expert(e, x.dtype)
+            gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
+            y = F.linear(act(gate) * up, down) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 

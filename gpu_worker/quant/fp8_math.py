@@ -58,6 +58,21 @@ def expand_scale(scale: torch.Tensor, rows: int, n: int, k: int) -> torch.Tensor
     return s.repeat_interleave(BLOCK, dim=1)[:, :k]
 
 
+def per_row_scale(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A checkpoint scale (per tensor, per row [R] / [R, 1], or per 128 x 128 block) -> float32
+    [rows, 1] or [rows, ceil(cols / 128)]."""
+    s = scale.float()
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(rows, 1).contiguous()
+    if s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1 and s.shape[0] == rows):
+        return s.reshape(rows, 1)
+    want = (-(-rows // BLOCK), -(-cols // BLOCK))
+    if tuple(s.shape) != want:
+        raise ValueError(f"scale of shape {tuple(s.shape)} fits neither a tensor, {rows} rows nor "
+                         f"{want[0]}x{want[1]} blocks of {BLOCK}")
+    return s.repeat_interleave(BLOCK, dim=0)[:rows].contiguous()
+
+
 def dequantize(w8: torch.Tensor, scale: torch.Tensor, rows: int = 1) -> torch.Tensor:
     """e4m3 [N, K] with its scales -> float32 [N, K]."""
     n, k = w8.shape

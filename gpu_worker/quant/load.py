@@ -20,21 +20,24 @@ from safetensors import safe_open
 
 from gpu_worker.quant.config import Fp8Format
 from gpu_worker.quant.fp8 import Fp8LinearMethod
-from gpu_worker.quant.fp8_math import BLOCK, FP8, dequantize
+from gpu_worker.quant.fp8_experts import FUSED, ExpertsLoad, Fp8ExpertsMethod
+from gpu_worker.quant.fp8_math import BLOCK, FP8, dequantize, per_row_scale
 
 log = logging.getLogger("tandem.worker")
 
 SCALE_LEAVES = ("weight_scale", "weight_scale_inv")
 KV_SCALE_LEAVES = ("k_scale", "v_scale")
+FUSED_LEAVES = tuple(f".{leaf}" for leaf in FUSED)
 
 
 def fp8_weight_names(model, files) -> set[str]:
-    """Our names of the checkpoint's float8 ``*.weight`` tensors (from the file headers only)."""
+    """Our names of the checkpoint's float8 weights: ``*.weight`` and fused experts'
+    ``*.gate_up_proj`` / ``*.down_proj`` (from the file headers only)."""
     out = set()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if key.endswith(".weight") and f.get_slice(key).get_dtype() == "F8_E4M3":
+                if key.endswith((".weight", *FUSED_LEAVES)) and f.get_slice(key).get_dtype() == "F8_E4M3":
                     name = model.checkpoint_key(key)
                     if name is not None:
                         out.add(name)
@@ -55,7 +58,7 @@ def prepare(model, fmt: Fp8Format | None, fp8_names: set[str]) -> "QuantLoad":
     if fmt is None and fp8_names:
         raise ValueError(f"the checkpoint stores float8 weights (e.g. {sorted(fp8_names)[0]}) but config.json "
                          f"has no quantization_config: their scales cannot be read")
-    chosen = {}
+    chosen, experts = {}, {}
     if fmt is not None:
         for path, mod in model.named_modules():
             if not getattr(mod, "quantizable", False):
@@ -65,13 +68,17 @@ def prepare(model, fmt: Fp8Format | None, fp8_names: set[str]) -> "QuantLoad":
                 chosen[path] = mod
             elif any(flags):
                 raise ValueError(f"{path}: the checkpoint stores some of its merged parts in float8 and some not")
+        experts = {path: mod for path, mod in model.named_modules() if getattr(mod, "quantizable_experts", False)
+                   and (fmt.online or any(n.startswith(f"{path}.") for n in fp8_names))}
         if not fmt.online and not fp8_names:
             raise ValueError(f"quantization_config ({fmt.source}) but the checkpoint has no float8 weights")
-        method = Fp8LinearMethod(fmt)
+        method, expert_method = Fp8LinearMethod(fmt), Fp8ExpertsMethod(fmt)
         for mod in chosen.values():
             method.create(mod)
-        log.info("%s: %d projections", fmt.describe(), len(chosen))
-    return QuantLoad(model, fmt, chosen, fp8_names)
+        for mod in experts.values():
+            expert_method.create(mod)
+        log.info("%s: %d projections, the experts of %d MoE layers", fmt.describe(), len(chosen), len(experts))
+    return QuantLoad(model, fmt, chosen, fp8_names, experts)
 
 
 def _full_rows(mod, part: str | None) -> int:
@@ -84,8 +91,9 @@ def _full_rows(mod, part: str | None) -> int:
 
 
 class QuantLoad:
-    def __init__(self, model, fmt: Fp8Format | None, modules: dict, fp8_names: set[str]):
+    def __init__(self, model, fmt: Fp8Format | None, modules: dict, fp8_names: set[str], experts: dict):
         self.model, self.fmt, self.modules, self.fp8_names = model, fmt, modules, fp8_names
+        self.experts = ExpertsLoad(experts, fmt is not None and fmt.online)
         self.parts = {ck: (path, part) for path, mod in modules.items()
                       for ck, part in _checkpoint_parts(path, mod).items()}
         self.seen: set[tuple[str, str]] = set()
@@ -97,11 +105,13 @@ class QuantLoad:
         """Whether checkpoint name ``name`` is a quantized projection's weight (``finish`` says
         whether it came)."""
         module, _, leaf = name.rpartition(".")
-        return module in self.parts and leaf == "weight"
+        return (module in self.parts and leaf == "weight") or self.experts.owns(name)
 
     def take(self, name: str, get, put) -> bool:
         """Load checkpoint tensor ``name`` (``get()`` reads it) if it is ours; ``put(name, t)``
         hands a dequantized tensor to the plain path. False: the plain path loads it."""
+        if self.experts.take(name, get):
+            return True
         module, _, leaf = name.rpartition(".")
         hit = self.parts.get(module)
         if hit is not None and leaf in ("weight", "input_scale", *SCALE_LEAVES):
@@ -122,7 +132,7 @@ class QuantLoad:
         s = next((self.pending[f"{module}.{leaf}"] for leaf in SCALE_LEAVES if f"{module}.{leaf}" in self.pending), None)
         if w is None or s is None:
             return
-        put(f"{module}.weight", dequantize(w, _per_row(s, w.shape[0], w.shape[1])))
+        put(f"{module}.weight", dequantize(w, per_row_scale(s, w.shape[0], w.shape[1])))
         for key in [k for k in self.pending if k.rpartition(".")[0] == module]:
             del self.pending[key]
 
@@ -148,7 +158,7 @@ class QuantLoad:
                 _check(name, src, (rows, mod.weight.shape[1]))
                 mod.weight.narrow(0, off, rows).copy_(src.to(mod.weight.device))
                 return
-            s = _per_row(src, _full_rows(mod, part), _full_cols(mod))
+            s = per_row_scale(src, _full_rows(mod, part), _full_cols(mod))
             s = _cut_scale(mod, part, s, name)
             _check(name, s, (rows, mod.weight_scale.shape[1]))
             mod.weight_scale.narrow(0, off, rows).copy_(s.to(mod.weight_scale.device))
@@ -160,6 +170,11 @@ class QuantLoad:
             gen = gens.setdefault(dev, torch.Generator(device=dev).manual_seed(seed + 1))
             mod.quant.init_dummy(mod, gen)
             mod.quant.finish(mod)
+        for mod in self.experts.modules.values():
+            gen = gens.setdefault(mod.gate_up_proj.device,
+                                  torch.Generator(device=mod.gate_up_proj.device).manual_seed(seed + 1))
+            mod.quant.init_dummy(mod, gen)
+            mod.quant.finish(mod)
 
     def finish(self) -> list[str]:
         """After the last tensor: each projection's layout settled; returns the checkpoint names
@@ -169,10 +184,11 @@ class QuantLoad:
             missing += [f"{ck}.weight_scale" for ck in self.parts if (ck, "weight_scale") not in self.seen]
         if self.fmt is not None and self.fmt.acts == "static":
             missing += [f"{ck}.input_scale" for ck in self.parts if (ck, "input_scale") not in self.seen]
+        missing += self.experts.missing(need_scales=self.fmt is not None and not self.fmt.online)
         stray = [k for k in self.pending if k.endswith(".weight")]
         if stray:
             raise ValueError(f"{stray[0]}: float8 weight without a weight_scale / weight_scale_inv")
-        for mod in self.modules.values():
+        for mod in [*self.modules.values(), *self.experts.modules.values()]:
             mod.quant.finish(mod)
         return missing
 
@@ -189,21 +205,6 @@ class QuantLoad:
 def _full_cols(mod) -> int:
     cols = getattr(mod, "cols", None)
     return cols.full if cols is not None else mod.weight.shape[1]
-
-
-def _per_row(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """A checkpoint scale (per tensor, per row [R] / [R, 1], or per 128 x 128 block) -> float32
-    [rows, 1] or [rows, ceil(cols / 128)]."""
-    s = scale.float()
-    if s.numel() == 1:
-        return s.reshape(1, 1).expand(rows, 1).contiguous()
-    if s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1 and s.shape[0] == rows):
-        return s.reshape(rows, 1)
-    want = (-(-rows // BLOCK), -(-cols // BLOCK))
-    if tuple(s.shape) != want:
-        raise ValueError(f"scale of shape {tuple(s.shape)} fits neither a tensor, {rows} rows nor "
-                         f"{want[0]}x{want[1]} blocks of {BLOCK}")
-    return s.repeat_interleave(BLOCK, dim=0)[:rows].contiguous()
 
 
 def _cut(mod, part: str | None, src: torch.Tensor) -> torch.Tensor:

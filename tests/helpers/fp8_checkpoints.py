@@ -8,7 +8,9 @@ dequantized back to float32 (what HF, the oracle, runs).
 Layouts: ``block`` (``quant_method: fp8``, 128 x 128 ``weight_scale_inv``, dynamic activations),
 ``ct-tensor`` / ``ct-channel`` / ``ct-block`` (compressed-tensors ``weight_scale`` per tensor /
 per output channel / per block) with ``acts`` none (weight-only), dynamic or static
-(``input_scale`` per projection).
+(``input_scale`` per projection). MoE experts are quantized in the layout ``src`` stores them:
+per-expert modules as any projection, HF's fused 3-D ``experts.gate_up_proj`` / ``down_proj``
+expert by expert with the stacked scales in ``experts.gate_up_proj_scale_inv`` (HF's names).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from safetensors.torch import load_file, save_file
 from gpu_worker.quant.fp8_math import BLOCK, FP8_MAX, dequantize, to_fp8
 
 # decoder projections, per-expert MoE weights (``mlp.experts.N.gate_proj.weight``, the layout FP8
-# MoE checkpoints ship), and Gemma's per-layer projections (those two stay unquantized in the
-# engine: it dequantizes them at load); never embeddings, heads, norms, routers or the
-# assistant's centroids
+# MoE checkpoints ship), and Gemma's per-layer projections (the engine dequantizes those at
+# load); never embeddings, heads, norms, routers or the assistant's centroids
 PROJ = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?\w+_proj\.weight$"
                   r"|per_layer_(input_gate|projection)\.weight$")
+FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 STATIC_INPUT_SCALE = 16.0 / FP8_MAX  # activations up to 16 keep their range
 
 
@@ -47,6 +49,19 @@ def _quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tenso
     s = pad.view(nb, BLOCK, kb, BLOCK).abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
     full = s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
     return to_fp8(w / full), s
+
+
+def _dequantized(w8: torch.Tensor, s: torch.Tensor, strategy: str, dtype: torch.dtype) -> torch.Tensor:
+    if strategy == "block":
+        return dequantize(w8, s, BLOCK).to(dtype)
+    return dequantize(w8, s.reshape(-1, 1).expand(w8.shape[0], 1)).to(dtype)
+
+
+def _quantize_fused(t: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused experts [E, N, K] -> (e4m3, scales stacked per expert, the dequantized twin)."""
+    qs = [_quantize(w, strategy) for w in t]
+    w8, s = torch.stack([q[0] for q in qs]), torch.stack([q[1] for q in qs])
+    return w8, s, torch.stack([_dequantized(w, c, strategy, t.dtype) for w, c in zip(w8, s)])
 
 
 def _config(layout: str, acts: str, kv: bool) -> dict:
@@ -89,14 +104,16 @@ def quantize_checkpoint(src: str, out: str, layout: str = "block", acts: str = "
         tensors.update(load_file(os.path.join(src, f)))
     quant, deq = {}, {}
     for name, t in tensors.items():
+        if FUSED_EXPERTS.search(name):
+            quant[name], quant[f"{name}_scale_inv"], deq[name] = _quantize_fused(t, strategy)
+            if acts == "static":
+                quant[f"{name}_activation_scale"] = torch.full((t.shape[0],), STATIC_INPUT_SCALE)
+            continue
         if not PROJ.search(name):
             quant[name] = deq[name] = t
             continue
         w8, s = _quantize(t, strategy)
-        if strategy == "block":
-            deq[name] = dequantize(w8, s, BLOCK).to(t.dtype)
-        else:
-            deq[name] = dequantize(w8, s.reshape(-1, 1).expand(t.shape[0], 1)).to(t.dtype)
+        deq[name] = _dequantized(w8, s, strategy, t.dtype)
         quant[name] = w8
         base = name.removesuffix(".weight")
         quant[f"{base}.weight_scale_inv" if layout == "block" else f"{base}.weight_scale"] = s

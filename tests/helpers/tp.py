@@ -105,7 +105,7 @@ ENGINE_CASES = {"llama": ("llama", None), "qwen3": ("qwen3", None), "gemma4": ("
 
 
 LOGIT_CASES = ("llama", "qwen3", "gemma4", "llama_bias_tied", "gemma4_ple_shared", "qwen3_moe", "gemma4_moe",
-               "llama_fp8_block", "llama_fp8_tensor")
+               "llama_fp8_block", "llama_fp8_tensor", "qwen3_moe_fp8_block")
 
 
 def rank_workload(rank: int, ckpts: dict) -> dict:

@@ -26,5 +26,8 @@ def test_union_of_the_experts_a_decode_step_selects(tmp_path):
                           "gpu_idle_frac": 0.0, "output_tok_s": 90.0}]}
     row = report_rows("tiny", shapes, ids, run, bw=1e9)[0]
     assert shapes["expert_bytes"] == [3 * 24 * 64 * 2] * 2  # gate, up, down: 24 x 64 each, 2 bytes
+    fp8 = moe_shapes(d, quantization="fp8")  # e4m3 and a float32 scale per output channel
+    assert fp8["expert_bytes"] == [3 * 24 * 64 + 4 * (2 * 24 + 64)] * 2
+    assert fp8["fixed_bytes"] < shapes["fixed_bytes"]  # attention and the dense layer's MLP in FP8 too
     assert row["bytes"]["experts"] == sum(u * b for u, b in zip(union_curve(ids, 4), shapes["expert_bytes"]))
     assert 0 < row["of_roofline"] < 1e3

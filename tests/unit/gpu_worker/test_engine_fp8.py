@@ -15,20 +15,16 @@ import json
 import logging
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from gpu_worker.models.loader import load_model
 from common.args import ServerArgs
 from proto.transport import ipc_endpoints, make_run_dir
-from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama, build_qwen3_moe, hf_greedy, rewrite_experts
+from tests.helpers.checkpoints import build_assistant, build_gemma4, build_llama, hf_greedy
 from tests.helpers.fp8_checkpoints import dequantized, quantize_checkpoint
+from tests.helpers.fp8_compare import NEW, PROMPTS, generate, compare, fp8_bound
 from tests.helpers.inproc import InProcEngine
-
-PROMPTS = [[(11 * i + 5 * j) % 370 + 6 for j in range(4 + 7 * i)] for i in range(4)]
-NEW = 12
-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -40,85 +36,16 @@ def models(tmp_path_factory):
     return {"llama": llama, "gemma4": g, "assistant": build_assistant(str(root / "a"), g), "root": root}
 
 
-def _generate(path: str, prompts=PROMPTS, new: int = NEW, **kw) -> list[list[int]]:
-    eng = InProcEngine(path, page_size=4, chunked_prefill_size=32, **kw)
-    for i, p in enumerate(prompts):
-        eng.submit(f"r{i}", p, max_new_tokens=new, ignore_eos=True)
-    eng.run()
-    eng.core.alloc.check_all_free()
-    return [eng.tokens[f"r{i}"] for i in range(len(prompts))]
-
-
-def _teacher_forced(path: str, prompts, conts, **kw) -> tuple[np.ndarray, np.ndarray]:
-    """(log-probability of each continuation token after its prompt, the engine's own top token
-    there), all continuations concatenated: one request per prompt + continuation, prompt logprobs."""
-    eng = InProcEngine(path, page_size=4, chunked_prefill_size=32, **kw)
-    for i, (p, c) in enumerate(zip(prompts, conts)):
-        eng.submit(f"r{i}", p + c, max_new_tokens=1, prompt_logprobs=1, ignore_eos=True)
-    eng.run()
-    lps, tops = [], []
-    for i, (p, c) in enumerate(zip(prompts, conts)):
-        parts = [o.prompt_logprobs for o in eng.outputs[f"r{i}"] if o.prompt_logprobs is not None]  # per chunk
-        lp = np.concatenate([np.frombuffer(x.token_logprobs, np.float32) for x in parts])
-        top = np.concatenate([np.frombuffer(x.top_ids, np.int32) for x in parts])
-        assert len(lp) == len(top) == len(p) + len(c) - 1
-        lps.append(lp[len(p) - 1:])
-        tops.append(top[len(p) - 1:])
-    return np.concatenate(lps), np.concatenate(tops)
-
-
-def compare(ref_path: str, path: str, bound: float, what: str, **kw) -> tuple[float, float]:
-    """(greedy agreement, max logprob error) of ``path``'s engine (with ``kw``) against
-    ``ref_path``'s unquantized float32 one on the reference's greedy continuations, teacher-forced:
-    the share of positions whose top token is the reference's, and the largest difference of the
-    continuation tokens' log-probabilities. Printed; the error bounded by ``bound``."""
-    ref = _generate(ref_path)
-    lp_ref, _ = _teacher_forced(ref_path, PROMPTS, ref)
-    lp, top = _teacher_forced(path, PROMPTS, ref, **kw)
-    agree = float(np.mean(top == np.concatenate(ref)))
-    err = float(np.abs(lp - lp_ref).max())
-    print(f"{what}: greedy agreement {agree:.3f}, max logprob error {err:.4f} nats (bound {bound:.3f})")
-    assert err < bound and agree >= 0.75
-    return agree, err
-
-
-_YARDSTICK: dict[str, float] = {}
-
-
-def fp8_bound(models, arch: str) -> float:
-    """The bound an FP8 error gets: 16x what bf16 loses against float32 on the same model and
-    continuations (e4m3 keeps 4 significant bits, bf16 8: a rounding 16x as coarse), at least 0.1."""
-    if arch not in _YARDSTICK:
-        _YARDSTICK[arch] = compare(models[arch], models[arch], 1.0, f"bf16 vs float32 ({arch}), the yardstick",
-                                   dtype="bfloat16")[1]
-    return max(0.1, 16 * _YARDSTICK[arch])
-
-
 @pytest.mark.parametrize("arch,layout", [("llama", "ct-channel"), ("llama", "ct-tensor"), ("llama", "ct-block"),
                                          ("gemma4", "ct-channel")])
 def test_weight_only_fp8_is_hf_on_the_dequantized_weights(models, arch, layout):
     q = quantize_checkpoint(models[arch], str(models["root"] / f"{arch}-{layout}"), layout, acts="none")
     want = [hf_greedy(dequantized(q), p, NEW, ignore_eos=True) for p in PROMPTS]
-    assert _generate(q) == want
+    assert generate(q) == want
     m = load_model(q, torch.float32, "cpu")
     attn = m.model.layers[0].self_attn
     assert attn.qkv_proj.weight.dtype == torch.float8_e4m3fn and attn.o_proj.quant is not None
     assert m.lm_head_weight().dtype == torch.float32  # heads and embeddings stay unquantized
-
-
-def test_fp8_moe_checkpoint_with_quantized_experts_is_hf_on_the_dequantized_weights(tmp_path):
-    """A Qwen3-MoE FP8 checkpoint in the layout such checkpoints ship (per-expert modules, every
-    projection and every expert block-quantized, two shards): the experts are dequantized into
-    the model dtype at load, attention and the dense layer's MLP stay FP8, and the engine
-    decodes what HF decodes on the dequantized weights."""
-    src = rewrite_experts(build_qwen3_moe(str(tmp_path / "moe")), "per_expert", shards=2)
-    q = quantize_checkpoint(src, str(tmp_path / "moe-fp8"), "ct-block", acts="none")
-    want = [hf_greedy(dequantized(q), p, NEW, ignore_eos=True) for p in PROMPTS]
-    assert _generate(q) == want
-    m = load_model(q, torch.float32, "cpu")
-    experts = m.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.dtype == torch.float32  # dequantized at load
-    assert m.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
 
 
 def test_weight_only_fp8_on_the_kernel_path(models):
@@ -126,18 +53,18 @@ def test_weight_only_fp8_on_the_kernel_path(models):
     FP8 GEMM for prefill sum the same exact products in another order."""
     q = quantize_checkpoint(models["llama"], str(models["root"] / "llama-k"), "ct-block", acts="none")
     want = [hf_greedy(dequantized(q), p, 6, ignore_eos=True) for p in PROMPTS[:3]]
-    assert _generate(q, PROMPTS[:3], 6, attention_backend="triton") == want
+    assert generate(q, PROMPTS[:3], 6, attention_backend="triton") == want
 
 
 @pytest.mark.parametrize("layout,acts", [("block", "dynamic"), ("ct-channel", "dynamic"), ("ct-channel", "static")])
 def test_activation_quantization_tracks_the_unquantized_model(models, layout, acts):
     q = quantize_checkpoint(models["llama"], str(models["root"] / f"llama-{layout}-{acts}"), layout, acts)
-    compare(models["llama"], q, fp8_bound(models, "llama"), f"{layout} weights, {acts} activations vs float32 (llama)")
+    compare(models["llama"], q, fp8_bound(models["llama"], "llama"), f"{layout} weights, {acts} activations vs float32 (llama)")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma4"])
 def test_online_fp8_and_fp8_kv_track_the_unquantized_model(models, arch):
-    bound = fp8_bound(models, arch)
+    bound = fp8_bound(models[arch], arch)
     compare(models[arch], models[arch], bound, f"online FP8 vs float32 ({arch})", quantization="fp8")
     compare(models[arch], models[arch], bound, f"FP8 KV cache vs float32 ({arch})", kv_cache_dtype="fp8_e4m3")
 
@@ -152,7 +79,7 @@ def test_checkpoint_kv_scales_are_used(models, caplog):
     assert pool.k_scale == pytest.approx([0.05, 0.04]) and pool.v_scale == pytest.approx([0.02, 0.03])
     assert any("k/v scales from the checkpoint for 2 of 2 layers" in r.message for r in caplog.records)
     assert eng.ready.kv_cache_dtype == "float8_e4m3fn"
-    compare(dequantized(q), q, fp8_bound(models, "llama"), "FP8 KV with checkpoint scales (llama)",
+    compare(dequantized(q), q, fp8_bound(models["llama"], "llama"), "FP8 KV with checkpoint scales (llama)",
             kv_cache_dtype="fp8_e4m3")
 
 
@@ -181,7 +108,7 @@ def test_mtp_with_fp8_target_assistant_and_kv_is_lossless(models, backend, monke
         monkeypatch.setenv("TANDEM_EMULATE_CUDA_GRAPHS", "1")
     kw = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", attention_backend=backend, cuda_graph_bs=(1, 2, 4))
     prompts, new = (PROMPTS, NEW) if backend == "torch" else (PROMPTS[1:3], 5)
-    plain = _generate(models["gemma4"], prompts, new, **kw)
+    plain = generate(models["gemma4"], prompts, new, **kw)
     eng = InProcEngine(models["gemma4"], draft=models["assistant"], page_size=4, chunked_prefill_size=32, **kw)
     assert eng.runner.assistant.pre_projection.quant is not None
     for i, p in enumerate(prompts):
@@ -261,7 +188,7 @@ def test_flashinfer_backend_reads_the_fp8_kv_cache(ckpts, monkeypatch):
     from gpu_worker.attention import flashinfer_backend as fib
     from tests.helpers import fake_flashinfer
 
-    want = _generate(ckpts["llama"], PROMPTS[:3], 5, kv_cache_dtype="fp8_e4m3")
+    want = generate(ckpts["llama"], PROMPTS[:3], 5, kv_cache_dtype="fp8_e4m3")
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
     monkeypatch.setattr("gpu_worker.main.resolve_backend", lambda name, dev: "flashinfer")
     monkeypatch.setattr(fib, "FI_DTYPES", fib.FI_DTYPES + (torch.float32,))

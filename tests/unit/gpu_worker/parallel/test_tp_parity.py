@@ -44,6 +44,10 @@ def tp_checkpoints(root) -> dict:
         "qwen3_moe": build_qwen3_moe(os.path.join(root, "qwen3_moe")),
         "llama_fp8_block": quantize_checkpoint(wide, os.path.join(root, "llama_fp8_block"), "ct-block", "none"),
         "llama_fp8_tensor": quantize_checkpoint(wide, os.path.join(root, "llama_fp8_tensor"), "ct-tensor", "none"),
+        # FP8 experts, block scales: each rank's down projection reads whole 128-column groups
+        "qwen3_moe_fp8_block": quantize_checkpoint(
+            build_qwen3_moe(os.path.join(root, "qwen3_moe_wide"), hidden_size=256, moe_intermediate_size=256,
+                            num_hidden_layers=2), os.path.join(root, "qwen3_moe_fp8_block"), "ct-block", "none"),
         "llama": build_llama(os.path.join(root, "llama")),
         "qwen3": build_qwen3(os.path.join(root, "qwen3")),
         "gemma4": g,
