@@ -11,7 +11,8 @@ L2, so every launch streams its weights from HBM), with random top-k routing. Re
 pass's time and its achieved bandwidth (the selected experts' bytes over the time); writes
 ``OUT/moe_tune_<shape>.json`` (the entry and every timing) and prints the entry. Copy it into
 ``moe_configs.json`` under its key (``E=..,H=..,I=..,K=..``) to use it. ``--budget-s`` stops
-the sweep early, keeping the best so far.
+the sweep early, keeping the best so far. ``--fp8``: e4m3 experts with a float32 scale per
+output row (``--quantization fp8``'s layout), the entry's ``decode_fp8`` / ``gemm_fp8``.
 """
 
 from __future__ import annotations
@@ -76,15 +77,20 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=480)
+    ap.add_argument("--fp8", action="store_true", help="e4m3 experts, a scale per output row")
     a = ap.parse_args()
     e, h, i, k, act = moe_shape(a.config)
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    gate_up = [torch.randn(e, 2 * i, h, device=dev, dtype=dt) * h**-0.5 for _ in range(a.copies)]
-    down = [torch.randn(e, h, i, device=dev, dtype=dt) * i**-0.5 for _ in range(a.copies)]
-    expert_bytes = (2 * i * h + h * i) * 2
+    wdt = torch.float8_e4m3fn if a.fp8 else dt
+    gate_up = [(torch.randn(e, 2 * i, h, device=dev) * (16 if a.fp8 else h**-0.5)).to(wdt) for _ in range(a.copies)]
+    down = [(torch.randn(e, h, i, device=dev) * (16 if a.fp8 else i**-0.5)).to(wdt) for _ in range(a.copies)]
+    s_gu = torch.rand(e, 2 * i, 1, device=dev) * h**-0.5 / 16 if a.fp8 else None
+    s_d = torch.rand(e, h, 1, device=dev) * i**-0.5 / 16 if a.fp8 else None
+    expert_bytes = (2 * i * h + h * i) * (1 if a.fp8 else 2)
     t_end = time.perf_counter() + a.budget_s
-    log, entry = [], {"decode": {}, "gemm": []}
+    suffix = "_fp8" if a.fp8 else ""
+    log, entry = [], {f"decode{suffix}": {}, f"gemm{suffix}": []}
     tokens = [int(x) for x in a.tokens.split(",")]
 
     def inputs(t):
@@ -119,29 +125,31 @@ def main() -> None:
             for name in ("gate_up", "down"):
                 if name == "gate_up":
                     def run(c, cfg):
-                        expert_gemv(x, gate_up[c % a.copies], inter, ids, cfg, act=ACTS[act])
+                        expert_gemv(x, gate_up[c % a.copies], inter, ids, cfg, act=ACTS[act], w_scale=s_gu)
                 else:
                     def run(c, cfg):
-                        expert_gemv(inter, down[c % a.copies], out, ids, cfg, topk_weights=w)
+                        expert_gemv(inter, down[c % a.copies], out, ids, cfg, topk_weights=w, w_scale=s_d)
                 top = best(name, DECODE, run, t, union)
                 if top and t == max(x for x in tokens if x <= DECODE_MAX_TOKENS):
-                    entry["decode"][name] = top[1]  # the largest decode count decides (MTP's verify)
+                    entry[f"decode{suffix}"][name] = top[1]  # the largest decode count decides (MTP's verify)
             continue
         bucket_best = None
         for bm in BLOCK_M:
             align = align_block(ids, e, bm)
-            run_g = lambda c, cfg: grouped_gemm(x, gate_up[c % a.copies], inter, align, t * k, k, cfg, act=ACTS[act])  # noqa: E731
-            run_d = lambda c, cfg: grouped_gemm(inter, down[c % a.copies], out, align, t * k, k, cfg, topk_weights=w)  # noqa: E731
+            run_g = lambda c, cfg: grouped_gemm(x, gate_up[c % a.copies], inter, align, t * k, k, cfg,  # noqa: E731
+                                                act=ACTS[act], w_scale=s_gu)
+            run_d = lambda c, cfg: grouped_gemm(inter, down[c % a.copies], out, align, t * k, k, cfg,  # noqa: E731
+                                                topk_weights=w, w_scale=s_d)
             g, d = best(f"gate_up/{bm}", GEMM, run_g, t, union), best(f"down/{bm}", GEMM, run_d, t, union)
             if g and d and (bucket_best is None or g[0] + d[0] < bucket_best[0]):
                 bucket_best = (g[0] + d[0], {"max_tokens": t, "block_m": bm, "gate_up": g[1], "down": d[1]})
         if bucket_best:
-            entry["gemm"].append(bucket_best[1])
-    if entry["gemm"]:
-        entry["gemm"][-1]["max_tokens"] = 1000000000  # the last bucket serves every larger step
+            entry[f"gemm{suffix}"].append(bucket_best[1])
+    if entry[f"gemm{suffix}"]:
+        entry[f"gemm{suffix}"][-1]["max_tokens"] = 1000000000  # the last bucket serves every larger step
     key = shape_key(e, h, i, k)
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"moe_tune_{key.replace(',', '_').replace('=', '')}.json")
+    path = os.path.join(a.out, f"moe_tune_{key.replace(',', '_').replace('=', '')}{suffix}.json")
     json.dump({"key": key, "entry": entry, "timings": log}, open(path, "w"), indent=1)
     print(json.dumps({key: entry}, indent=1))
 

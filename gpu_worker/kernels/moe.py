@@ -55,13 +55,14 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
         return torch.empty_like(x) if sum_slots else pairs
     gs, ds = (scales.gate_up, scales.down) if scales is not None else (None, None)
     sr = scales.rows_per_scale if scales is not None else 1
+    fp8 = scales is not None
     if t <= DECODE_MAX_TOKENS:
-        expert_gemv(x, gate_up, inter, ids, decode_config(num_experts, h, i, top_k, "gate_up"), act=ACTS[act],
+        expert_gemv(x, gate_up, inter, ids, decode_config(num_experts, h, i, top_k, "gate_up", fp8), act=ACTS[act],
                     w_scale=gs, scale_rows=sr)
-        expert_gemv(inter, down, pairs, ids, decode_config(num_experts, h, i, top_k, "down"), topk_weights=flat_w,
-                    w_scale=ds, scale_rows=sr)
+        expert_gemv(inter, down, pairs, ids, decode_config(num_experts, h, i, top_k, "down", fp8),
+                    topk_weights=flat_w, w_scale=ds, scale_rows=sr)
     else:
-        cfg = gemm_config(num_experts, h, i, top_k, t)
+        cfg = gemm_config(num_experts, h, i, top_k, t, fp8)
         align = align_block(ids, num_experts, cfg["block_m"])
         grouped_gemm(x, gate_up, inter, align, n, top_k, cfg["gate_up"], act=ACTS[act], w_scale=gs, scale_rows=sr)
         grouped_gemm(inter, down, pairs, align, n, top_k, cfg["down"], topk_weights=flat_w, w_scale=ds,

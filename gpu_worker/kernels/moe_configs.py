@@ -1,7 +1,8 @@
 """Launch shapes of the MoE expert kernels, per model shape, from ``moe_configs.json``.
 
 The file holds one entry per (experts E, hidden H, this rank's expert intermediate I, experts
-per token K) and a ``default``. Its numbers are reasoned from a Hopper card's resources (132 SMs,
+per token K) and a ``default``; an entry's ``decode_fp8`` / ``gemm_fp8``, where present, serve
+e4m3 experts (a tile of them is half the bytes: other shapes win), else its ``decode`` / ``gemm``. Its numbers are reasoned from a Hopper card's resources (132 SMs,
 ~3 TB/s of HBM, 227 KiB of shared memory a block); ``benchmarks/moe_tune.py`` measures candidates
 and writes entries in the same form. The reasoning behind the defaults:
 
@@ -41,12 +42,17 @@ def _entry(num_experts: int, hidden: int, intermediate: int, top_k: int) -> dict
     return table.get(shape_key(num_experts, hidden, intermediate, top_k), table["default"])
 
 
-def decode_config(num_experts: int, hidden: int, intermediate: int, top_k: int, pass_name: str) -> dict:
+def _part(entry: dict, name: str, fp8: bool):
+    return entry.get(f"{name}_fp8", entry[name]) if fp8 else entry[name]
+
+
+def decode_config(num_experts: int, hidden: int, intermediate: int, top_k: int, pass_name: str,
+                  fp8: bool = False) -> dict:
     """The decode path's launch shape for ``pass_name`` (``gate_up`` or ``down``)."""
-    return _entry(num_experts, hidden, intermediate, top_k)["decode"][pass_name]
+    return _part(_entry(num_experts, hidden, intermediate, top_k), "decode", fp8)[pass_name]
 
 
-def gemm_config(num_experts: int, hidden: int, intermediate: int, top_k: int, tokens: int) -> dict:
+def gemm_config(num_experts: int, hidden: int, intermediate: int, top_k: int, tokens: int, fp8: bool = False) -> dict:
     """The grouped path's bucket for ``tokens``: ``block_m`` and the ``gate_up`` / ``down`` tiles."""
-    buckets = _entry(num_experts, hidden, intermediate, top_k)["gemm"]
+    buckets = _part(_entry(num_experts, hidden, intermediate, top_k), "gemm", fp8)
     return next((b for b in buckets if tokens <= b["max_tokens"]), buckets[-1])

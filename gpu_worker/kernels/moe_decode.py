@@ -74,13 +74,16 @@ if triton is not None:
         w_rows = w_ptr + expert.to(tl.int64) * sw_e + w_row.to(tl.int64)[:, None] * sw_n
         s_rows = s_ptr + expert.to(tl.int64) * ss_e + (tl.where(wm, w_row, 0) // SR).to(tl.int64)[:, None] * ss_r
         acc = tl.zeros([BLOCK_N, MP], tl.float32)
+        row_s = tl.zeros([BLOCK_N, 1], tl.float32)
+        if WS == 1:  # one scale a row: loaded once, not per K tile
+            row_s = tl.load(s_rows, mask=wm[:, None], other=0.0)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
             w = tl.load(w_rows + k[None, :], mask=wm[:, None] & km[None, :], other=0.0)
             xt = tl.load(a_cols + k[:, None], mask=km[:, None] & has[None, :], other=0.0)
             if WS == 1:  # e4m3 -> x's dtype through its float32 value times the scale (the load-time dequantization)
-                w = (w.to(tl.float32) * tl.load(s_rows, mask=wm[:, None], other=0.0)).to(xt.dtype)
+                w = (w.to(tl.float32) * row_s).to(xt.dtype)
             elif WS == 2:
                 sc = tl.load(s_rows + k[None, :] // 128, mask=wm[:, None] & km[None, :], other=0.0)
                 w = (w.to(tl.float32) * sc).to(xt.dtype)

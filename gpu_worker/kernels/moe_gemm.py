@@ -48,11 +48,12 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _deq(b, s_cols, k, km, nm, WS: tl.constexpr):
-        """A [BLOCK_K, BLOCK_N] e4m3 weight tile -> its float32 value times its scales (``s_cols``
-        [1, BLOCK_N]: the scale row of each weight row; the caller rounds to its dtype)."""
+    def _deq(b, row_s, s_cols, k, km, nm, WS: tl.constexpr):
+        """A [BLOCK_K, BLOCK_N] e4m3 weight tile -> its float32 value times its scales (WS 1:
+        ``row_s`` [1, BLOCK_N], each weight row's one scale; WS 2: read from ``s_cols``, the scale
+        row of each weight row; the caller rounds to its dtype)."""
         if WS == 1:
-            return b.to(tl.float32) * tl.load(s_cols, mask=nm[None, :], other=0.0)
+            return b.to(tl.float32) * row_s
         return b.to(tl.float32) * tl.load(s_cols + k[:, None] // 128, mask=km[:, None] & nm[None, :], other=0.0)
 
     @triton.jit(do_not_specialize=["n_pairs", "max_blocks", "SR"])
@@ -84,18 +85,24 @@ if triton is not None:
         s_cols_u = s_ptr + expert * ss_e + ((N + nc) // SR).to(tl.int64)[None, :] * ss_r
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        row_s = tl.zeros([1, BLOCK_N], tl.float32)
+        row_s_u = tl.zeros([1, BLOCK_N], tl.float32)
+        if WS == 1:  # one scale a row: loaded once, not per K tile
+            row_s = tl.load(s_cols, mask=nm[None, :], other=0.0)
+            if ACT >= 0:
+                row_s_u = tl.load(s_cols_u, mask=nm[None, :], other=0.0)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
             a = tl.load(a_rows + k[None, :], mask=pm[:, None] & km[None, :], other=0.0)
             b = tl.load(w_cols + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
             if WS > 0:
-                b = _deq(b, s_cols, k, km, nm, WS).to(a.dtype)
+                b = _deq(b, row_s, s_cols, k, km, nm, WS).to(a.dtype)
             acc = _mma(a, b, acc, IEEE)
             if ACT >= 0:
                 b = tl.load(w_cols + N * sw_n + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
                 if WS > 0:
-                    b = _deq(b, s_cols_u, k, km, nm, WS).to(a.dtype)
+                    b = _deq(b, row_s_u, s_cols_u, k, km, nm, WS).to(a.dtype)
                 acc_u = _mma(a, b, acc_u, IEEE)
         DT = out_ptr.dtype.element_ty
         if ACT >= 0:
