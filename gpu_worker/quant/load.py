@@ -1,12 +1,14 @@
 """Quantizing a model's projections before its weights are read, and reading FP8 tensors into them.
 
 ``prepare`` runs on the meta model, after its cast to the model dtype and before it is
-allocated: it decides which projections are FP8 and makes them so (``Fp8LinearMethod.create``).
-In a checkpoint format, a projection is FP8 where the checkpoint stores its weight (every part
-of a merged one) in float8, so a format's ignore list needs no parsing; online, every
-quantizable projection is. The returned ``QuantLoad`` then takes the checkpoint tensors those
-projections own (weights, scales, input scales), quantizes unquantized weights under online
-FP8, dequantizes float8 weights of modules that stay unquantized (a plain ``nn.Linear`` such as
+allocated: it decides which projections and MoE experts are FP8 and makes them so
+(``Fp8LinearMethod.create``, ``Fp8ExpertsMethod.create``). In a checkpoint format, a
+projection is FP8 where the checkpoint stores its weight (every part of a merged one) in
+float8, so a format's ignore list needs no parsing, and a MoE layer's experts where it stores
+any of them in float8; online, every quantizable projection and all experts are. The returned
+``QuantLoad`` then takes the checkpoint tensors those modules own (weights, scales, input
+scales; the experts' through ``ExpertsLoad``), quantizes unquantized weights under online FP8,
+dequantizes float8 weights of modules that stay unquantized (a plain ``nn.Linear`` such as
 Gemma's per-layer projections) into the model dtype, and keeps the checkpoint's per-layer k / v
 scales for an FP8 KV cache.
 """
