@@ -144,3 +144,16 @@ def test_a_missing_expert_scale_is_named(ckpts, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight_scale"):
         load_model(str(bad))
+
+
+def test_block_fp8_checkpoint_with_dynamic_activations_tracks_its_dequantized_weights(ckpts):
+    """The layout of the Hub's FP8 MoE releases (``quant_method: fp8``, 128 x 128
+    ``weight_scale_inv`` per expert module, dynamic activations): the experts load e4m3; the
+    dense projections quantize their activations, the experts do not."""
+    src = str(ckpts["root"] / "hub-src")
+    shutil.copytree(ckpts["qwen3_moe"], src)
+    q = quantize_checkpoint(rewrite_experts(src, "per_expert", 2), str(ckpts["root"] / "hub-fp8"), "block", "dynamic")
+    experts = _experts(q).mlp.experts
+    assert experts.gate_up_proj.dtype == FP8 and experts.gate_up_scale.shape[2] == 1  # 64 columns: one block
+    compare(dequantized(q), q, fp8_bound(dequantized(q), "qwen3_moe"), "block FP8, dynamic activations vs "
+            "its dequantized weights in float32 (qwen3_moe)")
