@@ -18,9 +18,11 @@ on T (capturable, no host sync), and T is a runtime argument: one compiled varia
 tokens.
 
 FP8 experts (``WS`` > 0: W e4m3 with float32 scales [E, ceil(rows / SR), KB], ``fp8_math``'s
-layout per expert; ``SR`` a runtime argument): each weight tile is dequantized in registers and
-rounded to x's dtype, so the products are those of the experts dequantized at load, from half
-the bytes.
+layout per expert; ``SR`` a runtime argument): a weight tile reaches the tensor cores converted
+to x's dtype, which holds every e4m3 value exactly, and the scales multiply the float32 sums:
+a row's scale once at the end (``WS`` 1), a 128-column block's each K tile's partial sum
+(``WS`` 2, K tiles of at most 128 columns). So the products are the exact ones of the e4m3
+values and x, from half the bytes, with no multiply per weight.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ DECODE_MAX_TOKENS = 4
 MP = 16  # x rows padded to tl.dot's smallest tile
 
 if triton is not None:
+
+    @triton.jit
+    def _dot(w, xt, acc, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(w, xt, acc)
 
     @triton.jit(do_not_specialize=["T", "SR"])
     def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, tw_ptr, N, K, sa, sw_e, sw_n, ss_e, ss_r, so, T, SR,
@@ -74,23 +82,20 @@ if triton is not None:
         w_rows = w_ptr + expert.to(tl.int64) * sw_e + w_row.to(tl.int64)[:, None] * sw_n
         s_rows = s_ptr + expert.to(tl.int64) * ss_e + (tl.where(wm, w_row, 0) // SR).to(tl.int64)[:, None] * ss_r
         acc = tl.zeros([BLOCK_N, MP], tl.float32)
-        row_s = tl.zeros([BLOCK_N, 1], tl.float32)
-        if WS == 1:  # one scale a row: loaded once, not per K tile
-            row_s = tl.load(s_rows, mask=wm[:, None], other=0.0)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
             w = tl.load(w_rows + k[None, :], mask=wm[:, None] & km[None, :], other=0.0)
             xt = tl.load(a_cols + k[:, None], mask=km[:, None] & has[None, :], other=0.0)
-            if WS == 1:  # e4m3 -> x's dtype through its float32 value times the scale (the load-time dequantization)
-                w = (w.to(tl.float32) * row_s).to(xt.dtype)
-            elif WS == 2:
-                sc = tl.load(s_rows + k[None, :] // 128, mask=wm[:, None] & km[None, :], other=0.0)
-                w = (w.to(tl.float32) * sc).to(xt.dtype)
-            if IEEE:
-                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            if WS > 0:
+                w = w.to(xt.dtype)  # exact: e4m3 values are bf16 / float32 values
+            if WS == 2:  # the tile lies in one 128-column block: its partial sum times the block's scale
+                sc = tl.load(s_rows + k0 // 128, mask=wm[:, None], other=0.0)
+                acc += _dot(w, xt, tl.zeros([BLOCK_N, MP], tl.float32), IEEE) * sc
             else:
-                acc = tl.dot(w, xt, acc)
+                acc = _dot(w, xt, acc, IEEE)
+        if WS == 1:  # one scale a row: on the sum
+            acc = acc * tl.load(s_rows, mask=wm[:, None], other=0.0)
         DT = out_ptr.dtype.element_ty
         if ACT >= 0:
             g, u = tl.split(tl.permute(tl.reshape(acc, [2, HALF, MP]), [1, 2, 0]))
@@ -118,10 +123,11 @@ def expert_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ids: torch.
     on = pdl(ids)  # by the token count (the down pass reads T*K rows)
     ws = 0 if w_scale is None else (1 if w_scale.shape[2] == 1 else 2)
     s = w_scale if w_scale is not None else w
+    block_k = min(cfg["block_k"], 128) if ws == 2 else cfg["block_k"]  # a K tile within one scale block
     _moe_gemv_kernel[(t * top_k, tiles)](
         a, w, s, out, ids, topk_weights if topk_weights is not None else out, n, k, a.stride(0), w.stride(0),
         w.stride(1), s.stride(0) if ws else 0, s.stride(1) if ws else 0, out.stride(0), T=t, SR=scale_rows,
-        TOP_K=top_k, BLOCK_TK=next_pow2(top_k), ACT=act, MP=MP, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        TOP_K=top_k, BLOCK_TK=next_pow2(top_k), ACT=act, MP=MP, BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
         IEEE=a.dtype == torch.float32 or interpreting(), PDL=on, WS=ws,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=on == PDL_ON,
     )

@@ -136,10 +136,12 @@ def _cast_as_the_kernels(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("tokens", [1, DECODE_MAX_TOKENS, 37])
 @pytest.mark.parametrize("layout,group", [("channel", 1), ("block", 1), ("block", 128)])
 def test_fp8_experts_are_the_experts_dequantized(tokens, dtype, layout, group):
-    """FP8 experts through both paths equal the same kernels over the experts dequantized at load
-    (each tile's float32 value times its scale, rounded to the model dtype): K past one 128-column
-    scale group and partial tiles on every edge. Bit for bit under the interpreter; on a GPU the
-    tensor cores may sum a dequantized register tile in another order than a loaded one."""
+    """FP8 experts through both paths against the same kernels over the experts dequantized at
+    load (each tile's float32 value times its scale, rounded to the model dtype): K past one
+    128-column scale group and partial tiles on every edge. The grouped path dequantizes its
+    tiles so: bit for bit under the interpreter. The decode path multiplies the exact e4m3 values
+    and applies the scales to the sums (no rounding of the weights to the model dtype), and a
+    GPU's tensor cores may sum a dequantized register tile in another order: within bf16 bounds."""
     num_experts, hidden, inter, top_k = 6, 200, 136, 2
     gate_up, gs = _fp8_experts(num_experts, 2 * inter, hidden, layout, group)
     down, ds = _fp8_experts(num_experts, hidden, inter, layout, group)
@@ -150,7 +152,7 @@ def test_fp8_experts_are_the_experts_dequantized(tokens, dtype, layout, group):
     w = torch.rand(tokens, top_k).to(DEV)
     got = fused_experts(x, gate_up, down, ids, w, "silu", scales=ExpertScales(gs, ds, group))
     want = fused_experts(x, deq[0], deq[1], ids, w, "silu")
-    if interpreting():
+    if interpreting() and tokens > DECODE_MAX_TOKENS:
         assert torch.equal(got, want)
     else:
         _close_bf16(got.float().cpu(), want.float().cpu())
