@@ -158,6 +158,47 @@ def test_fp8_experts_are_the_experts_dequantized(tokens, dtype, layout, group):
         _close_bf16(got.float().cpu(), want.float().cpu())
 
 
+def _decode_shapes() -> list:
+    """Every distinct decode launch shape in moe_configs.json, with whether it serves FP8."""
+    import json
+
+    from gpu_worker.kernels.moe_configs import PATH
+
+    out = []
+    for entry in json.load(open(PATH))["shapes"].values():
+        for part in ("decode", "decode_fp8"):
+            case = (entry[part], part.endswith("fp8")) if part in entry else None
+            if case and case not in out:
+                out.append(case)
+    return out
+
+
+@pytest.mark.parametrize("shape,fp8", _decode_shapes())
+def test_every_decode_launch_shape_serves_its_experts(shape, fp8, monkeypatch):
+    """The launch shapes the file gives real models, on a small problem (K past a 256-column
+    tile, partial tiles): within bf16 bounds of the experts dequantized at load."""
+    from gpu_worker.kernels import moe
+
+    monkeypatch.setattr(moe, "decode_config", lambda *a, **k: shape[a[4]])
+    num_experts, hidden, inter, top_k, tokens = 5, 300, 136, 2, DECODE_MAX_TOKENS
+    x = torch.randn(tokens, hidden).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]).int().to(DEV)
+    w = torch.rand(tokens, top_k).to(DEV)
+    for layout in ("channel", "block") if fp8 else (None,):
+        if fp8:
+            gate_up, gs = _fp8_experts(num_experts, 2 * inter, hidden, layout, 1)
+            down, ds = _fp8_experts(num_experts, hidden, inter, layout, 1)
+            deq = [torch.stack([dequantize(v[e], s[e]) for e in range(num_experts)]).to(torch.bfloat16)
+                   for v, s in ((gate_up, gs), (down, ds))]
+            scales = ExpertScales(gs.to(DEV), ds.to(DEV), 1)
+        else:
+            gate_up, down = _experts(num_experts, hidden, inter, torch.bfloat16)
+            deq, scales = [gate_up, down], None
+        got = fused_experts(x, gate_up.to(DEV), down.to(DEV), ids, w, "silu", scales=scales)
+        want = ref_experts(x.cpu(), deq[0], deq[1], ids.cpu(), w.cpu(), "silu")
+        _close_bf16(got.float().cpu(), want.float())
+
+
 def test_moe_sum_adds_each_tokens_slots():
     pairs = torch.randn(5 * 3, 40).to(DEV)
     torch.testing.assert_close(moe_sum(pairs, 3).cpu(), pairs.cpu().view(5, 3, 40).sum(1), rtol=1e-6, atol=1e-6)
