@@ -164,10 +164,11 @@ class ExpertsLoad:
             return False
         if leaf == "weight":
             store_weight(mod, e, proj, mod.checkpoint_shard("weight", get(), proj), self.online, name)
+            self.seen.add((path, e, proj, "weight"))
         elif leaf in SCALE_LEAVES:
             store_scale(mod, e, proj, per_row_scale(get(), *_full_shape(mod, proj)), name)
-        self.seen.add((path, e, proj, "weight" if leaf == "weight" else "scale"))
-        return True
+            self.seen.add((path, e, proj, "scale"))
+        return True  # an input scale: read and dropped (expert activations stay unquantized)
 
     def _fused(self, path: str, leaf: str, name: str, get) -> bool:
         mod = self.modules[path]

@@ -133,7 +133,11 @@ def test_dummy_weights_give_fp8_experts(ckpts):
 
 
 def test_a_missing_expert_scale_is_named(ckpts, tmp_path):
-    q = _quantized(ckpts, "qwen3-per-expert-tensor")
+    """Static activation scales beside it (read and dropped for experts) do not hide it."""
+    src = str(ckpts["root"] / "static-src")
+    shutil.copytree(ckpts["qwen3_moe"], src)
+    q = quantize_checkpoint(rewrite_experts(src, "per_expert"), str(tmp_path / "static"), "ct-tensor", "static")
+    assert _experts(q).mlp.experts.gate_up_proj.dtype == FP8  # the whole checkpoint loads
     bad = tmp_path / "bad"
     os.makedirs(bad)
     for f in os.listdir(q):
