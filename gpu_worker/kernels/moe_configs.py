@@ -2,7 +2,8 @@
 
 The file holds one entry per (experts E, hidden H, this rank's expert intermediate I, experts
 per token K) and a ``default``; an entry's ``decode_fp8`` / ``gemm_fp8``, where present, serve
-e4m3 experts (a tile of them is half the bytes: other shapes win), else its ``decode`` / ``gemm``. Its numbers are reasoned from a Hopper card's resources (132 SMs,
+e4m3 experts (``moe_tune.py --fp8`` measures them), else its ``decode`` / ``gemm`` do. Its
+numbers are reasoned from a Hopper card's resources (132 SMs,
 ~3 TB/s of HBM, 227 KiB of shared memory a block); ``benchmarks/moe_tune.py`` measures candidates
 and writes entries in the same form. The reasoning behind the defaults:
 

@@ -18,8 +18,8 @@ Checkpoints hold the experts in either of two layouts, both loaded (``models/loa
 fused 3-D tensors (``experts.gate_up_proj [E, 2I, H]``, gate rows first, and
 ``experts.down_proj [E, H, I]``) and per-expert modules (``experts.N.gate_proj.weight [I, H]``,
 ``up_proj``, ``down_proj [H, I]``). FP8 experts (a quantized checkpoint's, or ``--quantization
-fp8``) keep both stacks in e4m3 with their scales (``quant/fp8_experts.py``); the kernels
-dequantize them tile by tile, the torch path expert by expert.
+fp8``) keep both stacks in e4m3 with their scales (``quant/fp8_experts.py``); the kernels read
+them as e4m3, the torch path dequantizes the experts a step hits.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
 ``down_proj`` [E, H, i] into e4m3 and adds float32 ``gate_up_scale`` [E, ceil(2i / scale_rows),
 KB] and ``down_scale`` [E, ceil(H / scale_rows), KB'] (``fp8_math``'s layout per expert: KB is 1,
 one scale per output channel, or one per 128 columns). ``scale_rows`` is 1 while loading and 128
-after ``finish`` where every 128-row group of a block layout shares its scales. The kernels
-(``kernels/moe*.py``) dequantize each weight tile in registers, the CPU twin the experts a step
-hits; either way the products are those of the experts dequantized at load into the model
-dtype. Expert activations are not quantized: a checkpoint's activation scheme (dynamic, or
+after ``finish`` where every 128-row group of a block layout shares its scales. The grouped
+kernel (``kernels/moe_gemm.py``) dequantizes each weight tile in registers into the model dtype,
+the decode kernel (``moe_decode.py``) applies the scales to its float32 sums, and the CPU twin
+dequantizes the experts a step hits. Expert activations are not quantized: a checkpoint's activation scheme (dynamic, or
 static input scales) applies to its dense projections only, and expert input scales are read
 and dropped.
 
