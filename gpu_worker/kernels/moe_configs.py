@@ -3,9 +3,9 @@
 The file holds one entry per (experts E, hidden H, this rank's expert intermediate I, experts
 per token K) and a ``default``; an entry's ``decode_fp8`` / ``gemm_fp8``, where present, serve
 e4m3 experts (``moe_tune.py --fp8`` measures them), else its ``decode`` / ``gemm`` do. Its
-numbers are reasoned from a Hopper card's resources (132 SMs,
-~3 TB/s of HBM, 227 KiB of shared memory a block); ``benchmarks/moe_tune.py`` measures candidates
-and writes entries in the same form. The reasoning behind the defaults:
+numbers are reasoned from a Hopper card's resources (132 SMs, ~3 TB/s of HBM, 227 KiB of shared
+memory a block); ``benchmarks/moe_tune.py`` measures candidates and writes entries in the same
+form. The reasoning behind the defaults:
 
 - decode (1-4 tokens, ``moe_decode.py``): each selected expert's weights are streamed once, so
   the launch must keep HBM busy with few experts: at one token, top-8 of 128 experts with
