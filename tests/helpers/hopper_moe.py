@@ -41,7 +41,7 @@ def record_moe_configs() -> None:
                 grouped_gemm(torch.randn(5, h).to(dtype), gate_up, inter, align, 5 * k, k, bucket["gate_up"], act=0)
                 grouped_gemm(inter, down, torch.empty(5 * k, h, dtype=dtype), align, 5 * k, k, bucket["down"],
                              topk_weights=torch.rand(5 * k))
-    record_fp8_experts(entries["default"], e, h, i)
+    record_fp8_experts(entries, e, h, i)
     from gpu_worker.kernels.moe_norm import gemma_moe_combine, moe_sum
 
     rows = torch.randn(3, h).bfloat16()  # at 3 tokens (PDL on): the separate sum and Gemma 4's combine
@@ -52,17 +52,31 @@ def record_moe_configs() -> None:
                   torch.randint(0, e, (many, 2)).int(), torch.rand(many, 2), "gelu_pytorch_tanh")
 
 
-def record_fp8_experts(entry: dict, e: int, h: int, i: int) -> None:
-    """FP8 experts, with one scale a row and with a scale per row and 128 columns, through the
-    default launch shapes in bf16: the decode passes and every grouped bucket (one token count
-    each)."""
+def record_fp8_experts(entries: dict, e: int, h: int, i: int) -> None:
+    """FP8 experts, with one scale a row and with a scale per row and 128 columns, in bf16:
+    through the default launch shapes (the decode passes and every grouped bucket, one token
+    count each), and through every model shape's own FP8 decode shapes (``decode_fp8``) at 1-4
+    tokens."""
     from gpu_worker.kernels.moe import ExpertScales, fused_experts
+    from gpu_worker.kernels.moe_decode import DECODE_MAX_TOKENS, expert_gemv
     from gpu_worker.quant.fp8_math import FP8
 
     gate_up, down = torch.randn(e, 2 * i, h).to(FP8), torch.randn(e, h, i).to(FP8)
-    tokens = [1] + [b["max_tokens"] + 1 for b in entry["gemm"][:-1]] + [5]
+    tokens = [1] + [b["max_tokens"] + 1 for b in entries["default"]["gemm"][:-1]] + [5]
     for kb in (1, 2):
         scales = ExpertScales(torch.rand(e, 2 * i, kb), torch.rand(e, h, kb), 1)
         for t in tokens:
             ids = torch.randint(0, e, (t, 2)).int()
             fused_experts(torch.randn(t, h).bfloat16(), gate_up, down, ids, torch.rand(t, 2), "silu", scales=scales)
+        for key, entry in entries.items():
+            if "decode_fp8" not in entry:
+                continue
+            k = int(key.rsplit("K=", 1)[1])
+            cfg = entry["decode_fp8"]
+            for t in range(1, DECODE_MAX_TOKENS + 1):
+                ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int()
+                inter = torch.empty(t * k, i, dtype=torch.bfloat16)
+                expert_gemv(torch.randn(t, h).bfloat16(), gate_up, inter, ids, cfg["gate_up"], act=0,
+                            w_scale=scales.gate_up)
+                expert_gemv(inter, down, torch.empty(t * k, h, dtype=torch.bfloat16), ids, cfg["down"],
+                            topk_weights=torch.rand(t * k), w_scale=scales.down)
