@@ -44,7 +44,10 @@ def ckpts(tmp_path_factory):
 
 
 def _experts(path: str, **kw):
-    return load_model(path, torch.float32, "cpu", **kw).model.layers[0]
+    """The first layer's ``Experts`` as the loader builds them (Gemma 4's on the layer, Qwen3's
+    under ``mlp``)."""
+    layer = load_model(path, torch.float32, "cpu", **kw).model.layers[0]
+    return layer.experts if hasattr(layer, "experts") else layer.mlp.experts
 
 
 CHECKPOINTS = {  # case -> (model, expert layout, FP8 layout, shards)
@@ -70,8 +73,7 @@ def test_weight_only_fp8_experts_are_hf_on_the_dequantized_weights(ckpts, case):
     q = _quantized(ckpts, case)
     want = [hf_greedy(dequantized(q), p, NEW, ignore_eos=True) for p in PROMPTS]
     assert generate(q) == want
-    layer = _experts(q)
-    experts = layer.experts if hasattr(layer, "experts") else layer.mlp.experts
+    experts = _experts(q)
     assert experts.gate_up_proj.dtype == FP8 and experts.down_proj.dtype == FP8  # e4m3 in memory
     assert experts.scale_rows == (128 if case == "qwen3-fused-block-wide" else 1)
 
@@ -90,8 +92,7 @@ def test_fp8_experts_on_the_kernel_path(ckpts, case, monkeypatch):
 def test_online_fp8_quantizes_each_expert_per_output_channel(ckpts, arch):
     """The experts in memory are exactly ``quantize_rows`` of each checkpoint expert's rows (HF
     saves Qwen3-MoE's per expert, Gemma 4's fused: both loaders)."""
-    layer = _experts(ckpts[arch], quantization="fp8")
-    experts = layer.experts if hasattr(layer, "experts") else layer.mlp.experts
+    experts = _experts(ckpts[arch], quantization="fp8")
     t = load_file(os.path.join(ckpts[arch], "model.safetensors"))
     for e in (0, 5):
         if arch == "gemma4_moe":
@@ -137,7 +138,7 @@ def test_a_missing_expert_scale_is_named(ckpts, tmp_path):
     src = str(ckpts["root"] / "static-src")
     shutil.copytree(ckpts["qwen3_moe"], src)
     q = quantize_checkpoint(rewrite_experts(src, "per_expert"), str(tmp_path / "static"), "ct-tensor", "static")
-    assert _experts(q).mlp.experts.gate_up_proj.dtype == FP8  # the whole checkpoint loads
+    assert _experts(q).gate_up_proj.dtype == FP8  # the whole checkpoint loads
     bad = tmp_path / "bad"
     os.makedirs(bad)
     for f in os.listdir(q):
@@ -157,7 +158,7 @@ def test_block_fp8_checkpoint_with_dynamic_activations_tracks_its_dequantized_we
     src = str(ckpts["root"] / "hub-src")
     shutil.copytree(ckpts["qwen3_moe"], src)
     q = quantize_checkpoint(rewrite_experts(src, "per_expert", 2), str(ckpts["root"] / "hub-fp8"), "block", "dynamic")
-    experts = _experts(q).mlp.experts
+    experts = _experts(q)
     assert experts.gate_up_proj.dtype == FP8 and experts.gate_up_scale.shape[2] == 1  # 64 columns: one block
     compare(dequantized(q), q, fp8_bound(dequantized(q), "qwen3_moe"), "block FP8, dynamic activations vs "
             "its dequantized weights in float32 (qwen3_moe)")
