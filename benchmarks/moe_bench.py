@@ -148,7 +148,8 @@ def report_rows(name: str, shapes: dict, ids: np.ndarray | None, runs: dict | No
         need = moe_step_bytes(shapes, unions, w["decode_ctx_tokens_per_step"], b)
         floor_ms = 1e3 * need["total"] / bw
         ceiling = w["decode_tokens_per_step"] * 1e3 / floor_ms
-        rows.append({"model": name, "config": config, "requests": w["num_prompts"], "decode_rows": w["decode_tokens_per_step"],
+        rows.append({"model": name, "config": config, "requests": w["num_prompts"],
+                     "decode_rows": w["decode_tokens_per_step"],
                      "decode_tok_s": w["decode_tok_s"], "decode_ms_step": w["decode_busy_ms_per_step"],
                      "roofline_ms_step": floor_ms, "roofline_tok_s": ceiling,
                      "of_roofline": w["decode_tok_s"] / ceiling, "gpu_idle": w.get("gpu_idle_frac"),
@@ -195,13 +196,14 @@ def main() -> None:
             flags, quantization = CONFIGS[config]
             shapes = moe_shapes(d, quantization=quantization)
             tag = name if config == "bf16" else f"{name}_{config}"
-            runs = offline(d, a.prompts, os.path.join(a.out, f"moe_{tag}.json"), os.path.join(a.out, f"moe_{tag}.log"),
-                           flags, a.step_timeout, a.warmup_rounds)
+            runs = offline(d, a.prompts, os.path.join(a.out, f"moe_{tag}.json"),
+                           os.path.join(a.out, f"moe_{tag}.log"), flags, a.step_timeout, a.warmup_rounds)
             rows = report_rows(name, shapes, ids, runs, bw, config)
             result["rows"] += rows
             draft = MODELS.get(name)
             if draft and not a.no_mtp:
-                mtp = offline(d, "1", os.path.join(a.out, f"moe_{tag}_mtp.json"), os.path.join(a.out, f"moe_{tag}_mtp.log"),
+                mtp = offline(d, "1", os.path.join(a.out, f"moe_{tag}_mtp.json"),
+                              os.path.join(a.out, f"moe_{tag}_mtp.log"),
                               flags + MTP + ["--speculative-draft-model-path", os.path.join(a.dummy_dir, draft)],
                               a.step_timeout, a.warmup_rounds)
                 plain = next((r for r in rows if r["requests"] == 1), None)
@@ -219,7 +221,8 @@ def mtp_row(name: str, config: str, shapes: dict, ids: np.ndarray | None, w: dic
     u4 = union_curve(ids, 4) if ids is not None else None
     verify = moe_step_bytes(shapes, u4, w["decode_ctx_tokens_per_step"], 1)["total"] if u4 else None
     return {"model": name, "config": config, "mtp_ms_step": w["decode_busy_ms_per_step"],
-            "plain_ms_step": plain["decode_ms_step"], "ratio": w["decode_busy_ms_per_step"] / plain["decode_ms_step"],
+            "plain_ms_step": plain["decode_ms_step"],
+            "ratio": w["decode_busy_ms_per_step"] / plain["decode_ms_step"],
             "accept_length": w.get("accept_length"), "gpu_idle": w.get("gpu_idle_frac"),
             "verify_experts_per_layer": float(np.mean(u4)) if u4 else None,
             "verify_over_plain_bytes": verify / plain["bytes"]["total"] if verify else None}
@@ -234,13 +237,15 @@ def table(result: dict) -> str:
         goal = 0.75 if r["requests"] == 1 else 0.65 if r["requests"] == 64 else None
         mark = "" if goal is None else ("ok" if r["of_roofline"] >= goal else "MISS")
         idle = f"{r['gpu_idle']:.1%}" if r["gpu_idle"] is not None else "-"
-        lines.append(f"{r['model']:16} {r.get('config', 'bf16'):>4} {r['requests']:>4} {r['decode_rows']:>6.1f} "
-                     f"{r['decode_tok_s']:>8.1f} {r['decode_ms_step']:>8.3f} {r['roofline_ms_step']:>8.3f} {r['of_roofline']:>8.1%} {mark:>5} "
+        lines.append(f"{r['model']:16} {r['config']:>4} {r['requests']:>4} {r['decode_rows']:>6.1f} "
+                     f"{r['decode_tok_s']:>8.1f} {r['decode_ms_step']:>8.3f} {r['roofline_ms_step']:>8.3f} "
+                     f"{r['of_roofline']:>8.1%} {mark:>5} "
                      f"{idle:>6} {r['experts_per_layer']:>13.1f}")
     for m in result["mtp"]:
         floor = f", byte floors {m['verify_over_plain_bytes']:.2f}x" if m["verify_over_plain_bytes"] else ""
         lines.append(f"{m['model']} {m['config']} MTP S=3, 1 request: {m['mtp_ms_step']:.3f} vs plain "
-                     f"{m['plain_ms_step']:.3f} ms/step = {m['ratio']:.2f}x (goal <= 1.3x: {'ok' if m['ratio'] <= 1.3 else 'MISS'}); verify "
+                     f"{m['plain_ms_step']:.3f} ms/step = {m['ratio']:.2f}x "
+                     f"(goal <= 1.3x: {'ok' if m['ratio'] <= 1.3 else 'MISS'}); verify "
                      f"reads {m['verify_experts_per_layer']:.1f} experts/layer{floor}; accept length "
                      f"{m['accept_length']}; idle {m['gpu_idle']:.1%}")
     lines.append("goals (issue 38): 1 request >= 75 % of the roofline, 64 requests >= 65 %, idle < 2 %")

@@ -30,7 +30,7 @@ from gpu_worker.quant.fp8_math import BLOCK, FP8, dequantize, per_row_scale, qua
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-SCALE_LEAVES = ("weight_scale", "weight_scale_inv")
+SCALE_LEAVES = ("weight_scale", "weight_scale_inv")  # a weight's scale, as checkpoints name it (load.py too)
 INPUT_SCALE_LEAVES = ("input_scale", "gate_up_proj_activation_scale", "down_proj_activation_scale")
 
 

@@ -22,12 +22,11 @@ from safetensors import safe_open
 
 from gpu_worker.quant.config import Fp8Format
 from gpu_worker.quant.fp8 import Fp8LinearMethod
-from gpu_worker.quant.fp8_experts import FUSED, ExpertsLoad, Fp8ExpertsMethod
+from gpu_worker.quant.fp8_experts import FUSED, SCALE_LEAVES, ExpertsLoad, Fp8ExpertsMethod
 from gpu_worker.quant.fp8_math import BLOCK, FP8, dequantize, per_row_scale
 
 log = logging.getLogger("tandem.worker")
 
-SCALE_LEAVES = ("weight_scale", "weight_scale_inv")
 KV_SCALE_LEAVES = ("k_scale", "v_scale")
 FUSED_LEAVES = tuple(f".{leaf}" for leaf in FUSED)
 
