@@ -264,6 +264,8 @@ def build(spec: BuildSpec, key_dir: str, programs: tuple[str, ...] | None = None
         if rows is None:  # after an export: a concurrent build process may be compiling the library meanwhile
             rows = cpu_ops.build_library(key_dir) or ""  # the few-row GEMM (cpu_gemm.cpp), linked by name:
             os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [rows, os.environ.get("LIBRARY_PATH")]))
+        # No precompiled headers: each build process would compile its own for one or two
+        # sources, which costs more than it saves (docs/decisions/cpu.md).
         configs = {"aot_inductor.package_constants_in_so": False, "aot_inductor.precompile_headers": False,
                    "cpp_cache_precompile_headers": False}
         if rows and cpu_ops.use_rows_linear(program):
