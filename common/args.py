@@ -70,7 +70,8 @@ class ServerArgs:
         None, "--quantization", "-q", group=MODEL, choices=QUANTIZATION_METHODS, metavar="METHOD",
         default_text="the checkpoint's quantization_config",
         help="fp8: FP8 weights; an unquantized checkpoint (the draft model too, MoE experts too) is quantized at "
-        "load, one scale per output channel, activations quantized dynamically (experts' stay unquantized). compressed-tensors: the checkpoint's own. "
+        "load, one scale per output channel, activations quantized dynamically (experts' stay unquantized). "
+        "compressed-tensors: the checkpoint's own. "
         "Checkpoints: 'fp8' (128x128 blocks or per tensor) and 'compressed-tensors' float8; any other "
         "quantization_config is refused at start")
     served_model_name: str | None = opt(None, "--served-model-name", group=MODEL, metavar="NAME", nargs="+",

@@ -13,7 +13,7 @@ float8 e4m3 and adds
 ``apply`` takes the kernels on the device path (``kernels/fp8_linear.py``: a GEMV for 1-4 rows,
 the FP8 GEMM above) and ``fp8_math`` on the CPU twin; ``gated`` runs a merged gate_up with its
 activation in one kernel where the GEMV takes x. A MoE layer's experts are FP8 through their
-own method (``fp8_experts.py``: e4m3 stacks, dequantized in the expert kernels).
+own method (``fp8_experts.py``: e4m3 stacks the expert kernels read as e4m3).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ one scale per output channel, or one per 128 columns). ``scale_rows`` is 1 while
 after ``finish`` where every 128-row group of a block layout shares its scales. The grouped
 kernel (``kernels/moe_gemm.py``) dequantizes each weight tile in registers into the model dtype,
 the decode kernel (``moe_decode.py``) applies the scales to its float32 sums, and the CPU twin
-dequantizes the experts a step hits. Expert activations are not quantized: a checkpoint's activation scheme (dynamic, or
-static input scales) applies to its dense projections only, and expert input scales are read
-and dropped.
+dequantizes the experts a step hits. Expert activations are not quantized: a checkpoint's
+activation scheme (dynamic, or static input scales) applies to its dense projections only, and
+expert input scales are read and dropped.
 
 Checkpoint layouts: per-expert modules (``experts.N.{gate,up,down}_proj.weight`` with
 ``weight_scale`` or ``weight_scale_inv``, as the Hub's FP8 MoE releases and llm-compressor ship
