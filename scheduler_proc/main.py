@@ -90,6 +90,8 @@ class SchedulerLoop:
         while self.running:
             t0 = time.perf_counter()
             self._drain_requests()
+            if not self.running:  # Shutdown: forwarded to the worker; exit now, not after a poll
+                break
             while len(self.core.inflight) < self.depth and (plan := self.planner.plan()) is not None:
                 self.plans.send(plan)
             unreported = self._flush_outputs()

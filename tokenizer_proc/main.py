@@ -183,12 +183,14 @@ class FrontServer:
             engine.phase = DRAINING
         while engine.num_inflight and asyncio.get_running_loop().time() < self._drain_deadline:
             await asyncio.sleep(0.05)
-        if engine.num_inflight:
-            log.warning("shutdown: failing %d unfinished requests", engine.num_inflight)
+        unfinished = engine.num_inflight
+        if unfinished:
+            log.warning("shutdown: failing %d unfinished requests", unfinished)
         engine.fail_all("server is shutting down", 503, abort_reason="shutdown")
         if engine.phase != DEAD:
             engine.shutdown_engine("front shutting down")
-        await asyncio.sleep(0.1)  # let handlers write their error responses
+        if unfinished:
+            await asyncio.sleep(0.1)  # let handlers write their error responses
         self.server.should_exit = True
 
 

@@ -79,7 +79,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
 
