@@ -9,7 +9,8 @@ Starts ``tandem serve`` with the given flags (default: the bundled pair), then r
 - per process (``tandem-worker``, ``tandem-scheduler``, ``tandem-tokenizer``, the supervisor):
   RSS and PSS (proportional set size: shared pages split between their users, so the sum is
   the tree's real footprint) once idle, and the peak of each under ``--streams`` concurrent
-  streaming requests.
+  streaming requests;
+- ``stop_s``: from SIGTERM to the exit of ``tandem serve`` (every process), nothing in flight.
 
     python benchmarks/serve_footprint.py [--cold] [--streams 8] [--json OUT] -- [tandem serve flags]
 """
@@ -151,12 +152,18 @@ def main() -> None:
             result["idle"] = {"processes": idle, "total": totals(idle)}
         busy = under_streams(url, proc.pid, a.streams, a.stream_tokens)
         result[f"streams_{a.streams}"] = {"processes": busy, "total": totals(busy)}
-    finally:
+        time.sleep(1.0)  # the streams' last outputs are out: an idle server is stopped
+        t1 = time.perf_counter()
         proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.wait(30)
+        result["stop_s"] = round(time.perf_counter() - t1, 2)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         log.close()
         if cache:
             shutil.rmtree(cache, ignore_errors=True)
