@@ -2,7 +2,9 @@
 
 Order within a step: decode rows of running requests first (they hold memory; starving them
 wastes it), then continuing prefill chunks, then new admissions, all under one token budget
-(``chunk_budget``; a decode row costs T tokens). Prefill and decode share one forward.
+(``chunk_budget``; a decode row costs T tokens). Prefill and decode share one forward, except
+where ``SchedConfig.mixed_prefill`` is off (the CPU's compiled decode steps): there a step is
+prefill or decode, and while both have work they alternate (``_plan_apart``).
 
 Page reservation (docs/design.md §4.1): a decode row is planned only if the request's pages cover
 ``worst_len + T``, where ``worst_len`` already assumes every in-flight step accepts all T
@@ -54,6 +56,7 @@ class Planner:
         self.cfg = core.cfg
         self.next_step = 1
         self._unsent_free: list[int] = []
+        self._prefill_last = False  # the last plan was a prefill step (cfg.mixed_prefill off)
 
     def plan(self) -> StepPlan | None:
         """The next step, or None when nothing can make progress right now."""
@@ -67,9 +70,12 @@ class Planner:
         self.core.free_slots.extend(self.core.slots_to_free)
         self._unsent_free.extend(self.core.slots_to_free)
         self.core.slots_to_free = []
-        budget = self._plan_decode(self.cfg.chunk_budget)
-        budget = self._plan_prefill_chunks(budget)
-        self._plan_admissions(budget)
+        if self.cfg.mixed_prefill:
+            budget = self._plan_decode(self.cfg.chunk_budget)
+            budget = self._plan_prefill_chunks(budget)
+            self._plan_admissions(budget)
+        else:
+            self._plan_apart()
         if not (self._extend or self._decode):
             if not self.core.gate.due(bool(self.core.inflight)):
                 return None
@@ -90,6 +96,19 @@ class Planner:
         self.next_step += 1
         self.core.inflight.append(self._rec)
         return plan
+
+    def _plan_apart(self) -> None:
+        """A prefill step or a decode step. While both have work they alternate: the step after
+        a prefill step decodes, so a long prompt's chunks never hold the running requests for
+        more than one step at a time."""
+        for prefill in (False, True) if self._prefill_last else (True, False):
+            if prefill:
+                self._plan_admissions(self._plan_prefill_chunks(self.cfg.chunk_budget))
+            else:
+                self._plan_decode(self.cfg.chunk_budget)
+            if self._extend or self._decode:
+                break
+        self._prefill_last = bool(self._extend)
 
     # ------------------------------------------------------------ decode
     def _plan_decode(self, budget: int) -> int:

@@ -12,10 +12,11 @@ from scheduler_proc.core import SchedConfig, SchedulerCore
 from scheduler_proc.planner import Planner
 from tests.unit.sim_worker import EOS, SimWorker
 
-def make(t=1, num_pages=64, ps=4, slots=8, chunk=16, cache=True, max_context=256):
+def make(t=1, num_pages=64, ps=4, slots=8, chunk=16, cache=True, max_context=256, mixed=True):
     cfg = SchedConfig(page_size=ps, num_pages=num_pages, max_slots=slots, tokens_per_step=t,
                       max_context=max_context, chunk_budget=chunk, max_running=slots,
-                      eos_ids=frozenset({EOS}), spec_steps=t - 1, enable_prefix_cache=cache)
+                      eos_ids=frozenset({EOS}), spec_steps=t - 1, enable_prefix_cache=cache,
+                      mixed_prefill=mixed)
     core = SchedulerCore(cfg)
     return core, Planner(core), SimWorker(num_pages, ps, slots, t, seed=1)
 

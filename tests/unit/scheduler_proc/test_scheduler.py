@@ -13,10 +13,11 @@ from tests.unit.scheduler_proc.driver import Driver, make, submit
 from tests.unit.sim_worker import EOS, reference
 
 
+@pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.parametrize("t", [1, 4])
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_outputs_match_reference(t, depth):
-    core, planner, worker = make(t=t)
+def test_outputs_match_reference(t, depth, mixed):
+    core, planner, worker = make(t=t, mixed=mixed)
     drv = Driver(core, planner, worker, depth)
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(1, 64) for _ in range(rng.randrange(1, 40))] for i in range(20)}
@@ -54,9 +55,10 @@ def test_prefix_cache_hits_and_stays_correct():
     core.alloc.check_all_free()
 
 
-def test_preemption_recomputes_and_stays_correct():
+@pytest.mark.parametrize("mixed", [True, False])
+def test_preemption_recomputes_and_stays_correct(mixed):
     # 20 usable pages of 4 tokens: four long requests cannot all fit, so some are preempted.
-    core, planner, worker = make(t=4, num_pages=21, ps=4, slots=4, chunk=32)
+    core, planner, worker = make(t=4, num_pages=21, ps=4, slots=4, chunk=32, mixed=mixed)
     drv = Driver(core, planner, worker, 2)
     prompts = {f"p{i}": list(range(1 + i, 20 + i)) for i in range(4)}
     for rid, p in prompts.items():
@@ -88,9 +90,10 @@ def test_prompt_too_long_is_an_error():
     assert out.finish_reason == "error" and out.error_code == 400 and "context" in out.error
 
 
-@pytest.mark.parametrize("t,depth", [(1, 3), (4, 3), (1, 2), (4, 2), (4, 1)])
-def test_stress_admit_abort_finish_every_step(t, depth):
-    core, planner, worker = make(t=t, num_pages=48, ps=4, slots=6, chunk=24)
+@pytest.mark.parametrize("t,depth,mixed", [(1, 3, True), (4, 3, True), (1, 2, True), (4, 2, True), (4, 1, True),
+                                           (4, 3, False), (1, 2, False)])
+def test_stress_admit_abort_finish_every_step(t, depth, mixed):
+    core, planner, worker = make(t=t, num_pages=48, ps=4, slots=6, chunk=24, mixed=mixed)
     drv = Driver(core, planner, worker, depth)
     rng = random.Random(t * 10 + depth)
     prompts, n = {}, 0
@@ -155,3 +158,46 @@ def test_decode_phase_counters(depth):
     # Step k (k = 1..4) feeds output k of each row, which attends over prompt + k tokens.
     assert st.decode_ctx_tokens == sum(10 + k + 6 + k for k in range(1, 5))
     assert st.decode_busy_s <= st.worker_busy_s
+
+
+def _kinds(plan):
+    """'p' for a prefill step, 'd' for a decode step, 'pd' for both."""
+    return ("p" if plan.extend else "") + ("d" if len(plan.decode_slots) else "")
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_prefill_rides_in_decode_steps_only_when_mixed(mixed):
+    """Mixed: a newcomer's chunks share the running request's steps. Apart (the CPU's compiled
+    decode steps): prefill steps of their own, a decode step after each, while both have work."""
+    core, planner, worker = make(t=1, chunk=8, mixed=mixed)
+    drv = Driver(core, planner, worker, 1)
+    submit(core, "a", [3, 1, 4], max_new=40, ignore_eos=True)
+    drv.step()  # a's prefill
+    drv.step()  # a decodes
+    submit(core, "b", list(range(1, 25)), max_new=4, ignore_eos=True)  # three chunks of 8
+    kinds = []
+    for _ in range(6):
+        plan = planner.plan()
+        kinds.append(_kinds(plan))
+        core.on_result(worker.run(plan))
+    if mixed:
+        assert kinds[:3] == ["pd", "pd", "pd"], kinds
+    else:
+        assert kinds == ["p", "d", "p", "d", "p", "d"], kinds
+    drv.run_until_idle()
+    assert drv.tokens["a"] == reference([3, 1, 4], 40, eos=False)
+    assert drv.tokens["b"] == reference(list(range(1, 25)), 4, eos=False)
+
+
+@pytest.mark.parametrize("device,eager,mixed", [("cuda", False, True), ("cuda", True, True), ("cpu", True, True),
+                                                ("cpu", False, False)])
+def test_mixing_follows_the_device_and_the_compiled_steps(device, eager, mixed):
+    """Only the CPU's compiled decode steps keep prefill out of decode steps."""
+    from common.args import ServerArgs
+    from proto.messages import WorkerReady
+    from scheduler_proc.core import SchedConfig
+
+    ready = WorkerReady(page_size=16, num_pages=64, max_slots=8, vocab_size=256, max_context=512, dtype="float32",
+                        device=device, architecture="LlamaForCausalLM", tokens_per_step=1)
+    cfg = SchedConfig.from_ready(ready, ServerArgs(model_path="m", disable_cuda_graph=eager))
+    assert cfg.mixed_prefill is mixed
