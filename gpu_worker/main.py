@@ -135,6 +135,7 @@ def build_runner(args: ServerArgs) -> tuple[ModelRunner, WorkerReady]:
         kv_bytes_per_token=KVPool.bytes_per_token(target.kv_shapes, kv),
         kv_cache_dtype=str(kv).removeprefix("torch."),
         quantization=target.quant_format.describe() if target.quant_format is not None else "",
+        mixed_prefill=not isinstance(runner.graphs, CpuDecodeSteps),
     )
     return runner, ready
 

@@ -280,6 +280,9 @@ class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
     kv_bytes_per_token: int = 0
     kv_cache_dtype: str = ""
     quantization: str = ""
+    # False where decode steps run compiled programs that a step with prefill rows forgoes (the
+    # CPU's): the scheduler then plans prefill and decode steps apart.
+    mixed_prefill: bool = True
 
 
 class PromptLogprobRows(msgspec.Struct, frozen=True, array_like=True):

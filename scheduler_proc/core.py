@@ -54,9 +54,9 @@ class SchedConfig:
     # seed samples the same answers for the same requests in the same arrival order, however
     # they are batched (every row samples from its own seeded stream). None: fresh entropy.
     random_seed: int | None = None
-    # Prefill chunks ride in decode steps (one forward). Off where decode steps run compiled
-    # programs that a step with prefill rows cannot take (the CPU): such a step would run every
-    # row eagerly, the draft chain included, so prefill and decode get steps of their own.
+    # Prefill chunks ride in decode steps (one forward). Off where the worker's decode steps run
+    # compiled programs that a step with prefill rows cannot take (``WorkerReady.mixed_prefill``:
+    # the CPU's): such a step would run every row eagerly, the draft chain included.
     mixed_prefill: bool = True
 
     @staticmethod
@@ -76,7 +76,7 @@ class SchedConfig:
             max_queued=args.max_queued_requests,
             vocab_size=ready.vocab_size,
             random_seed=args.random_seed,
-            mixed_prefill=ready.device != "cpu" or args.disable_cuda_graph,
+            mixed_prefill=ready.mixed_prefill,
         )
 
 

@@ -41,6 +41,9 @@ def test_steps_are_compiled_and_the_flag_turns_them_off(engine, ckpts):
     assert isinstance(engine.runner.graphs, CpuDecodeSteps)
     off = InProcEngine(ckpts["gemma4"], draft=ckpts["assistant"], compiled=True, page_size=4, disable_cuda_graph=True)
     assert off.runner.graphs is None
+    # a step with prefill rows would forgo the programs: prefill gets steps of its own there only
+    assert not engine.ready.mixed_prefill and not engine.core.cfg.mixed_prefill
+    assert off.ready.mixed_prefill and off.core.cfg.mixed_prefill
 
 
 @pytest.mark.parametrize("n", [1, 2, 6])
