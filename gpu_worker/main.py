@@ -23,6 +23,7 @@ import zmq
 
 from gpu_worker.attention import create_backend, resolve_backend
 from gpu_worker.graphs.cpu_build import BuildSpec, compiler_missing, ensure_built
+from gpu_worker.graphs.cpu_ops import gemm_threads
 from gpu_worker.graphs.cpu_steps import CpuDecodeSteps
 from gpu_worker.graphs.decode import graph_buckets
 from gpu_worker.kernels import log_compiles
@@ -204,8 +205,13 @@ def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: i
     paths = ensure_built(spec)
     if paths is None:
         return None
-    return CpuDecodeSteps.load(paths, runner.target, runner.assistant, runner.state, runner.backend.pool, runner.t,
-                               min(args.cuda_graph_max_bs or max_slots, max_slots))
+    steps = CpuDecodeSteps.load(paths, runner.target, runner.assistant, runner.state, runner.backend.pool, runner.t,
+                                min(args.cuda_graph_max_bs or max_slots, max_slots))
+    # One intra-op thread by default leaves a core to the scheduler and the front, idle most of a
+    # step: the AMX GEMMs borrow it (never waiting on it: cpu_split.cpp).
+    if amx and args.num_threads is None and torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1:
+        gemm_threads(2)
+    return steps
 
 
 def _return_free_heap() -> None:

@@ -28,6 +28,11 @@
 #define HAVE_AMX 1
 #endif
 
+namespace tandem_split {  // cpu_split.cpp
+using Block = void (*)(const void* job, int64_t block);
+void run(const void* job, Block fn, int64_t blocks);
+}  // namespace tandem_split
+
 namespace tandem_amx {
 
 #ifdef HAVE_AMX
@@ -226,6 +231,34 @@ AMX_TARGET void pass(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, const
   }
 }
 
+// One GEMM's share of work after x is packed: blocks of BLOCK_COLS output columns, each run whole
+// on one thread (cpu_split.cpp), its tiles configured there.
+constexpr int64_t BLOCK_COLS = 4 * 2 * TN;
+template <typename T>
+struct Job {
+  const uint16_t* w;
+  int64_t ldw, N, K;
+  const uint32_t* xb;
+  int terms;
+  T* out;
+  int64_t ldo, mc, rb;
+};
+
+template <typename T>
+AMX_TARGET void run_block(const void* p, int64_t block) {
+  const Job<T>& j = *static_cast<const Job<T>*>(p);
+  configure();
+  alignas(64) uint16_t edge[2 * TN * TK];
+  for (int64_t n = block * BLOCK_COLS; n < std::min(j.N, (block + 1) * BLOCK_COLS); n += 2 * TN) {
+    if (j.rb == 1) {
+      pass<1>(j.w, j.ldw, j.N, j.K, j.xb, j.terms, j.out, j.ldo, j.mc, n, edge);
+    } else {
+      pass<2>(j.w, j.ldw, j.N, j.K, j.xb, j.terms, j.out, j.ldo, j.mc, n, edge);
+    }
+  }
+  _tile_release();  // tiles back to their initial state: between calls a context switch saves none
+}
+
 template <typename T>
 AMX_TARGET void rows_block(const T* x, int64_t ldx, const uint16_t* w, int64_t ldw, T* out, int64_t ldo,
                            int64_t mc, int64_t K, int64_t N, std::vector<uint32_t>& xb) {
@@ -237,14 +270,8 @@ AMX_TARGET void rows_block(const T* x, int64_t ldx, const uint16_t* w, int64_t l
   } else {
     pack_bf16(x, ldx, mc, K, rb, xb.data());
   }
-  alignas(64) uint16_t edge[2 * TN * TK];
-  for (int64_t n = 0; n < N; n += 2 * TN) {
-    if (rb == 1) {
-      pass<1>(w, ldw, N, K, xb.data(), terms, out, ldo, mc, n, edge);
-    } else {
-      pass<2>(w, ldw, N, K, xb.data(), terms, out, ldo, mc, n, edge);
-    }
-  }
+  const Job<T> job{w, ldw, N, K, xb.data(), terms, out, ldo, mc, rb};
+  tandem_split::run(&job, run_block<T>, (N + BLOCK_COLS - 1) / BLOCK_COLS);
 }
 
 bool request_tiles() {
@@ -262,7 +289,6 @@ thread_local std::vector<uint32_t> xb;
 AMX_TARGET void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  configure();
   for (int64_t m = 0; m < M; m += ROWS_MAX) {
     const int64_t mc = std::min(ROWS_MAX, M - m);
     if (x.scalar_type() == at::kFloat) {
@@ -273,7 +299,6 @@ AMX_TARGET void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& out
                  out.data_ptr<at::BFloat16>() + m * N, N, mc, K, N, xb);
     }
   }
-  _tile_release();  // tiles back to their initial state: between calls a context switch saves none
 }
 #endif
 

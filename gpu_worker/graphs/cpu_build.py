@@ -47,7 +47,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpu_wo
 # decode body and its CPU attention (paths under gpu_worker/).
 TRACED = ("models", "kernels", "parallel", "spec", "graphs/decode.py", "graphs/cpu_attention.py",
           "graphs/cpu_programs.py", "graphs/cpu_ops.py", "graphs/cpu_gemm.cpp", "graphs/cpu_amx.cpp",
-          "forward_batch.py", "kv_pool.py")
+          "graphs/cpu_split.cpp", "forward_batch.py", "kv_pool.py")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The compiled CPU steps' own GEMM: ``tandem_cpu::rows_linear`` (``cpu_gemm.cpp``, ``cpu_amx.cpp``).
+"""The compiled CPU steps' own GEMM: ``tandem_cpu::rows_linear`` (``cpu_gemm.cpp``, ``cpu_amx.cpp``,
+``cpu_split.cpp``).
 
 ``rows_linear(x, w)`` is ``F.linear(x, w)`` for ``x`` [M, K] and ``w`` [N, K] laid out by
 ``models/cpu_layout.py``:
@@ -9,11 +10,13 @@
   follow and torch's bf16 GEMV runs AVX2 dot products (``docs/decisions/cpu.md``, "The programs'
   own GEMM"); past that it is ``at::mm`` (MKL, oneDNN);
 - bfloat16, row-major, under a float32 or bfloat16 x (where the CPU has AMX): AMX tiles at any
-  row count (``cpu_amx.cpp``; a float32 x as three bfloat16 terms: float32-accurate products).
+  row count (``cpu_amx.cpp``; a float32 x as three bfloat16 terms: float32-accurate products),
+  its column blocks shared with a helper thread where the worker lends it an idle core
+  (``gemm_threads``, ``cpu_split.cpp``).
   Here x's and w's dtypes may differ, so model code calls the op itself (``linear``): an
   ``aten.linear`` cannot take them.
 
-- Build side (``cpu_build.py``, its own process): ``build_library`` compiles the two sources
+- Build side (``cpu_build.py``, its own process): ``build_library`` compiles the sources
   into the key's directory, ``use_rows_linear`` rewrites an exported program's float32 and
   bfloat16 linears over column-major (or bfloat16 row-major) weights into the op, and ``inductor_configs`` has
   AOTInductor call the op's C shim directly (no dispatcher, no proxy executor) and link the
@@ -39,7 +42,8 @@ import sys
 import torch
 
 SHIM = "AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
-SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("cpu_gemm.cpp", "cpu_amx.cpp"))
+SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                for f in ("cpu_gemm.cpp", "cpu_amx.cpp", "cpu_split.cpp"))
 _lib: list[torch.library.Library] = []  # the op's registration, once per process
 _loaded: list[ctypes.CDLL] = []  # the library, once loaded in this process (eager calls use it)
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer  # torch._C._aoti passes handles as capsules
@@ -86,6 +90,13 @@ def load_library(key_dir: str) -> ctypes.CDLL | None:
     return lib
 
 
+def gemm_threads(n: int) -> None:
+    """The AMX GEMMs of this process on ``n`` threads (1 or 2: the caller's and a helper that takes
+    column blocks while its core is idle, ``cpu_split.cpp``); needs ``load_library`` first."""
+    if _loaded:
+        _loaded[0].tandem_cpu_gemm_threads(n)
+
+
 def define() -> None:
     """The op's schema, shape function and eager body (for tracing and eager checks)."""
     if _lib:
@@ -119,7 +130,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def build_library(key_dir: str) -> str | None:
-    """Compile ``cpu_gemm.cpp`` and ``cpu_amx.cpp`` with the flags Inductor uses for this CPU's
+    """Compile ``SOURCES`` with the flags Inductor uses for this CPU's
     vector ISA into the shared ``library_path`` (unless a build of another key already did) and
     record that path in ``key_dir``; returns the library's directory, or None (nothing built)
     where Inductor finds no vector ISA. Concurrent builds take a file lock: one compiles, the

@@ -1,4 +1,5 @@
-"""The compiled CPU steps' GEMM library (``graphs/cpu_gemm.cpp``, ``graphs/cpu_amx.cpp``) against
+"""The compiled CPU steps' GEMM library (``graphs/cpu_gemm.cpp``, ``graphs/cpu_amx.cpp``,
+``graphs/cpu_split.cpp``) against
 torch, path by path, at the bundled pair's shapes and at odd ones (K and N off the kernels'
 blocks), called eagerly through the library's C shim (``graphs/cpu_ops.py: _eager``):
 
@@ -6,7 +7,7 @@ blocks), called eagerly through the library's C shim (``graphs/cpu_ops.py: _eage
 - column-major bfloat16 weights under bfloat16 rows, 1-4 rows (our kernel) and past that (oneDNN);
 - row-major bfloat16 weights under float32 rows (AMX, three bfloat16 terms a value) and under
   bfloat16 rows (AMX, one term), 1-40 rows; where the CPU lacks AMX-BF16 the same cases run the
-  library's ``at::mm`` fallback and must meet the same bounds;
+  library's ``at::mm`` fallback and must meet the same bounds; on two threads, the same bits;
 - other layouts and dtypes (``at::mm``).
 
 Bounds: a float32 result within the dot product's rounding bound, ``n * 2^-24 * (|x| @ |w|^T)``
@@ -114,6 +115,24 @@ def test_amx_runs_where_the_cpu_has_it(lib):
     if not cpu_layout.amx_usable():
         pytest.skip("this CPU (or kernel) offers no AMX-BF16: the row-major bfloat16 cases ran the at::mm fallback")
     assert lib.tandem_cpu_amx_ready() == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_on_two_threads_gives_the_same_bits(lib, dtype):
+    """The helper thread takes whole column blocks (cpu_split.cpp): every result equals the one
+    thread's bit for bit, call after call (a claim of the wrong job would show here)."""
+    if not cpu_layout.amx_usable():
+        pytest.skip("this CPU (or kernel) offers no AMX-BF16: one thread runs the at::mm fallback")
+    cases = [(_data(m, n, k, m * n + k), m) for m in (1, 4, 32, 40) for n, k in BUNDLED + [(100, 77), (300, 40)]]
+    cases = [(x.to(dtype), w.bfloat16()) for (x, w), _ in cases]
+    one = [_rows(x, w) for x, w in cases]
+    cpu_ops.gemm_threads(2)
+    try:
+        for _ in range(20):
+            for (x, w), ref in zip(cases, one):
+                assert torch.equal(_rows(x, w), ref)
+    finally:
+        cpu_ops.gemm_threads(1)
 
 
 def test_other_layouts_and_dtypes_fall_back(lib):
