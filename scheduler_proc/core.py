@@ -20,16 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proto.arrays import F32, I32, pack_i32, view_f32, view_i32
-from proto.messages import (
-    AbortReq,
-    GenerateReq,
-    Logprobs,
-    ReqOutput,
-    ReqTimings,
-    SchedulerStats,
-    StepResult,
-    WorkerReady,
-)
+from proto.messages import (AbortReq, GenerateReq, Logprobs, ReqOutput, ReqTimings, SchedulerStats, StepResult,
+                            WorkerReady)
 from scheduler_proc.finish import apply_finish_rules
 from scheduler_proc.grammar_gate import GrammarGate
 from scheduler_proc.pages import PageAllocator, page_hashes
@@ -54,10 +46,7 @@ class SchedConfig:
     # seed samples the same answers for the same requests in the same arrival order, however
     # they are batched (every row samples from its own seeded stream). None: fresh entropy.
     random_seed: int | None = None
-    # Prefill chunks ride in decode steps (one forward). Off where the worker's decode steps run
-    # compiled programs that a step with prefill rows cannot take (``WorkerReady.mixed_prefill``:
-    # the CPU's): such a step would run every row eagerly, the draft chain included.
-    mixed_prefill: bool = True
+    mixed_prefill: bool = True  # prefill rides in decode steps; off: steps of its own (WorkerReady's word)
 
     @staticmethod
     def from_ready(ready: WorkerReady, args) -> "SchedConfig":
