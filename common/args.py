@@ -136,7 +136,7 @@ class ServerArgs:
         help="run prefill steps eagerly (otherwise piecewise graphs per token bucket, attention eager)")
     num_threads: int | None = opt(None, "--num-threads", group=ENGINE, metavar="N", positive=True,
                                   default_text="all cores but one",
-                                  help="worker CPU threads (left at one by default, the CPU's AMX GEMMs also use "
+                                  help="worker CPU threads (where the default is one, the CPU's AMX GEMMs also use "
                                   "the other core while it is idle)")
     disable_overlap_schedule: bool = opt(False, "--disable-overlap-schedule", group=ENGINE,
                                          help="plan each step after the previous one's result (= --overlap-depth 1)")
