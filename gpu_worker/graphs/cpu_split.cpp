@@ -16,6 +16,9 @@
 //   same order of sums as on one thread: the result does not depend on the split.
 // - The helper spins (yielding the core) for a while after each job, since a step's GEMMs come
 //   tens of microseconds apart, then sleeps on a futex until the next job.
+// - A helper taken off the CPU inside a block makes the caller wait a time slice. When a wait runs
+//   that long (the core is busy with other work), the caller runs alone for QUIET before it asks
+//   for help again: on a busy machine the split costs at most one late wait per QUIET.
 
 #include <atomic>
 #include <chrono>
@@ -34,7 +37,10 @@ using Block = void (*)(const void* job, int64_t block);
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
 constexpr auto SPIN = std::chrono::microseconds(300);  // helper's spin after a job, before it sleeps
+constexpr auto LATE = std::chrono::microseconds(1000);  // a wait past this: the helper lost its core
+constexpr auto QUIET = std::chrono::milliseconds(50);  // then the caller runs alone this long
 
 std::atomic<uint64_t> state{0};   // generation << 32 | blocks claimed
 std::atomic<uint32_t> active{0};  // the generation whose block the helper is running, else 0
@@ -47,6 +53,7 @@ std::atomic<const void*> job_ptr{nullptr};
 std::atomic<Block> job_fn{nullptr};
 std::atomic<int64_t> job_blocks{0};
 uint32_t generation = 0;  // guarded by in_run
+Clock::time_point alone_until{};  // guarded by in_run
 
 // The next block of generation `gen`, or -1 when none is left or a later job began.
 int64_t claim(uint32_t gen, int64_t blocks) {
@@ -68,10 +75,10 @@ void futex_wake(std::atomic<uint32_t>* word) {
 void helper() {
   uint32_t done = 0;  // the last generation this thread worked on
   for (;;) {
-    const auto until = std::chrono::steady_clock::now() + SPIN;
+    const auto until = Clock::now() + SPIN;
     uint64_t s = state.load();
     while ((s >> 32) == done) {
-      if (std::chrono::steady_clock::now() > until) {
+      if (Clock::now() > until) {
         const uint32_t seen = wake.load();
         sleeping.store(1);
         if ((state.load() >> 32) == done) futex_wait(&wake, seen);
@@ -100,6 +107,11 @@ void run(const void* job, Block fn, int64_t blocks) {
     for (int64_t b = 0; b < blocks; ++b) fn(job, b);
     return;
   }
+  if (Clock::now() < alone_until) {
+    in_run.clear();
+    for (int64_t b = 0; b < blocks; ++b) fn(job, b);
+    return;
+  }
   job_ptr.store(job, std::memory_order_relaxed);
   job_fn.store(fn, std::memory_order_relaxed);
   job_blocks.store(blocks, std::memory_order_relaxed);
@@ -109,8 +121,13 @@ void run(const void* job, Block fn, int64_t blocks) {
   wake.fetch_add(1);
   if (sleeping.load()) futex_wake(&wake);
   for (int64_t b; (b = claim(gen, blocks)) >= 0;) fn(job, b);
-  while (active.load() == gen) {
-    __builtin_ia32_pause();
+  if (active.load() == gen) {
+    const auto start = Clock::now();
+    while (active.load() == gen) {
+      __builtin_ia32_pause();
+    }
+    const auto now = Clock::now();
+    if (now - start > LATE) alone_until = now + QUIET;
   }
   in_run.clear();
 }
