@@ -2,8 +2,9 @@
 //
 // Why: on a 2-core machine the worker runs one intra-op thread and leaves the other core to the
 // scheduler and the front, which are asleep most of a step. The AMX GEMMs (cpu_amx.cpp) take a
-// third of a step there, and two cores each run their own AMX unit at full speed, so the helper
-// takes column blocks of the same GEMM while that core is free.
+// third of a step there, and a second thread runs them at full speed beside the first (the
+// kernel is bound by tile loads, not by the tile unit), so the helper takes column blocks of the
+// same GEMM while that core is free.
 //
 // Protocol (invariants):
 // - A job is published by bumping the generation in the high half of `state`; its low half counts
