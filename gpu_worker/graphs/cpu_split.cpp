@@ -100,16 +100,21 @@ void helper() {
   }
 }
 
+// Whether this call may ask for help; true holds in_run until run() clears it.
+bool may_share(int64_t blocks) {
+  if (!enabled.load(std::memory_order_relaxed) || blocks < 2 || in_run.test_and_set()) return false;
+  if (Clock::now() < alone_until) {
+    in_run.clear();
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 // Runs fn(job, b) for every b in [0, blocks): on this thread, and on the helper where enabled.
 void run(const void* job, Block fn, int64_t blocks) {
-  if (!enabled.load(std::memory_order_relaxed) || blocks < 2 || in_run.test_and_set()) {
-    for (int64_t b = 0; b < blocks; ++b) fn(job, b);
-    return;
-  }
-  if (Clock::now() < alone_until) {
-    in_run.clear();
+  if (!may_share(blocks)) {
     for (int64_t b = 0; b < blocks; ++b) fn(job, b);
     return;
   }
