@@ -136,8 +136,8 @@ class ServerArgs:
         help="run prefill steps eagerly (otherwise piecewise graphs per token bucket, attention eager)")
     num_threads: int | None = opt(None, "--num-threads", group=ENGINE, metavar="N", positive=True,
                                   default_text="all cores but one",
-                                  help="worker CPU threads (where the default is one, the CPU's AMX GEMMs also use "
-                                  "the other core while it is idle)")
+                                  help="worker CPU threads (where the default is one, the compiled CPU steps' own GEMMs "
+                                  "also use the other core while it is idle)")
     disable_overlap_schedule: bool = opt(False, "--disable-overlap-schedule", group=ENGINE,
                                          help="plan each step after the previous one's result (= --overlap-depth 1)")
     overlap_depth: int = opt(3, "--overlap-depth", group=ENGINE, metavar="N", choices=(1, 2, 3),

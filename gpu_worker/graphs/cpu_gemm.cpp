@@ -37,6 +37,12 @@
 bool amx_ready();
 void amx_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
 
+namespace tandem_split {  // cpu_split.cpp
+using Block = void (*)(const void* job, int64_t block);
+void run(const void* job, Block fn, int64_t blocks);
+bool shared();
+}  // namespace tandem_split
+
 namespace {
 
 using at::BFloat16;
@@ -47,6 +53,9 @@ constexpr int64_t KC = 16;  // rows of W^T a pass: 8 to 16 measured alike, 64 sl
 // Past these rows MKL's float32 kernels and oneDNN's bfloat16 ones are as fast or faster.
 constexpr int64_t ROWS_MAX_F32 = 8;
 constexpr int64_t ROWS_MAX_BF16 = 4;
+// Our kernels' column blocks on two threads: a few wide ones, each reading long runs of W^T's rows.
+constexpr int64_t ROWS_COLS_MIN = 128;
+constexpr int64_t ROWS_BLOCKS_MAX = 4;
 
 // Weights [p, p + cnt) as two float32 vectors (zeros past cnt).
 inline std::tuple<Vec, Vec> load_cols(const float* p, int64_t cnt) {
@@ -134,13 +143,15 @@ inline void block(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc,
 // sums, two weight vectors and x's broadcast in them.
 constexpr int VREGS = V >= 16 ? 32 : 16;
 
+// Columns [n0, n1) of out [M, N] (N also the row stride of `acc` and `out`).
 template <int M, typename T>
-void rows_kernel(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc, T* out, int64_t K, int64_t N) {
+void rows_kernel(const T* x, int64_t ldx, const T* wt, int64_t ldw, float* acc, T* out, int64_t K, int64_t N,
+                 int64_t n0, int64_t n1) {
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool last = k0 + kc == K;
-    for (int64_t n = 0; n < N; n += COLS) {
-      const int64_t cnt = std::min(COLS, N - n);
+    for (int64_t n = n0; n < n1; n += COLS) {
+      const int64_t cnt = std::min(COLS, n1 - n);
       if constexpr (2 * M + 3 <= VREGS) {
         block<M>(x, ldx, wt, ldw, acc, out, N, k0, kc, last, n, cnt);
       } else {  // the rows in two halves, each in registers; the second reads the weights from L1
@@ -204,23 +215,29 @@ BF16_TARGET void dp_block(const int32_t* xp, int64_t ldxp, const BFloat16* wt, i
   }
 }
 
-template <int M>
-BF16_TARGET void dp_kernel(const BFloat16* x, int64_t ldx, const BFloat16* wt, int64_t ldw, float* acc,
-                                  BFloat16* out, int64_t K, int64_t N, int64_t ldacc) {
+// x as (k, k + 1) pairs of bfloat16, [M, (K + 1) / 2] 32-bit words.
+std::vector<int32_t> pairs_of(const BFloat16* x, int64_t ldx, int64_t M, int64_t K) {
   const int64_t ldxp = (K + 1) / 2;
   std::vector<int32_t> pairs(M * ldxp);
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
-  for (int m = 0; m < M; ++m) {
+  for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; k += 2) {
       const uint32_t lo = xs[m * ldx + k], hi = k + 1 < K ? xs[m * ldx + k + 1] : 0;
       pairs[m * ldxp + k / 2] = int32_t(lo | (hi << 16));
     }
   }
-  const int32_t* xp = pairs.data();
+  return pairs;
+}
+
+// Columns [n0, n1) (n0 a multiple of 32: the sums' lane order is per block of 32).
+template <int M>
+BF16_TARGET void dp_kernel(const int32_t* xp, const BFloat16* wt, int64_t ldw, float* acc, BFloat16* out,
+                           int64_t K, int64_t N, int64_t ldacc, int64_t n0, int64_t n1) {
+  const int64_t ldxp = (K + 1) / 2;
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
-    for (int64_t n = 0; n < N; n += 32) {
-      dp_block<M>(xp, ldxp, wt, ldw, acc, out, N, ldacc, k0, kc, k0 + kc == K, n, std::min<int64_t>(32, N - n));
+    for (int64_t n = n0; n < n1; n += 32) {
+      dp_block<M>(xp, ldxp, wt, ldw, acc, out, N, ldacc, k0, kc, k0 + kc == K, n, std::min<int64_t>(32, n1 - n));
     }
   }
 }
@@ -231,43 +248,69 @@ bool has_dpbf16() {
 }
 #endif
 
+// One GEMM for rows_block: the operands, and the columns a block takes.
 template <typename T>
-void rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t ldx = x.stride(0), ldw = w.stride(1);
+struct RowsJob {
+  const T* x;
+  int64_t ldx;
+  const T* wt;
+  int64_t ldw;
+  float* acc;
+  T* out;
+  int64_t M, K, N, cols;
+  const int32_t* pairs;  // x as bfloat16 pairs where the dot-product kernel runs, else null
+  int64_t ldacc;
+};
+
+template <typename T>
+void rows_block(const void* p, int64_t b) {
+  const RowsJob<T>& j = *static_cast<const RowsJob<T>*>(p);
+  const int64_t n0 = b * j.cols, n1 = std::min(j.N, n0 + j.cols);
+#define ROWS_CASES(CALL) \
+  switch (j.M) {          \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break; \
+  }
 #ifdef HAVE_DPBF16
   if constexpr (std::is_same_v<T, BFloat16>) {
-    if (has_dpbf16()) {
-      const int64_t ldacc = (N + 31) / 32 * 32;  // whole blocks: the sums are kept in lane order
-      at::Tensor acc = at::empty({M, ldacc}, out.options().dtype(at::kFloat));
-      float* ap = acc.data_ptr<float>();
-      switch (M) {
-#define ROWS_CASE(R) \
-  case R:              \
-    dp_kernel<R>(xp, ldx, wp, ldw, ap, op, K, N, ldacc); \
-    break;
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-        ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-#undef ROWS_CASE
-      }
+    if (j.pairs) {
+#define DP(R) dp_kernel<R>(j.pairs, j.wt, j.ldw, j.acc, j.out, j.K, j.N, j.ldacc, n0, n1)
+      ROWS_CASES(DP)
+#undef DP
       return;
     }
   }
 #endif
-  at::Tensor acc = out.scalar_type() == at::kFloat ? out : at::empty({M, N}, out.options().dtype(at::kFloat));
-  float* ap = acc.data_ptr<float>();
-  switch (M) {
-#define ROWS_CASE(R) \
-  case R:              \
-    rows_kernel<R>(xp, ldx, wp, ldw, ap, op, K, N); \
-    break;
-    ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-    ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-#undef ROWS_CASE
+#define FMA(R) rows_kernel<R>(j.x, j.ldx, j.wt, j.ldw, j.acc, j.out, j.K, j.N, n0, n1)
+  ROWS_CASES(FMA)
+#undef FMA
+#undef ROWS_CASES
+}
+
+template <typename T>
+void rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  RowsJob<T> job{x.data_ptr<T>(), x.stride(0), w.data_ptr<T>(), w.stride(1), nullptr, out.data_ptr<T>(),
+                 M, K, N, N, nullptr, N};
+  at::Tensor acc;
+  std::vector<int32_t> pairs;
+#ifdef HAVE_DPBF16
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (has_dpbf16()) {
+      job.ldacc = (N + 31) / 32 * 32;  // whole blocks: the sums are kept in lane order
+      acc = at::empty({M, job.ldacc}, out.options().dtype(at::kFloat));
+      pairs = pairs_of(job.x, job.ldx, M, K);
+      job.pairs = pairs.data();
+    }
   }
+#endif
+  if (!acc.defined()) acc = out.scalar_type() == at::kFloat ? out : at::empty({M, N}, out.options().dtype(at::kFloat));
+  job.acc = acc.data_ptr<float>();
+  if (tandem_split::shared()) {
+    const int64_t blocks = std::clamp<int64_t>(N / ROWS_COLS_MIN, 1, ROWS_BLOCKS_MAX);
+    job.cols = ((N + blocks - 1) / blocks + 31) / 32 * 32;  // whole blocks of either kernel
+  }
+  tandem_split::run(&job, rows_block<T>, (N + job.cols - 1) / job.cols);
 }
 
 bool fits(const at::Tensor& x, const at::Tensor& w) {

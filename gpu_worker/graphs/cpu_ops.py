@@ -8,7 +8,8 @@
   bfloat16 ones (the draft) its kernel (``cpu_gemm.cpp``) streams the weights as a one-row GEMV
   does, where MKL's few-row kernel reads them in K strided streams that the prefetchers do not
   follow and torch's bf16 GEMV runs AVX2 dot products (``docs/decisions/cpu.md``, "The programs'
-  own GEMM"); past that it is ``at::mm`` (MKL, oneDNN);
+  own GEMM"), its column blocks shared with a helper thread as below; past that it is
+  ``at::mm`` (MKL, oneDNN);
 - bfloat16, row-major, under a float32 or bfloat16 x (where the CPU has AMX): AMX tiles at any
   row count (``cpu_amx.cpp``; a float32 x as three bfloat16 terms: float32-accurate products),
   its column blocks shared with a helper thread where the worker lends it an idle core
@@ -91,8 +92,9 @@ def load_library(key_dir: str) -> ctypes.CDLL | None:
 
 
 def gemm_threads(n: int) -> None:
-    """The AMX GEMMs of this process on ``n`` threads (1 or 2: the caller's and a helper that takes
-    column blocks while its core is idle, ``cpu_split.cpp``); needs ``load_library`` first."""
+    """The library's own GEMMs (AMX, and the few-row kernels) in this process on ``n`` threads (1
+    or 2: the caller's and a helper that takes column blocks while its core is idle,
+    ``cpu_split.cpp``); needs ``load_library`` first."""
     if _loaded:
         _loaded[0].tandem_cpu_gemm_threads(n)
 

@@ -3,8 +3,10 @@
 // Why: on a 2-core machine the worker runs one intra-op thread and leaves the other core to the
 // scheduler and the front, which are asleep most of a step. The AMX GEMMs (cpu_amx.cpp) take a
 // third of a step there, and a second thread runs them at full speed beside the first (the
-// kernel is bound by tile loads, not by the tile unit), so the helper takes column blocks of the
-// same GEMM while that core is free.
+// kernel is bound by tile loads, not by the tile unit); the few-row kernels (cpu_gemm.cpp) are
+// bound by the weights' stream, which a second core's loads widen. So the helper takes column
+// blocks of the same GEMM while that core is free. (MKL's and oneDNN's GEMMs past those rows do
+// not gain from it: docs/decisions/cpu.md.)
 //
 // Protocol (invariants):
 // - A job is published by bumping the generation in the high half of `state`; its low half counts
@@ -137,6 +139,9 @@ void run(const void* job, Block fn, int64_t blocks) {
   }
   in_run.clear();
 }
+
+// Whether a helper takes blocks: where it does not, a caller may do better with one call.
+bool shared() { return enabled.load(std::memory_order_relaxed); }
 
 // Two threads from now on (n >= 2), or the caller's alone (n <= 1). The helper starts once.
 void set_threads(int n) {

@@ -7,7 +7,8 @@ blocks), called eagerly through the library's C shim (``graphs/cpu_ops.py: _eage
 - column-major bfloat16 weights under bfloat16 rows, 1-4 rows (our kernel) and past that (oneDNN);
 - row-major bfloat16 weights under float32 rows (AMX, three bfloat16 terms a value) and under
   bfloat16 rows (AMX, one term), 1-40 rows; where the CPU lacks AMX-BF16 the same cases run the
-  library's ``at::mm`` fallback and must meet the same bounds; on two threads, the same bits;
+  library's ``at::mm`` fallback and must meet the same bounds;
+- on two threads (a helper taking column blocks), the same bits as on one;
 - other layouts and dtypes (``at::mm``).
 
 Bounds: a float32 result within the dot product's rounding bound, ``n * 2^-24 * (|x| @ |w|^T)``
@@ -118,13 +119,17 @@ def test_amx_runs_where_the_cpu_has_it(lib):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_amx_on_two_threads_gives_the_same_bits(lib, dtype):
-    """The helper thread takes whole column blocks (cpu_split.cpp): every result equals the one
-    thread's bit for bit, call after call (a claim of the wrong job would show here)."""
-    if not cpu_layout.amx_usable():
-        pytest.skip("this CPU (or kernel) offers no AMX-BF16: one thread runs the at::mm fallback")
-    cases = [(_data(m, n, k, m * n + k), m) for m in (1, 4, 32, 40) for n, k in BUNDLED + [(100, 77), (300, 40)]]
-    cases = [(x.to(dtype), w.bfloat16()) for (x, w), _ in cases]
+def test_two_threads_give_the_same_bits(lib, dtype):
+    """The helper thread takes whole column blocks (cpu_split.cpp) of the AMX kernel and of our
+    few-row kernels: every result equals the one thread's bit for bit, call after call (a claim of
+    the wrong job would show here). Past our kernels' rows, at::mm runs on the caller's thread."""
+    cases = []
+    for m in (1, 3, 4, 8, 32, 40):
+        for n, k in BUNDLED + [(100, 77), (300, 40)]:
+            x, w = _data(m, n, k, m * n + k)
+            cases.append((x.to(dtype), w.to(dtype).t().contiguous().t()))  # column-major
+            if cpu_layout.amx_usable():
+                cases.append((x.to(dtype), w.bfloat16()))  # the AMX layout
     one = [_rows(x, w) for x, w in cases]
     cpu_ops.gemm_threads(2)
     try:
