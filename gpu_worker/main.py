@@ -208,7 +208,7 @@ def _cpu_steps(args: ServerArgs, runner: ModelRunner, backend: str, max_slots: i
     steps = CpuDecodeSteps.load(paths, runner.target, runner.assistant, runner.state, runner.backend.pool, runner.t,
                                 min(args.cuda_graph_max_bs or max_slots, max_slots))
     # One intra-op thread by default leaves a core to the scheduler and the front, idle most of a
-    # step: the GEMMs borrow it (never waiting on it: cpu_split.cpp).
+    # step: the library's kernels borrow it (never waiting on it: cpu_split.cpp).
     if args.num_threads is None and torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1:
         gemm_threads(2)
     return steps

@@ -1,4 +1,6 @@
-"""Decode attention for the compiled CPU steps: paged reads as plain tensor ops of fixed rank.
+"""Decode attention for the compiled CPU steps: paged reads of fixed rank, through the library's
+kernel (``tandem_cpu::paged_attention``, ``cpu_attn.cpp``) over a float32 pool, else as tensor ops
+(``attend``: the kernel's reference too).
 
 The decode, verify and draft steps (``graphs/decode.py``'s ``DecodeBody``) read attention
 metadata that depends on device state alone (``decode_meta``). Here each row gathers its keys
@@ -34,11 +36,14 @@ class DecodeMeta:
 
 class CpuDecodeAttention:
     """The backend a ``DecodeBody`` runs on in a compiled CPU step. ``page_table`` and
-    ``kv_cols`` are the program's inputs while it is traced (``cpu_programs.py``)."""
+    ``kv_cols`` are the program's inputs while it is traced (``cpu_programs.py``). ``fused``: a
+    float32 pool is read in place by the library's kernel (``tandem_cpu::paged_attention``,
+    ``cpu_attn.cpp``), which a program may call where the build compiles the library."""
 
-    def __init__(self, pool, page_table: torch.Tensor):
+    def __init__(self, pool, page_table: torch.Tensor, fused: bool = False):
         self.pool = pool
         self.page_table = page_table
+        self.fused = fused
         self.kv_cols: torch.Tensor | None = None  # arange(K)
 
     def decode_meta(self, slots: torch.Tensor, kv_lens: torch.Tensor, q_pos: torch.Tensor, t: int) -> DecodeMeta:
@@ -74,22 +79,29 @@ class CpuDecodeAttention:
         if k is not None:
             self.pool.write(layer.kv_layer, fb.out_loc, k, v)
         meta: DecodeMeta = fb.attn
-        b, t = meta.slots.shape[0], meta.t
-        hq, d = q.shape[1], q.shape[2]
-        hkv, dv = kc.shape[1], vc.shape[2]
-        g = hq // hkv
         loc, ok = self._read(meta, layer.sliding_window or 0)
+        if self.fused and kc.dtype == torch.float32:
+            return torch.ops.tandem_cpu.paged_attention(q.float(), kc, vc, loc, ok, layer.scaling).to(q.dtype)
         work = _work_dtype(q.dtype, kc.dtype)
-        # Keys are the left operand: gathered as contiguous [D] rows, the layout a GEMM takes as
-        # is (as the right operand the compiler laid them out transposed: a scalar gather each).
         keys, vals = self.pool.read(layer.kv_layer, loc, work)
-        keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [B, Hkv, K', D], [B, Hkv, K', Dv]
-        qg = q.to(work).view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-        scores = (keys @ qg.transpose(-1, -2)).transpose(-1, -2).float() * layer.scaling  # [B, Hkv, G*t, K']
-        mask = ok[:, None, None].expand(b, 1, g, t, ok.shape[-1]).reshape(b, 1, g * t, ok.shape[-1])
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(work)
-        o = (probs @ vals).view(b, hkv, g, t, dv).permute(0, 3, 1, 2, 4)
-        return o.reshape(b * t, hq, dv).to(q.dtype)
+        return attend(q.to(work), keys, vals, ok, layer.scaling).to(q.dtype)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ok: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q [B*t, Hq, D] over each row's gathered keys [B, K', Hkv, D] and values [B, K', Hkv, Dv],
+    ``ok`` [B, t, K'] the keys each query sees -> [B*t, Hq, Dv], in q's dtype."""
+    b, kp, hkv, d = keys.shape
+    t, hq, dv = ok.shape[1], q.shape[1], vals.shape[-1]
+    g = hq // hkv
+    # Keys are the left operand: gathered as contiguous [D] rows, the layout a GEMM takes as
+    # is (as the right operand the compiler laid them out transposed: a scalar gather each).
+    keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [B, Hkv, K', D], [B, Hkv, K', Dv]
+    qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    scores = (keys @ qg.transpose(-1, -2)).transpose(-1, -2).float() * scaling  # [B, Hkv, G*t, K']
+    mask = ok[:, None, None].expand(b, 1, g, t, kp).reshape(b, 1, g * t, kp)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+    o = (probs @ vals).view(b, hkv, g, t, dv).permute(0, 3, 1, 2, 4)
+    return o.reshape(b * t, hq, dv)
 
 
 def _work_dtype(q: torch.dtype, pool: torch.dtype) -> torch.dtype:

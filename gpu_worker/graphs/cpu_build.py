@@ -47,7 +47,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpu_wo
 # decode body and its CPU attention (paths under gpu_worker/).
 TRACED = ("models", "kernels", "parallel", "spec", "graphs/decode.py", "graphs/cpu_attention.py",
           "graphs/cpu_programs.py", "graphs/cpu_ops.py", "graphs/cpu_gemm.cpp", "graphs/cpu_amx.cpp",
-          "graphs/cpu_split.cpp", "forward_batch.py", "kv_pool.py")
+          "graphs/cpu_split.cpp", "graphs/cpu_attn.cpp", "forward_batch.py", "kv_pool.py")
 
 
 @dataclass(frozen=True)
@@ -227,6 +227,7 @@ def build(spec: BuildSpec, key_dir: str, programs: tuple[str, ...] | None = None
     a build process)."""
     import torch
     import torch._inductor.config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     from gpu_worker.graphs import cpu_ops
     from gpu_worker.graphs.cpu_attention import CpuDecodeAttention
@@ -252,7 +253,9 @@ def build(spec: BuildSpec, key_dir: str, programs: tuple[str, ...] | None = None
             (amx_projections if spec.amx else column_major_projections)(model)
     pool = KVPool(target.kv_shapes, 6, spec.page_size, dtype, cpu)
     state = SlotState(3, 5, target.hidden_size, cpu, dtype)  # 4 slot rows, 5 pages: distinct sizes
-    attention = CpuDecodeAttention(pool, state.page_table)
+    # The library's attention kernel where the library will be built (a vector ISA Inductor knows)
+    cpu_ops.define()
+    attention = CpuDecodeAttention(pool, state.page_table, fused=bool(pick_vec_isa()))
     body = DecodeBody(target, assistant, attention, state, spec.tokens_per_step)
     rows = None
     for name in programs or spec.programs():

@@ -1,5 +1,6 @@
-"""The compiled CPU steps' own GEMM: ``tandem_cpu::rows_linear`` (``cpu_gemm.cpp``, ``cpu_amx.cpp``,
-``cpu_split.cpp``).
+"""The compiled CPU steps' own GEMM, ``tandem_cpu::rows_linear`` (``cpu_gemm.cpp``, ``cpu_amx.cpp``,
+``cpu_split.cpp``), and decode attention, ``tandem_cpu::paged_attention`` (``cpu_attn.cpp``: the
+pool read in place; ``graphs/cpu_attention.py`` calls it and holds its reference).
 
 ``rows_linear(x, w)`` is ``F.linear(x, w)`` for ``x`` [M, K] and ``w`` [N, K] laid out by
 ``models/cpu_layout.py``:
@@ -43,8 +44,11 @@ import sys
 import torch
 
 SHIM = "AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
+ATTENTION_SHIM = ("AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k, "
+                  "AtenTensorHandle v, AtenTensorHandle loc, AtenTensorHandle ok, double scaling, "
+                  "AtenTensorHandle* ret0)")
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                for f in ("cpu_gemm.cpp", "cpu_amx.cpp", "cpu_split.cpp"))
+                for f in ("cpu_gemm.cpp", "cpu_amx.cpp", "cpu_split.cpp", "cpu_attn.cpp"))
 _lib: list[torch.library.Library] = []  # the op's registration, once per process
 _loaded: list[ctypes.CDLL] = []  # the library, once loaded in this process (eager calls use it)
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer  # torch._C._aoti passes handles as capsules
@@ -87,20 +91,22 @@ def load_library(key_dir: str) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(path)
     lib.aoti_torch_cpu_rows_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.aoti_torch_cpu_paged_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_double,
+                                                                          ctypes.POINTER(ctypes.c_void_p)]
     _loaded[:] = [lib]
     return lib
 
 
 def gemm_threads(n: int) -> None:
-    """The library's own GEMMs (AMX, and the few-row kernels) in this process on ``n`` threads (1
-    or 2: the caller's and a helper that takes column blocks while its core is idle,
+    """The library's own kernels (AMX, the few-row GEMMs, attention) in this process on ``n``
+    threads (1 or 2: the caller's and a helper that takes blocks while its core is idle,
     ``cpu_split.cpp``); needs ``load_library`` first."""
     if _loaded:
         _loaded[0].tandem_cpu_gemm_threads(n)
 
 
 def define() -> None:
-    """The op's schema, shape function and eager body (for tracing and eager checks)."""
+    """The ops' schemas, shape functions and eager bodies (for tracing and eager checks)."""
     if _lib:
         return
     lib = torch.library.Library("tandem_cpu", "DEF")
@@ -108,7 +114,22 @@ def define() -> None:
     lib.impl("rows_linear", _eager, "CPU")
     torch.library.register_fake("tandem_cpu::rows_linear", lambda x, w: x.new_empty((x.shape[0], w.shape[0])),
                                 lib=lib)
+    lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor loc, Tensor ok, float scaling) -> Tensor")
+    lib.impl("paged_attention", _attention_eager, "CPU")
+    torch.library.register_fake("tandem_cpu::paged_attention",
+                                lambda q, k, v, loc, ok, scaling: q.new_empty((q.shape[0], q.shape[1], v.shape[2])),
+                                lib=lib)
     _lib.append(lib)
+
+
+def _attention_eager(q, k, v, loc, ok, scaling: float) -> torch.Tensor:
+    """``paged_attention`` outside a program: the library's kernel where this process loaded it,
+    else the same attention as tensor ops (``cpu_attention.attend``)."""
+    if not _loaded:
+        from gpu_worker.graphs.cpu_attention import attend
+
+        return attend(q, k[loc], v[loc], ok, scaling)
+    return _shim_call(_loaded[0].aoti_torch_cpu_paged_attention, [q, k, v, loc, ok], ctypes.c_double(scaling))
 
 
 def _eager(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -116,12 +137,17 @@ def _eager(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ``torch.mm`` (the weight converted to x's dtype)."""
     if not _loaded:
         return torch.mm(x, w.t().to(x.dtype))
-    handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors([x, w])  # capsules of new at::Tensor handles
+    return _shim_call(_loaded[0].aoti_torch_cpu_rows_linear, [x, w])
+
+
+def _shim_call(fn, tensors: list[torch.Tensor], *scalars) -> torch.Tensor:
+    """One of the library's C shims called from Python, as a program calls it."""
+    handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(tensors)  # capsules of new at::Tensor handles
     out = ctypes.c_void_p()
-    err = _loaded[0].aoti_torch_cpu_rows_linear(*(_capsule_pointer(h, None) for h in handles), ctypes.byref(out))
+    err = fn(*(_capsule_pointer(h, None) for h in handles), *scalars, ctypes.byref(out))
     torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(handles)  # frees the handles
     if err:
-        raise RuntimeError("tandem_cpu::rows_linear failed")
+        raise RuntimeError(f"{fn.__name__} failed")
     return torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(_capsule(out.value, None, None))
 
 
@@ -196,14 +222,16 @@ def _compile_library(out: str, isa) -> None:
 def use_rows_linear(program: torch.export.ExportedProgram) -> int:
     """Rewrite ``program``'s bias-free float32 or bfloat16 linears over a 2-D input and a weight
     of its dtype, column-major or (bfloat16) row-major, into ``rows_linear``, in place; returns
-    how many (with the ``rows_linear`` calls the model code made itself)."""
+    how many calls of the library's ops the program makes (with those the model code made
+    itself: ``rows_linear`` through ``linear``, ``paged_attention``)."""
     define()
     aten_linear, rows = torch.ops.aten.linear.default, torch.ops.tandem_cpu.rows_linear.default
+    ours = (rows, torch.ops.tandem_cpu.paged_attention.default)
     n = 0
     for node in program.graph.nodes:
         if node.op == "call_function" and node.target is aten_linear and _fits(node):
             node.target, node.args, node.kwargs = rows, tuple(node.args[:2]), {}
-        n += node.op == "call_function" and node.target is rows
+        n += node.op == "call_function" and node.target in ours
     program.graph_module.recompile()
     return n
 
@@ -221,7 +249,8 @@ def _fits(node) -> bool:
 
 
 def inductor_configs() -> dict:
-    """AOTInductor settings for a program that calls ``rows_linear``: the shim's declaration and
-    the library to link (found through ``LIBRARY_PATH``, set by the caller to its directory)."""
-    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.tandem_cpu.rows_linear.default: [SHIM]},
+    """AOTInductor settings for a program that calls the library's ops: their shims' declarations
+    and the library to link (found through ``LIBRARY_PATH``, set by the caller to its directory)."""
+    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.tandem_cpu.rows_linear.default: [SHIM],
+                                                   torch.ops.tandem_cpu.paged_attention.default: [ATTENTION_SHIM]},
             "aot_inductor.custom_op_libs": [library_name()]}

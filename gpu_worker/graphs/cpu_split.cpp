@@ -5,8 +5,9 @@
 // third of a step there, and a second thread runs them at full speed beside the first (the
 // kernel is bound by tile loads, not by the tile unit); the few-row kernels (cpu_gemm.cpp) are
 // bound by the weights' stream, which a second core's loads widen. So the helper takes column
-// blocks of the same GEMM while that core is free. (MKL's and oneDNN's GEMMs past those rows do
-// not gain from it: docs/decisions/cpu.md.)
+// blocks of the same GEMM while that core is free, and rows of the decode attention
+// (cpu_attn.cpp). (MKL's and oneDNN's GEMMs past the few rows do not gain from it:
+// docs/decisions/cpu.md.)
 //
 // Protocol (invariants):
 // - A job is published by bumping the generation in the high half of `state`; its low half counts

@@ -1,7 +1,9 @@
 """The compiled CPU steps' decode attention (``graphs/cpu_attention.py``) reads what the torch
 backend reads: the same outputs for decode (t = 1), MTP verify (t = 4) and the frozen-KV draft's
 Q-only read, on full and sliding layers, with rows of unequal lengths over scattered pages, and a
-key bound past the longest row. (Run eagerly here; the programs trace this same code.)"""
+key bound past the longest row; as tensor ops and through the library's kernel reading the pool
+in place (``fused``: ``cpu_attn.cpp``, on the caller's thread and shared with the helper). (Run
+eagerly here; the programs trace this same code.)"""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from gpu_worker.attention.base import RowLayout
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.forward_batch import AttnLayer, ForwardBatch
+from gpu_worker.graphs import cpu_ops
 from gpu_worker.graphs.cpu_attention import CpuDecodeAttention
 from gpu_worker.kv_pool import KVLayerShape, KVPool
 
@@ -29,9 +32,21 @@ def _setup(seed: int = 0):
     return pool, table
 
 
+@pytest.fixture(params=["ops", "fused", "fused-2-threads"])
+def fused(request) -> bool:
+    """Which attention a test's ``CpuDecodeAttention`` runs."""
+    if request.param == "ops":
+        return False
+    request.getfixturevalue("lib")
+    if request.param == "fused-2-threads":
+        cpu_ops.gemm_threads(2)
+        request.addfinalizer(lambda: cpu_ops.gemm_threads(1))
+    return True
+
+
 @pytest.mark.parametrize("window", [None, WINDOW])
 @pytest.mark.parametrize("t,draft", [(1, False), (4, False), (1, True)])
-def test_reads_equal_the_torch_backend(window, t, draft):
+def test_reads_equal_the_torch_backend(window, t, draft, fused):
     pool, table = _setup()
     slots = torch.tensor([2, 1, 3])
     seq = torch.tensor([13, 1, 25])  # committed lengths
@@ -45,17 +60,17 @@ def test_reads_equal_the_torch_backend(window, t, draft):
     ref = ref_backend.forward(layer, q, None, None, ForwardBatch(None, q_pos, None, ref_backend.build(
         layout, (WINDOW,)), 3 * t))
 
-    cpu = CpuDecodeAttention(pool, table)
+    cpu = CpuDecodeAttention(pool, table, fused)
     cpu.kv_cols = torch.arange(32)  # past the longest row: the mask, not the bound, decides
     meta = cpu.decode_meta(slots, kv_lens, q_pos, t)
     got = cpu.forward(layer, q, None, None, ForwardBatch(None, q_pos, None, meta, 3 * t))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_writes_then_reads_its_own_keys():
+def test_writes_then_reads_its_own_keys(fused):
     """A target layer stores its tokens' KV at ``out_loc`` before reading: each query sees itself."""
     pool, table = _setup()
-    cpu = CpuDecodeAttention(pool, table)
+    cpu = CpuDecodeAttention(pool, table, fused)
     cpu.kv_cols = torch.arange(16)
     slots, seq, t = torch.tensor([1]), torch.tensor([5]), 2
     pos = seq + torch.arange(t)
@@ -70,10 +85,10 @@ def test_writes_then_reads_its_own_keys():
     assert torch.isfinite(got).all()
 
 
-def test_a_row_with_no_keys_stays_finite():
+def test_a_row_with_no_keys_stays_finite(fused):
     """A padding row (slot 0, length 0) under the draft's mask sees nothing: no NaN leaves it."""
     pool, table = _setup()
-    cpu = CpuDecodeAttention(pool, table)
+    cpu = CpuDecodeAttention(pool, table, fused)
     cpu.kv_cols = torch.arange(8)
     zero = torch.tensor([0])
     meta = cpu.decode_meta(torch.tensor([0]), zero, zero - 1, 1)

@@ -22,13 +22,11 @@ its weights back in float32.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from gpu_worker.graphs import cpu_ops
-from gpu_worker.graphs.cpu_build import cache_root, compiler_missing
+from gpu_worker.graphs.cpu_build import compiler_missing
 from gpu_worker.models import cpu_layout
 from gpu_worker.parallel.linear import Linear
 
@@ -37,19 +35,6 @@ pytestmark = pytest.mark.skipif(compiler_missing() is not None, reason="no C++ c
 BUNDLED = [(512, 256), (256, 256), (2048, 256), (256, 1024), (8192, 256)]  # (N, K): qkv, o, gate_up, down, head
 ODD = [(100, 77), (33, 40), (70, 300), (17, 1), (1, 64)]
 U32 = 2.0**-24  # float32's unit roundoff
-
-
-@pytest.fixture(scope="module")
-def lib():
-    key_dir = os.path.join(cache_root(), "gemm-test")  # the library is shared with the programs' builds
-    os.makedirs(key_dir, exist_ok=True)
-    if cpu_ops.build_library(key_dir) is None:
-        pytest.skip("Inductor finds no vector ISA on this CPU: no library")
-    loaded = cpu_ops.load_library(key_dir)
-    assert loaded is not None
-    cpu_ops.define()
-    yield loaded
-    cpu_ops._loaded.clear()
 
 
 def _data(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
