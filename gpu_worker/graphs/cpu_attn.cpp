@@ -21,7 +21,6 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -100,7 +99,7 @@ void weigh_values(const float* p, int64_t ld, const int64_t* ids, const float* v
 }
 
 // Row b's queries, all heads. Query qi = (token r, head hh) = r * Hq + hh, row b * t + r of q,
-// kv head hh / g; its scores, then probabilities, are probs[qi * K, (qi + 1) * K).
+// kv head hh / g; its scores, then probabilities, are P[qi * ld, qi * ld + K).
 void attend(const void* p, int64_t b) {
   const AttnJob& j = *static_cast<const AttnJob*>(p);
   const int64_t g = j.hq / j.hkv, nq = j.t * j.hq, K = j.keys, D = j.d;
