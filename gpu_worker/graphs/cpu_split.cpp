@@ -1,4 +1,5 @@
-// One GEMM's column blocks on two threads: the caller's and a helper that borrows an idle core.
+// One job's blocks (a GEMM's column blocks, an attention's rows) on two threads: the caller's and a
+// helper that borrows an idle core.
 //
 // Why: on a 2-core machine the worker runs one intra-op thread and leaves the other core to the
 // scheduler and the front, which are asleep most of a step. The AMX GEMMs (cpu_amx.cpp) take a
